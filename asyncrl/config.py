@@ -1,0 +1,241 @@
+"""The typed configuration tree shared by every fleet.
+
+One tree with seven sections (data, rollout, replay, learner, algorithm, trainer, launch) is
+loaded from a YAML file and overridden from the command line as ``section.key=value``. Every
+field has a type, a default, a bound where one applies and a one-line docstring; unknown keys and
+invalid values fail at start-up, before any process starts, with a message that names the key
+and what is allowed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class _Section(BaseModel):
+    """Base of every section: unknown keys are errors, assignments are validated."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+
+
+class DataConfig(_Section):
+    train_files: list[str] = []
+    """Parquet files of training prompts (verl schema). Empty: the embedded arithmetic task."""
+    train_batch_size: int = Field(16, ge=1)
+    """Prompts (groups) per learner step; each prompt is sampled `rollout.n` times."""
+    seed: int = 0
+    """Seed for prompt order and the embedded task."""
+    task_max_operand: int = Field(9, ge=1, le=999)
+    """Embedded task only: operands are drawn from 0..task_max_operand."""
+
+
+class RolloutConfig(_Section):
+    num_servers: int = Field(1, ge=1, le=256)
+    """Rollout server processes (M)."""
+    engine: Literal["hf"] = "hf"
+    """Inference engine: `hf` (transformers; CPU or CUDA)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the engine; `auto` picks CUDA when present."""
+    n: int = Field(8, ge=1, le=1024)
+    """Samples per prompt (the group size for GRPO)."""
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Sampling temperature; 0 is greedy. Behaviour log-probs are of softmax(logits / T)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Upper bound on tokens sampled per response."""
+    max_concurrent_groups: int = Field(16, ge=1)
+    """Prompt leases a server holds at once; its agent loops = this x n."""
+    max_batch_size: int = Field(256, ge=1)
+    """Most sequences the engine samples in one batched call."""
+    ack_timeout_s: float = Field(10.0, gt=0)
+    """A trajectory not acknowledged within this is sent again with the next attempt number."""
+    reward_timeout_s: float = Field(10.0, gt=0)
+    """A reward function that takes longer scores 0 and is counted."""
+
+
+class ReplayConfig(_Section):
+    max_staleness: int = Field(2, ge=0)
+    """A sample of policy version v is trained at learner version w only if w - v <= this."""
+    capacity_groups: int = Field(256, ge=1)
+    """Most groups held (in flight plus ready); beyond it leases wait (back-pressure)."""
+    lease_timeout_s: float = Field(600.0, gt=0)
+    """A lease whose group is not complete by then is dropped, counted and re-issued."""
+    max_message_mb: float = Field(64.0, gt=0)
+    """Messages larger than this are rejected and counted."""
+    wait_timeout_s: float = Field(1.0, gt=0)
+    """A held lease or batch request is answered empty after this (clients poll again)."""
+
+
+class LearnerConfig(_Section):
+    world_size: int = Field(1, ge=1, le=1024)
+    """Learner ranks (N), sharded with FSDP2."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the learner; `auto` picks CUDA when present (NCCL), else CPU (gloo)."""
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward on one rank (gradient accumulation above it)."""
+    bucket_mb: float = Field(64.0, gt=0)
+    """Weight broadcast bucket size."""
+    weight_checksum: bool = False
+    """Checksum the weights at every sync on both sides (for tests; costs a pass over the bytes)."""
+
+
+class AlgorithmConfig(_Section):
+    adv_estimator: Literal["grpo"] = "grpo"
+    """Advantage estimator."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group's std (false gives Dr.GRPO)."""
+    clip_ratio_low: float = Field(0.2, ge=0, le=1)
+    """PPO clip: ratio lower bound is 1 - this."""
+    clip_ratio_high: float = Field(0.2, ge=0)
+    """PPO clip: ratio upper bound is 1 + this."""
+
+
+class TrainerConfig(_Section):
+    total_steps: int = Field(100, ge=1)
+    """Learner steps to run."""
+    model_path: str | None = None
+    """Hugging Face model directory. None: the embedded tiny model, warm-started and cached."""
+    run_dir: str = "runs/{time}"
+    """Where the run writes config, metrics.jsonl, logs and final weights; `{time}` expands."""
+    cache_dir: str = ".asyncrl_cache"
+    """Where the embedded model's warm-start is cached."""
+    warmstart_steps: int = Field(300, ge=0)
+    """Embedded model only: supervised steps on the task format before RL."""
+    seed: int = 0
+    """Seed for learner, engine sampling and the warm-start."""
+    save_final: bool = True
+    """Save the final weights in Hugging Face format under run_dir/final."""
+    log_samples: bool = False
+    """Write every trained trajectory id and version to run_dir/samples.jsonl (audits, tests)."""
+
+
+class LaunchConfig(_Section):
+    backend: Literal["local"] = "local"
+    """How fleets are started: `local` processes on this machine."""
+    host: str = "127.0.0.1"
+    """Address sockets bind to; anything but loopback needs allow_remote."""
+    allow_remote: bool = False
+    """Allow binding to a non-loopback address."""
+    replay_port: int = Field(0, ge=0, le=65535)
+    """Replay service port; 0 picks a free one."""
+    weight_sync_port: int = Field(0, ge=0, le=65535)
+    """Weight broadcast rendezvous port; 0 picks a free one."""
+    threads_per_process: int = Field(0, ge=0)
+    """Torch intra-op threads per compute process; 0 splits the cores between them."""
+    startup_timeout_s: float = Field(300.0, gt=0)
+    """A fleet that is not up by then fails the launch."""
+    progress: Literal["auto", "line", "none"] = "auto"
+    """Live progress display: `auto` (a refreshing line on a terminal), `line`, `none`."""
+
+
+class Config(_Section):
+    data: DataConfig = DataConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    replay: ReplayConfig = ReplayConfig()
+    learner: LearnerConfig = LearnerConfig()
+    algorithm: AlgorithmConfig = AlgorithmConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    launch: LaunchConfig = LaunchConfig()
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> Config:
+        if self.launch.host not in ("127.0.0.1", "localhost", "::1") and not self.launch.allow_remote:
+            raise ValueError(
+                f"launch.host={self.launch.host!r} is not loopback; set launch.allow_remote=true "
+                "to bind sockets beyond this machine"
+            )
+        if self.algorithm.adv_estimator == "grpo" and self.rollout.n < 2:
+            raise ValueError("rollout.n must be >= 2 for grpo (a group needs a baseline)")
+        return self
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message names the key."""
+
+
+CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
+
+
+def default_config_path() -> Path:
+    """`configs/default.yaml` of the source tree (the embedded default)."""
+    return CONFIG_DIR / "default.yaml"
+
+
+def parse_override(text: str) -> tuple[list[str], Any]:
+    """`section.key=value` -> (["section", "key"], value parsed as a YAML scalar or list)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} is not of the form section.key=value")
+    key, raw = text.split("=", 1)
+    path = [p for p in key.strip().split(".") if p]
+    if len(path) < 2:
+        raise ConfigError(f"override {text!r}: the key must name a section and a field, like rollout.n")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {text!r}: value is not valid YAML ({e})") from e
+    return path, value
+
+
+def _apply(tree: dict[str, Any], path: list[str], value: Any) -> None:
+    node = tree
+    for i, part in enumerate(path[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise ConfigError(f"{'.'.join(path[: i + 1])} is not a section")
+        node = child
+    node[path[-1]] = value
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"]) or "(config)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            section = Config
+            for part in e["loc"][:-1]:
+                section = section.model_fields[str(part)].annotation  # type: ignore[assignment]
+            allowed = ", ".join(sorted(section.model_fields))  # type: ignore[union-attr]
+            msg = f"unknown key (allowed here: {allowed})"
+        elif "input" in e and e["type"] != "missing":
+            msg = f"{msg} (got {e['input']!r})"
+        lines.append(f"  {key}: {msg}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+    """Load a YAML config (default: configs/default.yaml), apply overrides, validate."""
+    path = Path(path) if path is not None else default_config_path()
+    if not path.is_file():
+        raise ConfigError(f"config file {str(path)!r} does not exist")
+    try:
+        tree = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({e})") from e
+    if not isinstance(tree, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for text in overrides:
+        key_path, value = parse_override(text)
+        _apply(tree, key_path, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(_format_errors(e)) from None
+
+
+def config_to_yaml(cfg: Config) -> str:
+    """The resolved config as YAML (what --dry-run prints and the run directory keeps)."""
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,205 @@
+"""The local launcher: replay, M rollout servers and an N-rank learner as processes here.
+
+`launch` prepares the run directory and the model, starts the fleets, shows live progress, and
+stops everything at the end, on Ctrl-C, or as soon as any process dies, naming it and why.
+Children run in their own sessions (so a terminal's Ctrl-C reaches only the launcher, which
+then stops them in order) and die with the launcher even if it is killed outright (Linux
+parent-death signal), so no process outlives a run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from asyncrl.config import Config, config_to_yaml
+from asyncrl.metrics import read_jsonl
+from asyncrl.progress import Progress
+from asyncrl.replay_client import ReplayClient, ReplayUnavailable
+from asyncrl.run_spec import RunSpec
+from asyncrl.transport import free_port, tcp_address
+
+
+class LaunchError(RuntimeError):
+    """A fleet failed; the message names the process and why."""
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    log_path: Path
+    essential_until_end: bool = True  # its exit before the learner finishes is a failure
+
+    def describe_exit(self) -> str:
+        rc = self.popen.returncode
+        how = f"was killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+        tail = "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
+        return f"process {self.name} {how}; last lines of {self.log_path}:\n{tail}"
+
+
+@dataclass
+class LocalFleet:
+    spec: RunSpec
+    procs: list[Proc] = field(default_factory=list)
+
+    def start(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
+        log_path = Path(self.spec.run_dir) / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        with log_path.open("ab") as out:
+            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
+                                     start_new_session=True, preexec_fn=_die_with_parent)
+        proc = Proc(name, popen, log_path)
+        self.procs.append(proc)
+        return proc
+
+    def first_dead(self) -> Proc | None:
+        for p in self.procs:
+            if p.popen.poll() is not None and (p.popen.returncode != 0 or p.essential_until_end):
+                return p
+        return None
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every process group, then SIGKILL whatever is left after the grace period."""
+        for p in reversed(self.procs):
+            if p.popen.poll() is None:
+                _signal_group(p.popen, signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for p in self.procs:
+            try:
+                p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in self.procs:
+            _signal_group(p.popen, signal.SIGKILL)  # also reaps stray grandchildren
+            p.popen.wait()
+
+
+def _signal_group(popen: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(popen.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def prepare_run_dir(cfg: Config, command: str) -> Path:
+    """Create the run directory and write the resolved config (with the command on top)."""
+    run_dir = Path(cfg.trainer.run_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(f"# {command}\n" + config_to_yaml(cfg))
+    return run_dir
+
+
+def prepare_model(cfg: Config, log=print) -> str:
+    """The model directory every fleet loads: the configured one, or the embedded tiny model
+    (built and warm-started here, cached across runs)."""
+    if cfg.trainer.model_path is not None:
+        if not (Path(cfg.trainer.model_path) / "config.json").is_file():
+            raise LaunchError(f"trainer.model_path={cfg.trainer.model_path!r} has no config.json")
+        return cfg.trainer.model_path
+    from asyncrl.tasks import ArithmeticTask
+    from asyncrl.tiny_model import prepare_embedded_model
+
+    task = ArithmeticTask(max_operand=cfg.data.task_max_operand, seed=cfg.data.seed)
+    return str(prepare_embedded_model(cfg.trainer.cache_dir, task, cfg.trainer.warmstart_steps,
+                                      cfg.trainer.seed, log=log))
+
+
+def threads_per_process(cfg: Config) -> int:
+    if cfg.launch.threads_per_process:
+        return cfg.launch.threads_per_process
+    compute = cfg.rollout.num_servers + cfg.learner.world_size
+    return max(1, (os.cpu_count() or 1) // compute)
+
+
+def start_fleets(cfg: Config, run_dir: Path, model_path: str) -> LocalFleet:
+    """Start the replay (and wait until it answers), the servers and the learner ranks."""
+    host = cfg.launch.host
+    spec = RunSpec(
+        run_dir=str(run_dir), model_path=model_path,
+        replay_address=tcp_address(host, cfg.launch.replay_port or free_port(host)),
+        sync_host=host, sync_port=cfg.launch.weight_sync_port or free_port(host),
+        learner_master_port=free_port(host), threads=threads_per_process(cfg),
+    )
+    spec_path = run_dir / "launch.json"
+    spec.save(spec_path)
+    fleet = LocalFleet(spec)
+    worker = [sys.executable, "-m", "asyncrl.worker"]
+    threads = {"OMP_NUM_THREADS": str(spec.threads), "MKL_NUM_THREADS": str(spec.threads),
+               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    fleet.start("replay", [*worker, "replay", str(spec_path)], threads)
+    wait_for_replay(fleet, cfg.launch.startup_timeout_s)
+    for i in range(cfg.rollout.num_servers):
+        fleet.start(f"server_{i}", [*worker, "server", str(spec_path), "--index", str(i)], threads)
+    for rank in range(cfg.learner.world_size):
+        env = {**threads, "RANK": str(rank), "LOCAL_RANK": str(rank),
+               "WORLD_SIZE": str(cfg.learner.world_size), "MASTER_ADDR": host,
+               "MASTER_PORT": str(spec.learner_master_port)}
+        proc = fleet.start(f"learner_{rank}", [*worker, "learner", str(spec_path)], env)
+        proc.essential_until_end = False  # learner ranks finishing (code 0) is the end of the run
+    return fleet
+
+
+def wait_for_replay(fleet: LocalFleet, timeout_s: float) -> None:
+    client = ReplayClient(fleet.spec.replay_address, reply_timeout_s=0.5)
+    deadline = time.monotonic() + timeout_s
+    try:
+        while time.monotonic() < deadline:
+            if (dead := fleet.first_dead()) is not None:
+                raise LaunchError(dead.describe_exit())
+            try:
+                client.stats()
+                return
+            except ReplayUnavailable:
+                continue
+        raise LaunchError(f"replay did not start within {timeout_s:.0f}s")
+    finally:
+        client.close()
+
+
+def watch(fleet: LocalFleet, cfg: Config, progress: Progress) -> None:
+    """Until every learner rank has exited 0; raise LaunchError if any process dies first."""
+    learners = [p for p in fleet.procs if p.name.startswith("learner_")]
+    metrics = Path(fleet.spec.run_dir) / "metrics.jsonl"
+    while True:
+        progress.update(read_jsonl(metrics))
+        if (dead := fleet.first_dead()) is not None:
+            raise LaunchError(dead.describe_exit())
+        if all(p.popen.poll() == 0 for p in learners):
+            progress.update(read_jsonl(metrics), final=True)
+            return
+        time.sleep(0.25)
+
+
+def launch(cfg: Config, command: str = "asyncrl launch") -> Path:
+    """Run one training job end to end; returns the run directory."""
+    started = time.monotonic()
+    run_dir = prepare_run_dir(cfg, command)
+    print(f"asyncrl: run directory {run_dir}", flush=True)
+    model_path = prepare_model(cfg)
+    fleet = start_fleets(cfg, run_dir, model_path)
+    print(f"asyncrl: started replay, {cfg.rollout.num_servers} rollout server(s), "
+          f"{cfg.learner.world_size} learner rank(s); logs in {run_dir / 'logs'}", flush=True)
+    progress = Progress(cfg.trainer.total_steps, cfg.replay.max_staleness, cfg.launch.progress, started)
+    try:
+        watch(fleet, cfg, progress)
+    finally:
+        fleet.stop_all()
+    summary = progress.summary(read_jsonl(run_dir / "metrics.jsonl"))
+    print(f"asyncrl: done in {time.monotonic() - started:.0f}s. {summary}", flush=True)
+    if cfg.trainer.save_final:
+        print(f"asyncrl: final weights in {run_dir / 'final'}", flush=True)
+    return run_dir

@@ -1,0 +1,59 @@
+"""The launcher's live progress display, fed by the learner's metrics.jsonl.
+
+On a terminal it is one line rewritten in place; otherwise (logs, CI) a line at most every few
+seconds, so a long run neither floods a log nor goes quiet.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else float("nan")
+
+
+class Progress:
+    def __init__(self, total_steps: int, max_staleness: int, mode: str, started: float,
+                 min_interval_s: float = 5.0, stream=None):
+        self.total, self.max_staleness, self.started = total_steps, max_staleness, started
+        self.stream = stream or sys.stdout
+        tty = getattr(self.stream, "isatty", lambda: False)()
+        self.mode = ("line" if not tty else "tty") if mode == "auto" else mode
+        self.min_interval_s = min_interval_s
+        self._shown_step, self._shown_at = 0, 0.0
+
+    def render(self, rows: list[dict[str, Any]]) -> str:
+        last = rows[-1]
+        recent = rows[-10:]
+        elapsed = time.monotonic() - self.started
+        return (f"step {last['step']}/{self.total} | reward {_mean([r['reward_mean'] for r in recent]):.3f}"
+                f" | staleness {last['staleness_mean']:.2f} (max {last['staleness_max']:.0f}/"
+                f"{self.max_staleness}) | {_mean([r['samples_per_s'] for r in recent]):.1f} samples/s"
+                f" | {_mean([r['gen_tokens_per_s'] for r in recent]):.0f} tok/s"
+                f" | learner idle {_mean([r['learner_idle_ratio'] for r in recent]):.0%}"
+                f" | {elapsed:.0f}s")
+
+    def update(self, rows: list[dict[str, Any]], final: bool = False) -> None:
+        if self.mode == "none" or not rows or rows[-1]["step"] == self._shown_step and not final:
+            return
+        now = time.monotonic()
+        if self.mode == "tty":
+            self.stream.write("\r\x1b[2K" + self.render(rows) + ("\n" if final else ""))
+        elif final or now - self._shown_at >= self.min_interval_s:
+            self.stream.write(self.render(rows) + "\n")
+        else:
+            return
+        self.stream.flush()
+        self._shown_step, self._shown_at = rows[-1]["step"], now
+
+    @staticmethod
+    def summary(rows: list[dict[str, Any]]) -> str:
+        if not rows:
+            return "no learner steps were completed"
+        first = _mean([r["reward_mean"] for r in rows[:5]])
+        last = _mean([r["reward_mean"] for r in rows[-20:]])
+        return (f"{len(rows)} steps; mean reward first 5 steps {first:.3f}, "
+                f"last 20 steps {last:.3f} (gain {last - first:+.3f})")

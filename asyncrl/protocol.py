@@ -1,0 +1,136 @@
+"""Every message that crosses a process boundary, one typed schema each.
+
+Who sends what (replies echo the request's `request_id`):
+
+    rollout server -> replay   LeaseRequest   -> LeaseGrant   (prompts to sample; may be empty)
+    rollout server -> replay   Trajectory     -> Ack          (accepted / duplicate / late)
+    learner rank 0 -> replay   BatchRequest   -> Batch        (whole groups; may be empty)
+    learner rank 0 -> replay   VersionUpdate  -> Ack
+    anyone         -> replay   StatsRequest   -> Stats        (counters for progress and tests)
+    replay         -> anyone   Error                          (a message it could not decode)
+
+Token ids, masks, log-probs and versions always travel as raw array frames (see `codec`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import numpy as np
+
+from asyncrl.codec import Array, message, struct
+
+
+@struct
+class ChatMessage:
+    role: str  # "system" | "user" | "assistant" | "tool"
+    content: str  # the message text
+
+
+@struct
+class PromptItem:
+    group_id: str  # unique per lease; all n samples of this prompt share it
+    n: int  # samples the server must return for this group
+    data_source: str  # selects the reward function
+    messages: list[ChatMessage]  # the prompt as chat messages (rendered by the server's template)
+    ground_truth: str  # reward_model.ground_truth of the row
+    extra_info_json: str  # the row's extra_info, JSON-encoded (opaque to the wire)
+
+
+@message("lease_request")
+class LeaseRequest:
+    request_id: int  # echoed in the reply
+    server_id: int  # which rollout server asks
+    server_version: int  # policy version the server's engine holds now
+    max_groups: int  # most prompts the server can take now
+
+
+@message("lease_grant")
+class LeaseGrant:
+    request_id: int  # the LeaseRequest answered
+    prompts: list[PromptItem]  # may be empty: admission control or capacity said wait
+
+
+@message("trajectory")
+class Trajectory:
+    traj_id: str  # unique per trajectory, stable across resends
+    attempt: int  # 0 on the first send, +1 on each resend
+    group_id: str  # the lease this sample belongs to
+    sample_index: int  # 0..n-1 within the group
+    server_id: int  # which server generated it
+    prompt_ids: Array("int32")  # [P] prompt token ids (after the chat template)
+    response_ids: Array("int32")  # [R] everything after the prompt: sampled and tool tokens
+    loss_mask: Array("uint8")  # [R] 1 where the policy sampled the token, 0 elsewhere
+    behaviour_logprobs: Array("float32")  # [R] engine log-prob of each sampled token (0 where mask 0)
+    versions: Array("int32")  # [R] policy version that sampled each token (-1 where mask 0)
+    reward: float  # scalar reward of the whole trajectory
+    finish_reason: str  # "stop" | "length" | agent-specific
+    metrics: dict[str, float]  # per-trajectory extras (reward parts, turns, tool calls)
+
+
+@message("ack")
+class Ack:
+    request_id: int  # the request acknowledged (0 for trajectories)
+    traj_id: str  # the trajectory acknowledged ("" for non-trajectory acks)
+    status: Literal["accepted", "duplicate", "late", "ok"]  # late: its group was already dropped
+
+
+@message("batch_request")
+class BatchRequest:
+    request_id: int  # echoed in the reply
+    learner_version: int  # the version the learner will train at (staleness is checked against it)
+    num_groups: int  # whole groups wanted
+
+
+@message("batch")
+class Batch:
+    """Whole groups, flattened: sample i owns prompt_ids[prompt_offsets[i]:prompt_offsets[i+1]]
+    and response arrays [response_offsets[i]:response_offsets[i+1]]."""
+
+    request_id: int  # the BatchRequest answered
+    traj_ids: list[str]  # [B] samples, group by group
+    group_ids: list[str]  # [B] group of each sample (consecutive samples share a group)
+    data_sources: list[str]  # [B]
+    finish_reasons: list[str]  # [B]
+    rewards: Array("float32")  # [B]
+    prompt_offsets: Array("int64")  # [B+1]
+    response_offsets: Array("int64")  # [B+1]
+    prompt_ids: Array("int32")  # [sum P]
+    response_ids: Array("int32")  # [sum R]
+    loss_mask: Array("uint8")  # [sum R]
+    behaviour_logprobs: Array("float32")  # [sum R]
+    versions: Array("int32")  # [sum R]
+    stale_dropped: int  # groups dropped as too stale while assembling this batch
+
+
+@message("version_update")
+class VersionUpdate:
+    request_id: int  # echoed in the Ack
+    version: int  # the learner's new policy version (its weights are on every server)
+
+
+@message("stats_request")
+class StatsRequest:
+    request_id: int  # echoed in the reply
+
+
+@message("stats")
+class Stats:
+    request_id: int  # the StatsRequest answered
+    counters: dict[str, float]  # named counters and gauges of the replay
+
+
+@message("error")
+class Error:
+    reason: str  # why the last message was rejected
+
+
+def empty_batch(request_id: int, stale_dropped: int = 0) -> Batch:
+    """A Batch with no samples (the answer when nothing is ready in time)."""
+    z64, z32 = np.zeros(1, np.int64), np.zeros(0, np.int32)
+    return Batch(
+        request_id=request_id, traj_ids=[], group_ids=[], data_sources=[], finish_reasons=[],
+        rewards=np.zeros(0, np.float32), prompt_offsets=z64, response_offsets=z64,
+        prompt_ids=z32, response_ids=z32, loss_mask=np.zeros(0, np.uint8),
+        behaviour_logprobs=np.zeros(0, np.float32), versions=z32, stale_dropped=stale_dropped,
+    )

@@ -1,0 +1,69 @@
+"""A blocking client of the replay service (learner rank 0, the launcher, tests).
+
+Rollout servers use the asyncio client in `rollout_servers.replay_client`; this one is for
+callers that have nothing else to do while they wait. Replies are matched by request id, so a
+late reply to an abandoned request is discarded rather than mistaken for the current one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from asyncrl.protocol import Ack, Batch, BatchRequest, Error, Stats, StatsRequest, VersionUpdate
+from asyncrl.transport import decode_frames, send_msg, setup_socket
+
+
+class ReplayUnavailable(RuntimeError):
+    """The replay did not answer in time."""
+
+
+class ReplayClient:
+    def __init__(self, address: str, reply_timeout_s: float = 60.0, max_bytes: int = 1 << 30):
+        self._ctx = zmq.Context.instance()
+        self._sock = setup_socket(self._ctx, zmq.DEALER, connect=address)
+        self._ids = itertools.count(1)
+        self.address, self.reply_timeout_s, self.max_bytes = address, reply_timeout_s, max_bytes
+
+    def _request(self, make: Callable[[int], Any], reply_type: type) -> Any:
+        request_id = next(self._ids)
+        send_msg(self._sock, make(request_id))
+        deadline = time.monotonic() + self.reply_timeout_s
+        while (left := deadline - time.monotonic()) > 0:
+            if not self._sock.poll(int(left * 1000)):
+                break
+            reply = decode_frames(self._sock.recv_multipart(), self.max_bytes)
+            if isinstance(reply, Error):
+                raise RuntimeError(f"replay rejected {reply_type.__name__} request: {reply.reason}")
+            if isinstance(reply, reply_type) and reply.request_id == request_id:
+                return reply
+        raise ReplayUnavailable(
+            f"replay at {self.address} did not answer within {self.reply_timeout_s:.0f}s"
+        )
+
+    def fetch_batch(self, learner_version: int, num_groups: int,
+                    should_stop: Callable[[], bool] = lambda: False) -> Batch | None:
+        """Block until the replay hands over `num_groups` whole groups trainable at
+        `learner_version`; None if `should_stop()` turns true while waiting."""
+        stale = 0
+        while not should_stop():
+            batch = self._request(lambda i: BatchRequest(i, learner_version, num_groups), Batch)
+            stale += batch.stale_dropped
+            if batch.traj_ids:
+                return dataclasses.replace(batch, stale_dropped=stale)
+        return None
+
+    def publish_version(self, version: int) -> None:
+        self._request(lambda i: VersionUpdate(i, version), Ack)
+
+    def stats(self) -> dict[str, float]:
+        return self._request(lambda i: StatsRequest(i), Stats).counters
+
+    def close(self) -> None:
+        self._sock.close(linger=0)
+

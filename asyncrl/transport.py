@@ -1,0 +1,75 @@
+"""ZeroMQ plumbing shared by every fleet: addresses, the loopback rule, framed send/receive.
+
+Sockets bind to loopback (or ipc) unless the config explicitly allows a wider address. Every
+message is sent as `codec.encode` frames; receivers decode with a size limit and turn anything
+malformed into a `ProtocolError` that they count and answer.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import socket
+from typing import Any
+
+import zmq
+
+from asyncrl.codec import decode, encode
+
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+
+
+def tcp_address(host: str, port: int) -> str:
+    """`tcp://host:port` (IPv6 hosts bracketed)."""
+    return f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
+
+
+def check_bind_address(address: str, allow_remote: bool) -> None:
+    """Refuse a bind beyond loopback/ipc unless `allow_remote` says so."""
+    if address.startswith(("ipc://", "inproc://")) or allow_remote:
+        return
+    if not address.startswith("tcp://"):
+        raise ValueError(f"unsupported address {address!r}: use tcp://127.0.0.1:PORT or ipc://PATH")
+    host = address[len("tcp://") :].rsplit(":", 1)[0].strip("[]")
+    try:
+        is_loop = host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        is_loop = False
+    if not is_loop:
+        raise ValueError(
+            f"refusing to bind {address!r}: not a loopback address (set launch.allow_remote=true)"
+        )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port that is free now (the OS picks it)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def setup_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
+                 allow_remote: bool = False) -> zmq.Socket:
+    """A socket that never blocks process exit (LINGER 0), bound or connected."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind is not None:
+        check_bind_address(bind, allow_remote)
+        sock.bind(bind)
+    if connect is not None:
+        sock.connect(connect)
+    return sock
+
+
+def send_msg(sock: zmq.Socket, msg: Any, identity: bytes | None = None) -> Any:
+    """Send one message (prefixed by a ROUTER identity when given). Returns what zmq returns
+    (an awaitable on an asyncio socket)."""
+    frames = encode(msg)
+    if identity is not None:
+        frames = [identity, *frames]
+    return sock.send_multipart(frames, copy=False)
+
+
+def decode_frames(frames: list[bytes], max_bytes: int | None = None) -> Any:
+    """Decode received frames (bytes or zmq.Frame) into a message; raises ProtocolError."""
+    return decode([f.bytes if isinstance(f, zmq.Frame) else f for f in frames], max_bytes=max_bytes)

@@ -1,0 +1,178 @@
+"""Bucketed weight broadcast from learner rank 0 to every rollout server.
+
+The sync group is a torch.distributed process group of its own: rank 0 is learner rank 0 and
+rank i+1 is rollout server i (gloo on CPU, NCCL on CUDA). It is built from its own TCPStore
+rather than `init_process_group`, because learner ranks already have a default group (the FSDP
+one) and a process can hold only one default group.
+
+One sync, every collective in this order:
+  1. a header, int64 [version, num_params, layout_hash, bucket_bytes]; version -1 means shutdown;
+  2. the buckets: flat tensors of one dtype each, in the order of `plan_buckets`.
+
+Both sides derive the bucket plan from their own view of the model (names, shapes and dtypes in
+state-dict order) and the header's bucket size; the layout hash makes a mismatch fail loudly
+instead of loading garbage. A receiver assembles a whole version in staging memory before it
+hands it to the engine, so a version is applied entirely or not at all.
+"""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import logging
+import zlib
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger("asyncrl.weight_sync")
+
+SHUTDOWN = -1
+
+
+@dataclass(frozen=True)
+class ParamSpec:
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class Bucket:
+    dtype: torch.dtype
+    params: tuple[ParamSpec, ...]
+
+    @property
+    def numel(self) -> int:
+        return sum(p.numel for p in self.params)
+
+
+def specs_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
+    """The layout of named tensors (full shapes, as the engine sees them)."""
+    return [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in named]
+
+
+def plan_buckets(specs: list[ParamSpec], bucket_bytes: int) -> list[Bucket]:
+    """Group consecutive params of one dtype into buckets of at most bucket_bytes (a larger
+    param gets a bucket of its own)."""
+    buckets: list[Bucket] = []
+    current: list[ParamSpec] = []
+    size = 0
+    for spec in specs:
+        nbytes = spec.numel * spec.dtype.itemsize
+        if current and (spec.dtype != current[0].dtype or size + nbytes > bucket_bytes):
+            buckets.append(Bucket(current[0].dtype, tuple(current)))
+            current, size = [], 0
+        current.append(spec)
+        size += nbytes
+    if current:
+        buckets.append(Bucket(current[0].dtype, tuple(current)))
+    return buckets
+
+
+def layout_hash(specs: list[ParamSpec]) -> int:
+    """A 31-bit digest of names, shapes and dtypes (fits the int64 header)."""
+    text = ";".join(f"{s.name}:{list(s.shape)}:{s.dtype}" for s in specs)
+    return zlib.crc32(text.encode()) & 0x7FFFFFFF
+
+
+def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """Digest of names and exact bytes; equal on both sides iff the weights are identical."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in named:
+        h.update(name.encode())
+        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+class SyncGroup:
+    """The learner-rank-0 + servers process group (rank 0 hosts the rendezvous store)."""
+
+    def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device,
+                 timeout_s: float = 3600.0):
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.rank, self.world_size, self.device = rank, world_size, device
+        self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        if device.type == "cuda":
+            self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size)
+        else:
+            self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
+
+    def broadcast(self, tensor: torch.Tensor) -> None:
+        """Broadcast `tensor` in place from rank 0."""
+        self._pg.broadcast(tensor, 0).wait()
+
+
+class WeightBroadcaster:
+    """Learner rank 0's side: streams full tensors into buckets and broadcasts each."""
+
+    def __init__(self, group: SyncGroup, bucket_bytes: int):
+        self.group, self.bucket_bytes = group, bucket_bytes
+
+    def broadcast(self, specs: list[ParamSpec], tensors: Iterator[torch.Tensor], version: int) -> None:
+        """Send one version. `tensors` yields the full tensors in `specs` order (it may gather
+        them lazily, so at most one bucket of full weights is alive at a time)."""
+        header = torch.tensor(
+            [version, len(specs), layout_hash(specs), self.bucket_bytes], dtype=torch.int64
+        )
+        self.group.broadcast(header.to(self.group.device))
+        for bucket in plan_buckets(specs, self.bucket_bytes):
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.group.device)
+            offset = 0
+            for spec in bucket.params:
+                t = next(tensors)
+                if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
+                    raise ValueError(f"{spec.name}: got {tuple(t.shape)} {t.dtype}, planned {spec}")
+                flat[offset : offset + spec.numel].copy_(t.reshape(-1))
+                offset += spec.numel
+            self.group.broadcast(flat)
+
+    def shutdown(self) -> None:
+        """Tell every receiver that no more versions will come."""
+        self.group.broadcast(torch.tensor([SHUTDOWN, 0, 0, 0], dtype=torch.int64).to(self.group.device))
+
+
+@dataclass
+class ReceivedVersion:
+    version: int
+    weights: list[tuple[str, torch.Tensor]]
+
+
+class WeightReceiver:
+    """A rollout server's side: receives one whole version into staging memory."""
+
+    def __init__(self, group: SyncGroup, specs: list[ParamSpec]):
+        self.group, self.specs = group, specs
+        self._hash = layout_hash(specs)
+
+    def receive(self) -> ReceivedVersion | None:
+        """Block until the next version arrives; None when the learner shuts the group down."""
+        header = torch.zeros(4, dtype=torch.int64, device=self.group.device)
+        self.group.broadcast(header)
+        version, num_params, digest, bucket_bytes = (int(x) for x in header.cpu())
+        if version == SHUTDOWN:
+            return None
+        if num_params != len(self.specs) or digest != self._hash:
+            raise RuntimeError(
+                f"weight layout mismatch at version {version}: learner sends {num_params} params "
+                f"(hash {digest}), this engine has {len(self.specs)} (hash {self._hash}); "
+                "learner and servers must load the same model architecture"
+            )
+        weights: list[tuple[str, torch.Tensor]] = []
+        for bucket in plan_buckets(self.specs, bucket_bytes):
+            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.group.device)
+            self.group.broadcast(flat)
+            offset = 0
+            for spec in bucket.params:
+                weights.append((spec.name, flat[offset : offset + spec.numel].view(spec.shape)))
+                offset += spec.numel
+        return ReceivedVersion(version, weights)

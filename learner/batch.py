@@ -1,0 +1,100 @@
+"""Turn the replay's flat `Batch` message into padded training tensors and share them out.
+
+Rank 0 receives the batch and builds `TrainBatch`; it is broadcast to every learner rank (the
+tensors are small next to the model) and each rank trains on its contiguous slice of rows. All
+ranks must run the same number of forward/backward passes (FSDP collectives pair up), so the
+batch is padded with fully masked rows up to a multiple of world_size x micro_batch_size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.protocol import Batch
+
+
+@dataclass
+class TrainBatch:
+    """Right-padded sequences, every tensor [B, L] aligned to token positions (rewards,
+    group_index: [B]). `loss_mask` is 1 on tokens the policy sampled."""
+
+    input_ids: torch.Tensor  # int64
+    attention_mask: torch.Tensor  # int64, 1 on real tokens
+    loss_mask: torch.Tensor  # float32
+    old_logprobs: torch.Tensor  # float32, behaviour log-probs (0 where not sampled)
+    versions: torch.Tensor  # int64, policy version per sampled token (-1 elsewhere)
+    rewards: torch.Tensor  # float32 [B]
+    group_index: torch.Tensor  # int64 [B]
+
+    @property
+    def size(self) -> int:
+        return self.input_ids.shape[0]
+
+    def rows(self, start: int, stop: int) -> TrainBatch:
+        return TrainBatch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
+
+
+def from_message(msg: Batch, pad_id: int) -> TrainBatch:
+    """Pack the flat arrays of a Batch into right-padded [B, L] tensors."""
+    po, ro = msg.prompt_offsets, msg.response_offsets
+    b = len(msg.traj_ids)
+    lengths = [(po[i + 1] - po[i]) + (ro[i + 1] - ro[i]) for i in range(b)]
+    seq_len = int(max(lengths))
+    input_ids = torch.full((b, seq_len), pad_id, dtype=torch.int64)
+    attention_mask = torch.zeros((b, seq_len), dtype=torch.int64)
+    loss_mask = torch.zeros((b, seq_len), dtype=torch.float32)
+    old_logprobs = torch.zeros((b, seq_len), dtype=torch.float32)
+    versions = torch.full((b, seq_len), -1, dtype=torch.int64)
+    for i in range(b):
+        p = torch.from_numpy(msg.prompt_ids[po[i] : po[i + 1]].astype("int64"))
+        r = slice(ro[i], ro[i + 1])
+        n_p, n_r = len(p), ro[i + 1] - ro[i]
+        input_ids[i, :n_p] = p
+        input_ids[i, n_p : n_p + n_r] = torch.from_numpy(msg.response_ids[r].astype("int64"))
+        attention_mask[i, : n_p + n_r] = 1
+        loss_mask[i, n_p : n_p + n_r] = torch.from_numpy(msg.loss_mask[r].astype("float32"))
+        old_logprobs[i, n_p : n_p + n_r] = torch.from_numpy(msg.behaviour_logprobs[r].copy())
+        versions[i, n_p : n_p + n_r] = torch.from_numpy(msg.versions[r].astype("int64"))
+    group_of: dict[str, int] = {}
+    group_index = torch.tensor([group_of.setdefault(g, len(group_of)) for g in msg.group_ids])
+    return TrainBatch(input_ids, attention_mask, loss_mask, old_logprobs, versions,
+                      torch.from_numpy(msg.rewards.copy()), group_index)
+
+
+def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
+    """Append fully masked copies of row 0 until the batch size is a multiple of `multiple`."""
+    extra = math.ceil(batch.size / multiple) * multiple - batch.size
+    if extra == 0:
+        return batch
+    out = {}
+    for f in fields(batch):
+        t = getattr(batch, f.name)
+        filler = t[:1].expand(extra, *t.shape[1:]).clone()
+        if f.name in ("loss_mask",):
+            filler.zero_()
+        out[f.name] = torch.cat([t, filler])
+    return TrainBatch(**out)
+
+
+def broadcast_batch(batch: TrainBatch | None, rank: int, device: torch.device) -> TrainBatch:
+    """Share rank 0's batch with every learner rank (default process group)."""
+    names = [f.name for f in fields(TrainBatch)]
+    if rank == 0:
+        assert batch is not None
+        shape = torch.tensor(batch.input_ids.shape, dtype=torch.int64, device=device)
+    else:
+        shape = torch.zeros(2, dtype=torch.int64, device=device)
+    dist.broadcast(shape, 0)
+    b, seq_len = (int(x) for x in shape.cpu())
+    out = {}
+    for name in names:
+        like = {"rewards": (b,), "group_index": (b,)}.get(name, (b, seq_len))
+        dtype = torch.float32 if name in ("loss_mask", "old_logprobs", "rewards") else torch.int64
+        t = getattr(batch, name).to(device) if rank == 0 else torch.empty(like, dtype=dtype, device=device)
+        dist.broadcast(t, 0)
+        out[name] = t
+    return TrainBatch(**out)

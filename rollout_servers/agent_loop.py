@@ -1,0 +1,48 @@
+"""Agent loops: one prompt in, one trajectory out, many of them at once on one event loop.
+
+An agent loop owns the conversation with the engine for one sample. It returns token ids
+(prompt and response), the loss mask (1 only on tokens the policy sampled), the behaviour
+log-prob and policy version of every sampled token, and the response text for the reward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from asyncrl.protocol import PromptItem
+from rollout_servers.engine import Engine, SamplingParams
+
+
+@dataclass
+class AgentResult:
+    prompt_ids: list[int]
+    response_ids: list[int]  # everything after the prompt
+    loss_mask: list[int]  # 1 where the policy sampled the token
+    logprobs: list[float]  # behaviour log-prob per response token (0.0 where mask is 0)
+    versions: list[int]  # policy version per response token (-1 where mask is 0)
+    response_text: str  # what the reward function reads
+    finish_reason: str
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class AgentLoop(Protocol):
+    async def run(self, prompt: PromptItem) -> AgentResult: ...
+
+
+class SingleTurnAgentLoop:
+    """Render the prompt through the chat template, sample one answer."""
+
+    def __init__(self, engine: Engine, tokenizer, params: SamplingParams):
+        self.engine, self.tokenizer, self.params = engine, tokenizer, params
+
+    async def run(self, prompt: PromptItem) -> AgentResult:
+        from asyncrl.tiny_model import render_prompt_ids
+
+        messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
+        prompt_ids = render_prompt_ids(self.tokenizer, messages)
+        out = await self.engine.generate(prompt_ids, self.params)
+        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        n = len(out.token_ids)
+        return AgentResult(prompt_ids, list(out.token_ids), [1] * n, list(out.logprobs),
+                           [out.version] * n, text, out.finish_reason)

@@ -1,0 +1,198 @@
+"""A rollout server: one engine, many agent loops, one asyncio event loop.
+
+Components (built in `setup_rollout_server`, driven by `RolloutServer.run`):
+- engine (`engine.py`): batched sampling shared by every agent loop; applies a weight version
+  atomically between batches and tags each sampled token with the version that produced it.
+- weight receiver (a thread over `asyncrl.weight_sync.WeightReceiver`): joins the learner's
+  broadcast group and hands each complete version to the engine.
+- replay client (`replay_client.py`): asks for prompt leases, sends trajectories and keeps them
+  until the replay acknowledges them.
+- agent loops (`agent_loop.py`): one per sample, `n` per leased prompt, all concurrent.
+- reward computer (`rewards.py`): scores each response right after its loop, off the loop.
+
+The main loop keeps up to `rollout.max_concurrent_groups` leases in flight. It asks for more
+whenever it has room or its engine moved to a new version (so admission control sees the new
+version at once), and each iteration it checks every background task and re-raises failures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+import threading
+import time
+import uuid
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from asyncrl.config import Config
+from asyncrl.metrics import JsonlWriter, peak_rss_mb, write_json_atomic
+from asyncrl.protocol import PromptItem, Trajectory
+from asyncrl.run_spec import RunSpec
+from asyncrl.weight_sync import SyncGroup, WeightReceiver, specs_of, weights_checksum
+from rollout_servers.agent_loop import AgentLoop, SingleTurnAgentLoop
+from rollout_servers.engine import Engine, HFEngine, SamplingParams
+from rollout_servers.replay_client import AsyncReplayClient
+from rollout_servers.rewards import RewardComputer
+
+log = logging.getLogger("asyncrl.rollout")
+
+
+class RolloutServer:
+    def __init__(self, cfg: Config, spec: RunSpec, server_id: int, engine: Engine,
+                 agent_loop: AgentLoop, client: AsyncReplayClient, rewards: RewardComputer):
+        self.cfg, self.spec, self.server_id = cfg, spec, server_id
+        self.engine, self.agent_loop, self.client, self.rewards = engine, agent_loop, client, rewards
+        self.counters: Counter[str] = Counter()
+        self.sync_times: list[float] = []
+        self._wake = asyncio.Event()
+        self._receiver_error: BaseException | None = None
+        run_dir = Path(spec.run_dir)
+        self._weight_log = (JsonlWriter(run_dir / f"weights_server_{server_id}.jsonl")
+                            if cfg.learner.weight_checksum else None)
+
+    # ---- weight sync (a thread: the broadcast is a blocking collective) -----------------
+    def start_weight_receiver(self, loop: asyncio.AbstractEventLoop) -> threading.Thread:
+        if self._weight_log is not None:
+            self._weight_log.write({"version": self.engine.version,
+                                    "checksum": weights_checksum(self.engine.named_weights())})
+        thread = threading.Thread(target=self._receive_weights, args=(loop,), daemon=True,
+                                  name="weight-receiver")
+        thread.start()
+        return thread
+
+    def _receive_weights(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            device = torch.device("cuda" if _uses_cuda(self.cfg.rollout.device) else "cpu")
+            group = SyncGroup(self.spec.sync_host, self.spec.sync_port, 1 + self.server_id,
+                              1 + self.cfg.rollout.num_servers, device)
+            receiver = WeightReceiver(group, specs_of(self.engine.named_weights()))
+            while (got := receiver.receive()) is not None:
+                start = time.perf_counter()
+                self.engine.update_weights(got.weights, got.version)
+                self.sync_times.append(time.perf_counter() - start)
+                if self._weight_log is not None:
+                    self._weight_log.write({"version": got.version,
+                                            "checksum": weights_checksum(self.engine.named_weights())})
+                loop.call_soon_threadsafe(self._wake.set)
+            log.info("learner closed the weight-sync group")
+        except BaseException as e:  # surfaced by the main loop, which re-raises it
+            self._receiver_error = e
+            loop.call_soon_threadsafe(self._wake.set)
+
+    # ---- one group, one sample ------------------------------------------------------------
+    async def run_group(self, prompt: PromptItem) -> None:
+        await asyncio.gather(*(self.run_sample(prompt, i) for i in range(prompt.n)))
+        self.counters["groups"] += 1
+
+    async def run_sample(self, prompt: PromptItem, index: int) -> None:
+        result = await self.agent_loop.run(prompt)
+        reward, extras = await self.rewards.score(prompt.data_source, result.response_text,
+                                                  prompt.ground_truth, json.loads(prompt.extra_info_json))
+        traj = Trajectory(
+            traj_id=uuid.uuid4().hex, attempt=0, group_id=prompt.group_id, sample_index=index,
+            server_id=self.server_id,
+            prompt_ids=np.asarray(result.prompt_ids, np.int32),
+            response_ids=np.asarray(result.response_ids, np.int32),
+            loss_mask=np.asarray(result.loss_mask, np.uint8),
+            behaviour_logprobs=np.asarray(result.logprobs, np.float32),
+            versions=np.asarray(result.versions, np.int32),
+            reward=reward, finish_reason=result.finish_reason, metrics={**result.metrics, **extras},
+        )
+        await self.client.put(traj)
+        self.counters["trajectories"] += 1
+
+    # ---- main loop ------------------------------------------------------------------------
+    async def run(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        background = self.client.start()
+        self.start_weight_receiver(loop)
+        groups: set[asyncio.Task] = set()
+        lease: asyncio.Task | None = None
+        lease_version = -1
+        capacity = self.cfg.rollout.max_concurrent_groups
+        while not stop.is_set():
+            self._raise_if_failed(background)
+            free = capacity - len(groups)
+            if free > 0 and (lease is None or lease_version != self.engine.version):
+                lease_version = self.engine.version
+                lease = asyncio.create_task(self.client.lease(self.server_id, lease_version, free))
+                lease.add_done_callback(lambda _: self._wake.set())
+            if lease is not None and lease.done():
+                for prompt in lease.result():
+                    task = asyncio.create_task(self.run_group(prompt))
+                    task.add_done_callback(lambda _: self._wake.set())
+                    groups.add(task)
+                self.counters["leases"] += len(lease.result())
+                lease = None
+            for done in [t for t in groups if t.done()]:
+                groups.discard(done)
+                done.result()
+            self._wake.clear()
+            stop_wait = asyncio.ensure_future(stop.wait())
+            await asyncio.wait([stop_wait, asyncio.ensure_future(self._wake.wait())],
+                               timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+            stop_wait.cancel()
+        left = await self.client.drain(timeout_s=5.0)
+        if left:
+            log.warning("%d trajectories were not acknowledged before shutdown", left)
+
+    def _raise_if_failed(self, background: list[asyncio.Task]) -> None:
+        if self._receiver_error is not None:
+            raise RuntimeError(f"weight receiver failed: {self._receiver_error!r}") from self._receiver_error
+        for t in background:
+            if t.done():
+                t.result()
+                raise RuntimeError(f"background task {t.get_name()} ended unexpectedly")
+
+    def stats(self) -> dict[str, float]:
+        times = self.sync_times or [0.0]
+        return {**self.counters, **{f"client_{k}": v for k, v in self.client.counters.items()},
+                **{f"reward_{k}": v for k, v in self.rewards.failures.items()},
+                "engine_version": self.engine.version, "weight_syncs": len(self.sync_times),
+                "weight_apply_mean_s": sum(times) / len(times), "peak_rss_mb": peak_rss_mb(),
+                "unacked_at_exit": len(self.client.outbox)}
+
+
+def _uses_cuda(device: str) -> bool:
+    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
+
+
+def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutServer:
+    """Build the engine, agent loop, replay client and reward computer of one server."""
+    from transformers import AutoTokenizer
+
+    rc = cfg.rollout
+    tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
+    engine = HFEngine(spec.model_path, device="cuda" if _uses_cuda(rc.device) else "cpu",
+                      max_batch_size=rc.max_batch_size, seed=cfg.trainer.seed + 1000 * (server_id + 1))
+    params = SamplingParams(temperature=rc.temperature, top_p=rc.top_p,
+                            max_new_tokens=rc.max_new_tokens)
+    agent = SingleTurnAgentLoop(engine, tokenizer, params)
+    client = AsyncReplayClient(spec.replay_address, ack_timeout_s=rc.ack_timeout_s)
+    return RolloutServer(cfg, spec, server_id, engine, agent, client, RewardComputer(rc.reward_timeout_s))
+
+
+def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
+    """Entry point of one rollout server process; SIGTERM stops it cleanly."""
+    torch.set_num_threads(spec.threads)
+    server = setup_rollout_server(cfg, spec, server_id)
+
+    async def main() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        try:
+            await server.run(stop)
+        finally:
+            write_json_atomic(Path(spec.run_dir) / "stats" / f"server_{server_id}.json", server.stats())
+            server.client.close()
+            server.rewards.close()
+
+    asyncio.run(main())

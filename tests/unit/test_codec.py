@@ -1,0 +1,82 @@
+import msgpack
+import numpy as np
+import pytest
+
+from asyncrl.codec import WIRE_VERSION, ProtocolError, decode, encode
+from asyncrl.protocol import (
+    Batch, ChatMessage, LeaseGrant, PromptItem, Stats, Trajectory, empty_batch,
+)
+
+
+def _traj(**kw):
+    base = dict(traj_id="t1", attempt=0, group_id="g", sample_index=0, server_id=0,
+                prompt_ids=np.array([1, 2, 3]), response_ids=np.array([4, 5]),
+                loss_mask=np.array([1, 1], np.uint8), behaviour_logprobs=np.array([-0.5, -1.0]),
+                versions=np.array([3, 3]), reward=1.0, finish_reason="stop", metrics={"k": 2.0})
+    base.update(kw)
+    return Trajectory(**base)
+
+
+def _wire(msg):
+    return [bytes(f) for f in encode(msg)]
+
+
+def test_round_trip_keeps_values_and_dtypes():
+    back = decode(_wire(_traj()))
+    assert back.traj_id == "t1" and back.metrics == {"k": 2.0}
+    assert back.prompt_ids.dtype == np.int32 and back.prompt_ids.tolist() == [1, 2, 3]
+    assert back.behaviour_logprobs.dtype == np.float32
+    np.testing.assert_allclose(back.behaviour_logprobs, [-0.5, -1.0])
+
+
+def test_arrays_travel_as_raw_frames_not_lists():
+    frames = _wire(_traj())
+    header = msgpack.unpackb(frames[0])
+    assert "prompt_ids" not in header["fields"] and len(frames) == 1 + 5
+    assert frames[1] == np.array([1, 2, 3], np.int32).tobytes()
+
+
+def test_nested_structs_round_trip():
+    grant = LeaseGrant(7, [PromptItem("g", 4, "src", [ChatMessage("user", "1+1=")], "2", "{}")])
+    assert decode(_wire(grant)) == grant
+    assert decode(_wire(Stats(1, {"a": 1.5}))).counters == {"a": 1.5}
+    assert isinstance(decode(_wire(empty_batch(3))), Batch)
+
+
+@pytest.mark.parametrize("mutate, reason", [
+    (lambda f: [b"\xc1garbage"], "MessagePack"),
+    (lambda f: [], "empty"),
+    (lambda f: [msgpack.packb([1, 2])] + f[1:], "map"),
+    (lambda f: [msgpack.packb({**msgpack.unpackb(f[0]), "v": WIRE_VERSION + 1})] + f[1:], "wire version"),
+    (lambda f: [msgpack.packb({**msgpack.unpackb(f[0]), "type": "nope"})] + f[1:], "unknown message type"),
+    (lambda f: f[:-1], "arrays"),
+    (lambda f: f[:1] + [f[1][:-1]] + f[2:], "do not fit"),
+])
+def test_malformed_messages_raise_protocol_error(mutate, reason):
+    with pytest.raises(ProtocolError, match=reason):
+        decode(mutate(_wire(_traj())))
+
+
+def test_wrong_field_type_and_extra_field_are_rejected():
+    frames = _wire(_traj())
+    header = msgpack.unpackb(frames[0])
+    bad = {**header, "fields": {**header["fields"], "reward": "high"}}
+    with pytest.raises(ProtocolError, match="Trajectory.reward|trajectory.reward"):
+        decode([msgpack.packb(bad)] + frames[1:])
+    extra = {**header, "fields": {**header["fields"], "evil": 1}}
+    with pytest.raises(ProtocolError, match="unexpected fields"):
+        decode([msgpack.packb(extra)] + frames[1:])
+
+
+def test_wrong_array_dtype_is_rejected():
+    frames = _wire(_traj())
+    header = msgpack.unpackb(frames[0])
+    header["arrays"][0][1] = np.dtype("float64").str
+    with pytest.raises(ProtocolError, match="dtype"):
+        decode([msgpack.packb(header)] + frames[1:])
+
+
+def test_oversized_message_is_rejected_before_parsing():
+    frames = _wire(_traj(prompt_ids=np.zeros(10_000, np.int32)))
+    with pytest.raises(ProtocolError, match="oversized"):
+        decode(frames, max_bytes=1000)
