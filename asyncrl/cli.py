@@ -45,8 +45,9 @@ def cmd_launch(ns: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="asyncrl", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="asyncrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("launch", help="train: start the replay, rollout servers and learner")
     p.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")

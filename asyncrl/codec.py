@@ -214,7 +214,9 @@ def _check(value: Any, tp: Any, path: str) -> Any:
             return tp(**{k: _check(value[k], hints[k], f"{path}.{k}") for k in hints})
     else:
         raise TypeError(f"{path}: unsupported annotation {tp!r}")
-    raise ProtocolError(f"{path}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__}")
+    raise ProtocolError(
+        f"{path}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__}"
+    )
 
 
 def registered_types() -> dict[str, type]:

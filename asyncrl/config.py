@@ -19,7 +19,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 class _Section(BaseModel):
     """Base of every section: unknown keys are errors, assignments are validated."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, use_attribute_docstrings=True)
+    model_config = ConfigDict(
+        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
+    )
 
 
 class DataConfig(_Section):
@@ -152,10 +154,18 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> Config:
-        if self.launch.host not in ("127.0.0.1", "localhost", "::1") and not self.launch.allow_remote:
+        if (
+            self.launch.host not in ("127.0.0.1", "localhost", "::1")
+            and not self.launch.allow_remote
+        ):
             raise ValueError(
                 f"launch.host={self.launch.host!r} is not loopback; set launch.allow_remote=true "
                 "to bind sockets beyond this machine"
+            )
+        if self.replay.capacity_groups < self.data.train_batch_size:
+            raise ValueError(
+                f"replay.capacity_groups={self.replay.capacity_groups} is smaller than "
+                f"data.train_batch_size={self.data.train_batch_size}: a batch could never fit"
             )
         if self.algorithm.adv_estimator == "grpo" and self.rollout.n < 2:
             raise ValueError("rollout.n must be >= 2 for grpo (a group needs a baseline)")
@@ -181,7 +191,9 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     key, raw = text.split("=", 1)
     path = [p for p in key.strip().split(".") if p]
     if len(path) < 2:
-        raise ConfigError(f"override {text!r}: the key must name a section and a field, like rollout.n")
+        raise ConfigError(
+            f"override {text!r}: the key must name a section and a field, like rollout.n"
+        )
     try:
         value = yaml.safe_load(raw) if raw.strip() else ""
     except yaml.YAMLError as e:
@@ -216,7 +228,9 @@ def _format_errors(err: ValidationError) -> str:
     return "invalid config:\n" + "\n".join(lines)
 
 
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> Config:
+def load_config(
+    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+) -> Config:
     """Load a YAML config (default: configs/default.yaml), apply overrides, validate."""
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():

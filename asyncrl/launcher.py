@@ -9,6 +9,7 @@ parent-death signal), so no process outlives a run.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -31,10 +32,8 @@ class LaunchError(RuntimeError):
 
 
 def _die_with_parent() -> None:
-    try:
+    with contextlib.suppress(OSError):  # not Linux: no parent-death signal, stop_all still runs
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 @dataclass
@@ -46,7 +45,11 @@ class Proc:
 
     def describe_exit(self) -> str:
         rc = self.popen.returncode
-        how = f"was killed by signal {signal.Signals(-rc).name}" if rc < 0 else f"exited with code {rc}"
+        how = (
+            f"was killed by signal {signal.Signals(-rc).name}"
+            if rc < 0
+            else f"exited with code {rc}"
+        )
         tail = "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
         return f"process {self.name} {how}; last lines of {self.log_path}:\n{tail}"
 
@@ -60,8 +63,14 @@ class LocalFleet:
         log_path = Path(self.spec.run_dir) / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with log_path.open("ab") as out:
-            popen = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, **env},
-                                     start_new_session=True, preexec_fn=_die_with_parent)
+            popen = subprocess.Popen(
+                argv,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env={**os.environ, **env},
+                start_new_session=True,
+                preexec_fn=_die_with_parent,
+            )
         proc = Proc(name, popen, log_path)
         self.procs.append(proc)
         return proc
@@ -79,20 +88,16 @@ class LocalFleet:
                 _signal_group(p.popen, signal.SIGTERM)
         deadline = time.monotonic() + grace_s
         for p in self.procs:
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                pass
         for p in self.procs:
             _signal_group(p.popen, signal.SIGKILL)  # also reaps stray grandchildren
             p.popen.wait()
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:
-    try:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(popen.pid, sig)
-    except (ProcessLookupError, PermissionError):
-        pass
 
 
 def prepare_run_dir(cfg: Config, command: str) -> Path:
@@ -114,8 +119,11 @@ def prepare_model(cfg: Config, log=print) -> str:
     from asyncrl.tiny_model import prepare_embedded_model
 
     task = ArithmeticTask(max_operand=cfg.data.task_max_operand, seed=cfg.data.seed)
-    return str(prepare_embedded_model(cfg.trainer.cache_dir, task, cfg.trainer.warmstart_steps,
-                                      cfg.trainer.seed, log=log))
+    return str(
+        prepare_embedded_model(
+            cfg.trainer.cache_dir, task, cfg.trainer.warmstart_steps, cfg.trainer.seed, log=log
+        )
+    )
 
 
 def threads_per_process(cfg: Config) -> int:
@@ -129,25 +137,37 @@ def start_fleets(cfg: Config, run_dir: Path, model_path: str) -> LocalFleet:
     """Start the replay (and wait until it answers), the servers and the learner ranks."""
     host = cfg.launch.host
     spec = RunSpec(
-        run_dir=str(run_dir), model_path=model_path,
+        run_dir=str(run_dir),
+        model_path=model_path,
         replay_address=tcp_address(host, cfg.launch.replay_port or free_port(host)),
-        sync_host=host, sync_port=cfg.launch.weight_sync_port or free_port(host),
-        learner_master_port=free_port(host), threads=threads_per_process(cfg),
+        sync_host=host,
+        sync_port=cfg.launch.weight_sync_port or free_port(host),
+        learner_master_port=free_port(host),
+        threads=threads_per_process(cfg),
     )
     spec_path = run_dir / "launch.json"
     spec.save(spec_path)
     fleet = LocalFleet(spec)
     worker = [sys.executable, "-m", "asyncrl.worker"]
-    threads = {"OMP_NUM_THREADS": str(spec.threads), "MKL_NUM_THREADS": str(spec.threads),
-               "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+    threads = {
+        "OMP_NUM_THREADS": str(spec.threads),
+        "MKL_NUM_THREADS": str(spec.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+    }
     fleet.start("replay", [*worker, "replay", str(spec_path)], threads)
     wait_for_replay(fleet, cfg.launch.startup_timeout_s)
     for i in range(cfg.rollout.num_servers):
         fleet.start(f"server_{i}", [*worker, "server", str(spec_path), "--index", str(i)], threads)
     for rank in range(cfg.learner.world_size):
-        env = {**threads, "RANK": str(rank), "LOCAL_RANK": str(rank),
-               "WORLD_SIZE": str(cfg.learner.world_size), "MASTER_ADDR": host,
-               "MASTER_PORT": str(spec.learner_master_port)}
+        env = {
+            **threads,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(cfg.learner.world_size),
+            "MASTER_ADDR": host,
+            "MASTER_PORT": str(spec.learner_master_port),
+        }
         proc = fleet.start(f"learner_{rank}", [*worker, "learner", str(spec_path)], env)
         proc.essential_until_end = False  # learner ranks finishing (code 0) is the end of the run
     return fleet
@@ -191,9 +211,14 @@ def launch(cfg: Config, command: str = "asyncrl launch") -> Path:
     print(f"asyncrl: run directory {run_dir}", flush=True)
     model_path = prepare_model(cfg)
     fleet = start_fleets(cfg, run_dir, model_path)
-    print(f"asyncrl: started replay, {cfg.rollout.num_servers} rollout server(s), "
-          f"{cfg.learner.world_size} learner rank(s); logs in {run_dir / 'logs'}", flush=True)
-    progress = Progress(cfg.trainer.total_steps, cfg.replay.max_staleness, cfg.launch.progress, started)
+    print(
+        f"asyncrl: started replay, {cfg.rollout.num_servers} rollout server(s), "
+        f"{cfg.learner.world_size} learner rank(s); logs in {run_dir / 'logs'}",
+        flush=True,
+    )
+    progress = Progress(
+        cfg.trainer.total_steps, cfg.replay.max_staleness, cfg.launch.progress, started
+    )
     try:
         watch(fleet, cfg, progress)
     finally:

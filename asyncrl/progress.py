@@ -16,8 +16,15 @@ def _mean(xs: list[float]) -> float:
 
 
 class Progress:
-    def __init__(self, total_steps: int, max_staleness: int, mode: str, started: float,
-                 min_interval_s: float = 5.0, stream=None):
+    def __init__(
+        self,
+        total_steps: int,
+        max_staleness: int,
+        mode: str,
+        started: float,
+        min_interval_s: float = 5.0,
+        stream=None,
+    ):
         self.total, self.max_staleness, self.started = total_steps, max_staleness, started
         self.stream = stream or sys.stdout
         tty = getattr(self.stream, "isatty", lambda: False)()
@@ -29,15 +36,19 @@ class Progress:
         last = rows[-1]
         recent = rows[-10:]
         elapsed = time.monotonic() - self.started
-        return (f"step {last['step']}/{self.total} | reward {_mean([r['reward_mean'] for r in recent]):.3f}"
-                f" | staleness {last['staleness_mean']:.2f} (max {last['staleness_max']:.0f}/"
-                f"{self.max_staleness}) | {_mean([r['samples_per_s'] for r in recent]):.1f} samples/s"
-                f" | {_mean([r['gen_tokens_per_s'] for r in recent]):.0f} tok/s"
-                f" | learner idle {_mean([r['learner_idle_ratio'] for r in recent]):.0%}"
-                f" | {elapsed:.0f}s")
+        return (
+            f"step {last['step']}/{self.total} | reward {_mean([r['reward_mean'] for r in recent]):.3f}"
+            f" | staleness {last['staleness_mean']:.2f} (max {last['staleness_max']:.0f}/"
+            f"{self.max_staleness}) | {_mean([r['samples_per_s'] for r in recent]):.1f} samples/s"
+            f" | {_mean([r['gen_tokens_per_s'] for r in recent]):.0f} tok/s"
+            f" | learner idle {_mean([r['learner_idle_ratio'] for r in recent]):.0%}"
+            f" | {elapsed:.0f}s"
+        )
 
     def update(self, rows: list[dict[str, Any]], final: bool = False) -> None:
-        if self.mode == "none" or not rows or rows[-1]["step"] == self._shown_step and not final:
+        if self.mode == "none" or not rows:
+            return
+        if rows[-1]["step"] == self._shown_step and not (final and self.mode == "tty"):
             return
         now = time.monotonic()
         if self.mode == "tty":
@@ -55,5 +66,7 @@ class Progress:
             return "no learner steps were completed"
         first = _mean([r["reward_mean"] for r in rows[:5]])
         last = _mean([r["reward_mean"] for r in rows[-20:]])
-        return (f"{len(rows)} steps; mean reward first 5 steps {first:.3f}, "
-                f"last 20 steps {last:.3f} (gain {last - first:+.3f})")
+        return (
+            f"{len(rows)} steps; mean reward first 5 steps {first:.3f}, "
+            f"last 20 steps {last:.3f} (gain {last - first:+.3f})"
+        )

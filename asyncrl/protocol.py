@@ -3,7 +3,7 @@
 Who sends what (replies echo the request's `request_id`):
 
     rollout server -> replay   LeaseRequest   -> LeaseGrant   (prompts to sample; may be empty)
-    rollout server -> replay   Trajectory     -> Ack          (accepted / duplicate / late)
+    rollout server -> replay   Trajectory     -> Ack          (accepted/duplicate/late/rejected)
     learner rank 0 -> replay   BatchRequest   -> Batch        (whole groups; may be empty)
     learner rank 0 -> replay   VersionUpdate  -> Ack
     anyone         -> replay   StatsRequest   -> Stats        (counters for progress and tests)
@@ -61,7 +61,9 @@ class Trajectory:
     prompt_ids: Array("int32")  # [P] prompt token ids (after the chat template)
     response_ids: Array("int32")  # [R] everything after the prompt: sampled and tool tokens
     loss_mask: Array("uint8")  # [R] 1 where the policy sampled the token, 0 elsewhere
-    behaviour_logprobs: Array("float32")  # [R] engine log-prob of each sampled token (0 where mask 0)
+    behaviour_logprobs: Array(
+        "float32"
+    )  # [R] engine log-prob of each sampled token (0 where mask 0)
     versions: Array("int32")  # [R] policy version that sampled each token (-1 where mask 0)
     reward: float  # scalar reward of the whole trajectory
     finish_reason: str  # "stop" | "length" | agent-specific
@@ -72,7 +74,9 @@ class Trajectory:
 class Ack:
     request_id: int  # the request acknowledged (0 for trajectories)
     traj_id: str  # the trajectory acknowledged ("" for non-trajectory acks)
-    status: Literal["accepted", "duplicate", "late", "ok"]  # late: its group was already dropped
+    # late: its group was already dropped; rejected: it decoded but cannot be trained on (the
+    # sender logs and counts it and stops resending; `Ack` then carries no other detail)
+    status: Literal["accepted", "duplicate", "late", "rejected", "ok"]
 
 
 @message("batch_request")
@@ -129,8 +133,18 @@ def empty_batch(request_id: int, stale_dropped: int = 0) -> Batch:
     """A Batch with no samples (the answer when nothing is ready in time)."""
     z64, z32 = np.zeros(1, np.int64), np.zeros(0, np.int32)
     return Batch(
-        request_id=request_id, traj_ids=[], group_ids=[], data_sources=[], finish_reasons=[],
-        rewards=np.zeros(0, np.float32), prompt_offsets=z64, response_offsets=z64,
-        prompt_ids=z32, response_ids=z32, loss_mask=np.zeros(0, np.uint8),
-        behaviour_logprobs=np.zeros(0, np.float32), versions=z32, stale_dropped=stale_dropped,
+        request_id=request_id,
+        traj_ids=[],
+        group_ids=[],
+        data_sources=[],
+        finish_reasons=[],
+        rewards=np.zeros(0, np.float32),
+        prompt_offsets=z64,
+        response_offsets=z64,
+        prompt_ids=z32,
+        response_ids=z32,
+        loss_mask=np.zeros(0, np.uint8),
+        behaviour_logprobs=np.zeros(0, np.float32),
+        versions=z32,
+        stale_dropped=stale_dropped,
     )

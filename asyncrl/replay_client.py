@@ -46,8 +46,9 @@ class ReplayClient:
             f"replay at {self.address} did not answer within {self.reply_timeout_s:.0f}s"
         )
 
-    def fetch_batch(self, learner_version: int, num_groups: int,
-                    should_stop: Callable[[], bool] = lambda: False) -> Batch | None:
+    def fetch_batch(
+        self, learner_version: int, num_groups: int, should_stop: Callable[[], bool] = lambda: False
+    ) -> Batch | None:
         """Block until the replay hands over `num_groups` whole groups trainable at
         `learner_version`; None if `should_stop()` turns true while waiting."""
         stale = 0
@@ -66,4 +67,3 @@ class ReplayClient:
 
     def close(self) -> None:
         self._sock.close(linger=0)
-

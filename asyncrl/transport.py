@@ -48,8 +48,14 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def setup_socket(ctx: zmq.Context, kind: int, *, bind: str | None = None, connect: str | None = None,
-                 allow_remote: bool = False) -> zmq.Socket:
+def setup_socket(
+    ctx: zmq.Context,
+    kind: int,
+    *,
+    bind: str | None = None,
+    connect: str | None = None,
+    allow_remote: bool = False,
+) -> zmq.Socket:
     """A socket that never blocks process exit (LINGER 0), bound or connected."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)

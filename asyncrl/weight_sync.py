@@ -97,8 +97,15 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 class SyncGroup:
     """The learner-rank-0 + servers process group (rank 0 hosts the rendezvous store)."""
 
-    def __init__(self, host: str, port: int, rank: int, world_size: int, device: torch.device,
-                 timeout_s: float = 3600.0):
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        device: torch.device,
+        timeout_s: float = 3600.0,
+    ):
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.device = rank, world_size, device
         self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
@@ -118,7 +125,9 @@ class WeightBroadcaster:
     def __init__(self, group: SyncGroup, bucket_bytes: int):
         self.group, self.bucket_bytes = group, bucket_bytes
 
-    def broadcast(self, specs: list[ParamSpec], tensors: Iterator[torch.Tensor], version: int) -> None:
+    def broadcast(
+        self, specs: list[ParamSpec], tensors: Iterator[torch.Tensor], version: int
+    ) -> None:
         """Send one version. `tensors` yields the full tensors in `specs` order (it may gather
         them lazily, so at most one bucket of full weights is alive at a time)."""
         header = torch.tensor(
@@ -138,7 +147,9 @@ class WeightBroadcaster:
 
     def shutdown(self) -> None:
         """Tell every receiver that no more versions will come."""
-        self.group.broadcast(torch.tensor([SHUTDOWN, 0, 0, 0], dtype=torch.int64).to(self.group.device))
+        self.group.broadcast(
+            torch.tensor([SHUTDOWN, 0, 0, 0], dtype=torch.int64).to(self.group.device)
+        )
 
 
 @dataclass

@@ -10,8 +10,9 @@ from __future__ import annotations
 import torch
 
 
-def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, norm_by_std: bool = True,
-                    eps: float = 1e-6) -> torch.Tensor:
+def grpo_advantages(
+    rewards: torch.Tensor, group_index: torch.Tensor, norm_by_std: bool = True, eps: float = 1e-6
+) -> torch.Tensor:
     """GRPO outcome advantage, one value per sequence:
 
         A_i = (r_i - mean_{j in g(i)} r_j) / (std_{j in g(i)} r_j + eps)     (norm_by_std)
@@ -32,9 +33,14 @@ def grpo_advantages(rewards: torch.Tensor, group_index: torch.Tensor, norm_by_st
     return centered / (std[group_index] + eps)
 
 
-def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
-                  mask: torch.Tensor, clip_low: float, clip_high: float
-                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_low: float,
+    clip_high: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate per token, summed over `mask` (the caller normalises):
 
         r = exp(logp - logp_old),   l = max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))
@@ -53,6 +59,7 @@ def ppo_clip_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages
             "clipped_tokens": ((clipped > unclipped).to(m.dtype) * m).sum(),
             "ratio_sum": (ratio * m).sum(),
             "ratio_max": torch.where(m > 0, ratio, torch.zeros_like(ratio)).max()
-            if m.numel() else torch.zeros(()),
+            if m.numel()
+            else torch.zeros(()),
         }
     return (per_token * m).sum(), stats

@@ -61,8 +61,15 @@ def from_message(msg: Batch, pad_id: int) -> TrainBatch:
         versions[i, n_p : n_p + n_r] = torch.from_numpy(msg.versions[r].astype("int64"))
     group_of: dict[str, int] = {}
     group_index = torch.tensor([group_of.setdefault(g, len(group_of)) for g in msg.group_ids])
-    return TrainBatch(input_ids, attention_mask, loss_mask, old_logprobs, versions,
-                      torch.from_numpy(msg.rewards.copy()), group_index)
+    return TrainBatch(
+        input_ids,
+        attention_mask,
+        loss_mask,
+        old_logprobs,
+        versions,
+        torch.from_numpy(msg.rewards.copy()),
+        group_index,
+    )
 
 
 def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
@@ -94,7 +101,11 @@ def broadcast_batch(batch: TrainBatch | None, rank: int, device: torch.device) -
     for name in names:
         like = {"rewards": (b,), "group_index": (b,)}.get(name, (b, seq_len))
         dtype = torch.float32 if name in ("loss_mask", "old_logprobs", "rewards") else torch.int64
-        t = getattr(batch, name).to(device) if rank == 0 else torch.empty(like, dtype=dtype, device=device)
+        t = (
+            getattr(batch, name).to(device)
+            if rank == 0
+            else torch.empty(like, dtype=dtype, device=device)
+        )
         dist.broadcast(t, 0)
         out[name] = t
     return TrainBatch(**out)

@@ -34,8 +34,12 @@ def setup_distributed(device_kind: str, timeout_s: float = 3600.0) -> tuple[int,
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
-    dist.init_process_group("nccl" if use_cuda else "gloo", rank=rank, world_size=world,
-                            timeout=timedelta(seconds=timeout_s))
+    dist.init_process_group(
+        "nccl" if use_cuda else "gloo",
+        rank=rank,
+        world_size=world,
+        timeout=timedelta(seconds=timeout_s),
+    )
     return rank, world, device
 
 

@@ -50,8 +50,9 @@ class Learner:
         self.model = setup_model(spec.model_path, device)
         self.model.train()
         lc = cfg.learner
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=lc.lr, betas=lc.betas,
-                                           weight_decay=lc.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay
+        )
         self.specs = param_specs(self.model)
         self.temperature = cfg.rollout.temperature or 1.0
         self.pad_id = self.model.config.pad_token_id or 0
@@ -60,11 +61,17 @@ class Learner:
         self.broadcaster: WeightBroadcaster | None = None
         if rank == 0:
             self.replay = ReplayClient(spec.replay_address)
-            group = SyncGroup(spec.sync_host, spec.sync_port, 0, 1 + cfg.rollout.num_servers, device)
+            group = SyncGroup(
+                spec.sync_host, spec.sync_port, 0, 1 + cfg.rollout.num_servers, device
+            )
             self.broadcaster = WeightBroadcaster(group, int(lc.bucket_mb * 2**20))
             self.metrics = JsonlWriter(run_dir / "metrics.jsonl")
-            self.samples = JsonlWriter(run_dir / "samples.jsonl") if cfg.trainer.log_samples else None
-            self.weight_log = JsonlWriter(run_dir / "weights_learner.jsonl") if lc.weight_checksum else None
+            self.samples = (
+                JsonlWriter(run_dir / "samples.jsonl") if cfg.trainer.log_samples else None
+            )
+            self.weight_log = (
+                JsonlWriter(run_dir / "weights_learner.jsonl") if lc.weight_checksum else None
+            )
         self._last_step_end = time.perf_counter()
 
     # ---- stages -------------------------------------------------------------------------
@@ -74,12 +81,18 @@ class Learner:
         batch = None
         if self.rank == 0:
             assert self.replay is not None
-            msg = self.replay.fetch_batch(version, self.cfg.data.train_batch_size,
-                                          should_stop=lambda: self.stop_requested)
+            msg = self.replay.fetch_batch(
+                version, self.cfg.data.train_batch_size, should_stop=lambda: self.stop_requested
+            )
             if msg is not None:
                 batch = from_message(msg, self.pad_id)
-                info = {"traj_ids": msg.traj_ids, "stale_dropped": msg.stale_dropped,
-                        "response_lengths": [int(x) for x in msg.response_offsets[1:] - msg.response_offsets[:-1]]}
+                info = {
+                    "traj_ids": msg.traj_ids,
+                    "stale_dropped": msg.stale_dropped,
+                    "response_lengths": [
+                        int(x) for x in msg.response_offsets[1:] - msg.response_offsets[:-1]
+                    ],
+                }
         go = torch.tensor([1 if (self.rank != 0 or batch is not None) else 0], device=self.device)
         if self.world > 1:
             dist.broadcast(go, 0)
@@ -110,14 +123,19 @@ class Learner:
             logp = token_logprobs(self.model, mb, self.temperature)
             mask = mb.loss_mask[:, 1:]
             adv = my_adv[i * mbs : (i + 1) * mbs, None].expand_as(logp)
-            loss_sum, st = ppo_clip_loss(logp, mb.old_logprobs[:, 1:], adv, mask,
-                                         a.clip_ratio_low, a.clip_ratio_high)
+            loss_sum, st = ppo_clip_loss(
+                logp, mb.old_logprobs[:, 1:], adv, mask, a.clip_ratio_low, a.clip_ratio_high
+            )
             (loss_sum * scale).backward()
             with torch.no_grad():
                 diff = ((logp - mb.old_logprobs[:, 1:]).abs() * mask).sum()
-                sums += torch.stack([loss_sum.detach(), st["clipped_tokens"], st["ratio_sum"], diff])
+                sums += torch.stack(
+                    [loss_sum.detach(), st["clipped_tokens"], st["ratio_sum"], diff]
+                )
                 ratio_max = torch.maximum(ratio_max, st["ratio_max"])
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.learner.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(
+            self.model.parameters(), self.cfg.learner.grad_clip
+        )
         if hasattr(grad_norm, "full_tensor"):
             grad_norm = grad_norm.full_tensor()
         self.optimizer.step()
@@ -126,9 +144,14 @@ class Learner:
             dist.all_reduce(sums)
             dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
         n = float(total_tokens)
-        return {"loss": float(sums[0]) / n, "clip_frac": float(sums[1]) / n,
-                "ratio_mean": float(sums[2]) / n, "ratio_max": float(ratio_max),
-                "logprob_abs_diff": float(sums[3]) / n, "grad_norm": float(grad_norm)}
+        return {
+            "loss": float(sums[0]) / n,
+            "clip_frac": float(sums[1]) / n,
+            "ratio_mean": float(sums[2]) / n,
+            "ratio_max": float(ratio_max),
+            "logprob_abs_diff": float(sums[3]) / n,
+            "grad_norm": float(grad_norm),
+        }
 
     def broadcast_weights(self, version: int) -> str | None:
         """Gather full weights (all ranks) and broadcast them to every server (rank 0)."""
@@ -156,7 +179,9 @@ class Learner:
     # ---- loop ---------------------------------------------------------------------------
     def run(self) -> None:
         if self.cfg.learner.weight_checksum and self.rank == 0:
-            self.weight_log.write({"version": 0, "checksum": weights_checksum(iter_full_tensors(self.model))})
+            self.weight_log.write(
+                {"version": 0, "checksum": weights_checksum(iter_full_tensors(self.model))}
+            )
         elif self.cfg.learner.weight_checksum:
             for _ in iter_full_tensors(self.model):
                 pass
@@ -176,7 +201,9 @@ class Learner:
         if batch is None:
             return False
         with timer("compute_advantages"):
-            adv = grpo_advantages(batch.rewards, batch.group_index, self.cfg.algorithm.norm_adv_by_std)
+            adv = grpo_advantages(
+                batch.rewards, batch.group_index, self.cfg.algorithm.norm_adv_by_std
+            )
         with timer("update"):
             stats = self.update(batch, adv)
         with timer("broadcast_weights"):
@@ -187,8 +214,15 @@ class Learner:
             self.log_step(version, batch, info, stats, timer, checksum)
         return True
 
-    def log_step(self, version: int, batch: TrainBatch, info: dict[str, Any],
-                 stats: dict[str, float], timer: StageTimer, checksum: str | None) -> None:
+    def log_step(
+        self,
+        version: int,
+        batch: TrainBatch,
+        info: dict[str, Any],
+        stats: dict[str, float],
+        timer: StageTimer,
+        checksum: str | None,
+    ) -> None:
         now = time.perf_counter()
         step_time, self._last_step_end = now - self._last_step_end, now
         sampled = batch.versions.masked_fill(batch.loss_mask == 0, 2**31)
@@ -197,12 +231,19 @@ class Learner:
         lengths = info["response_lengths"]
         gen_tokens = float(batch.loss_mask.sum())
         record = {
-            "step": version + 1, "version": version + 1, "time": time.time(),
-            "reward_mean": float(batch.rewards.mean()), "reward_std": float(batch.rewards.std()),
-            "samples": batch.size, "response_len_mean": sum(lengths) / max(len(lengths), 1),
-            "staleness_mean": float(staleness.mean()), "staleness_max": float(staleness.max()),
-            "stale_dropped": info["stale_dropped"], **stats,
-            "step_time_s": step_time, "samples_per_s": batch.size / step_time,
+            "step": version + 1,
+            "version": version + 1,
+            "time": time.time(),
+            "reward_mean": float(batch.rewards.mean()),
+            "reward_std": float(batch.rewards.std()),
+            "samples": batch.size,
+            "response_len_mean": sum(lengths) / max(len(lengths), 1),
+            "staleness_mean": float(staleness.mean()),
+            "staleness_max": float(staleness.max()),
+            "stale_dropped": info["stale_dropped"],
+            **stats,
+            "step_time_s": step_time,
+            "samples_per_s": batch.size / step_time,
             "gen_tokens_per_s": gen_tokens / step_time,
             "learner_idle_ratio": timer.seconds["fetch_batch"] / step_time,
             **{f"time_{k}_s": v for k, v in timer.seconds.items()},
@@ -212,9 +253,14 @@ class Learner:
             record["weights_checksum"] = checksum
         self.metrics.write(record)
         if self.samples is not None:
-            self.samples.write({"step": version + 1, "learner_version": version,
-                                "traj_ids": info["traj_ids"],
-                                "oldest_versions": [int(v) for v in oldest]})
+            self.samples.write(
+                {
+                    "step": version + 1,
+                    "learner_version": version,
+                    "traj_ids": info["traj_ids"],
+                    "oldest_versions": [int(v) for v in oldest],
+                }
+            )
 
     def save_final(self, out: Path) -> None:
         """Write the final weights as an ordinary Hugging Face model directory (rank 0)."""
@@ -241,6 +287,7 @@ def run_learner(spec: RunSpec, cfg: Config) -> None:
         learner.run()
     finally:
         if rank == 0:
-            write_json_atomic(Path(spec.run_dir) / "stats" / "learner.json",
-                              {"peak_rss_mb": peak_rss_mb()})
+            write_json_atomic(
+                Path(spec.run_dir) / "stats" / "learner.json", {"peak_rss_mb": peak_rss_mb()}
+            )
         dist.destroy_process_group()

@@ -1,0 +1,10 @@
+"""The replay fleet: one service between the rollout servers and the learner.
+
+Components (one module each), wired by `service.ReplayService` in one single-threaded loop:
+- `prompts`: a `PromptSource` of verl-schema rows, turned into prompt leases (`PromptItem`).
+- `admission`: `AdmissionController`, how many leases a server at version s may start now
+  (staleness rule plus capacity back-pressure).
+- `buffer`: `GroupBuffer`, the samples of each lease kept together, deduplicated, and handed to
+  the learner as whole groups no older than `replay.max_staleness` versions.
+- `service`: the ZeroMQ ROUTER loop and `run_replay`, the process entry point.
+"""

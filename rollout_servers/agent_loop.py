@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from asyncrl.protocol import PromptItem
+from asyncrl.tiny_model import render_prompt_ids
 from rollout_servers.engine import Engine, SamplingParams
 
 
@@ -37,12 +38,17 @@ class SingleTurnAgentLoop:
         self.engine, self.tokenizer, self.params = engine, tokenizer, params
 
     async def run(self, prompt: PromptItem) -> AgentResult:
-        from asyncrl.tiny_model import render_prompt_ids
-
         messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
         prompt_ids = render_prompt_ids(self.tokenizer, messages)
         out = await self.engine.generate(prompt_ids, self.params)
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         n = len(out.token_ids)
-        return AgentResult(prompt_ids, list(out.token_ids), [1] * n, list(out.logprobs),
-                           [out.version] * n, text, out.finish_reason)
+        return AgentResult(
+            prompt_ids,
+            list(out.token_ids),
+            [1] * n,
+            list(out.logprobs),
+            [out.version] * n,
+            text,
+            out.finish_reason,
+        )

@@ -38,8 +38,10 @@ class AsyncReplayClient:
 
     def start(self) -> list[asyncio.Task]:
         """Start the reply reader and the resender; the caller watches these tasks."""
-        self._tasks = [asyncio.create_task(self._read_replies(), name="replay-reader"),
-                       asyncio.create_task(self._resend_unacked(), name="replay-resender")]
+        self._tasks = [
+            asyncio.create_task(self._read_replies(), name="replay-reader"),
+            asyncio.create_task(self._resend_unacked(), name="replay-resender"),
+        ]
         return self._tasks
 
     async def lease(self, server_id: int, version: int, max_groups: int) -> list[PromptItem]:
@@ -51,7 +53,9 @@ class AsyncReplayClient:
         try:
             grant: LeaseGrant = await asyncio.wait_for(fut, self.reply_timeout_s)
         except asyncio.TimeoutError:
-            raise RuntimeError(f"replay did not answer a lease request within {self.reply_timeout_s}s") from None
+            raise RuntimeError(
+                f"replay did not answer a lease request within {self.reply_timeout_s}s"
+            ) from None
         finally:
             self._waiting.pop(request_id, None)
         return grant.prompts
@@ -75,6 +79,11 @@ class AsyncReplayClient:
                 if self.outbox.pop(msg.traj_id, None) is not None:
                     self.counters["acked"] += 1
                     self.counters[f"ack_{msg.status}"] += 1
+                    if msg.status == "rejected":
+                        log.error(
+                            "replay rejected trajectory %s as untrainable (see its log)",
+                            msg.traj_id,
+                        )
             elif isinstance(msg, LeaseGrant):
                 fut = self._waiting.get(msg.request_id)
                 if fut is not None and not fut.done():

@@ -48,8 +48,13 @@ class RewardComputer:
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
         self.failures: Counter[str] = Counter()
 
-    async def score(self, data_source: str, solution_str: str, ground_truth: str,
-                    extra_info: dict[str, Any] | None) -> tuple[float, dict[str, float]]:
+    async def score(
+        self,
+        data_source: str,
+        solution_str: str,
+        ground_truth: str,
+        extra_info: dict[str, Any] | None,
+    ) -> tuple[float, dict[str, float]]:
         fn = REWARD_FNS.get(data_source)
         if fn is None:
             self.failures["unknown_data_source"] += 1
@@ -58,7 +63,9 @@ class RewardComputer:
         loop = asyncio.get_running_loop()
         try:
             result = await asyncio.wait_for(
-                loop.run_in_executor(self._pool, fn, data_source, solution_str, ground_truth, extra_info),
+                loop.run_in_executor(
+                    self._pool, fn, data_source, solution_str, ground_truth, extra_info
+                ),
                 self.timeout_s,
             )
         except asyncio.TimeoutError:

@@ -44,41 +44,71 @@ log = logging.getLogger("asyncrl.rollout")
 
 
 class RolloutServer:
-    def __init__(self, cfg: Config, spec: RunSpec, server_id: int, engine: Engine,
-                 agent_loop: AgentLoop, client: AsyncReplayClient, rewards: RewardComputer):
+    def __init__(
+        self,
+        cfg: Config,
+        spec: RunSpec,
+        server_id: int,
+        engine: Engine,
+        agent_loop: AgentLoop,
+        client: AsyncReplayClient,
+        rewards: RewardComputer,
+    ):
         self.cfg, self.spec, self.server_id = cfg, spec, server_id
-        self.engine, self.agent_loop, self.client, self.rewards = engine, agent_loop, client, rewards
+        self.engine, self.agent_loop, self.client, self.rewards = (
+            engine,
+            agent_loop,
+            client,
+            rewards,
+        )
         self.counters: Counter[str] = Counter()
         self.sync_times: list[float] = []
         self._wake = asyncio.Event()
         self._receiver_error: BaseException | None = None
         run_dir = Path(spec.run_dir)
-        self._weight_log = (JsonlWriter(run_dir / f"weights_server_{server_id}.jsonl")
-                            if cfg.learner.weight_checksum else None)
+        self._weight_log = (
+            JsonlWriter(run_dir / f"weights_server_{server_id}.jsonl")
+            if cfg.learner.weight_checksum
+            else None
+        )
 
     # ---- weight sync (a thread: the broadcast is a blocking collective) -----------------
     def start_weight_receiver(self, loop: asyncio.AbstractEventLoop) -> threading.Thread:
         if self._weight_log is not None:
-            self._weight_log.write({"version": self.engine.version,
-                                    "checksum": weights_checksum(self.engine.named_weights())})
-        thread = threading.Thread(target=self._receive_weights, args=(loop,), daemon=True,
-                                  name="weight-receiver")
+            self._weight_log.write(
+                {
+                    "version": self.engine.version,
+                    "checksum": weights_checksum(self.engine.named_weights()),
+                }
+            )
+        thread = threading.Thread(
+            target=self._receive_weights, args=(loop,), daemon=True, name="weight-receiver"
+        )
         thread.start()
         return thread
 
     def _receive_weights(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
             device = torch.device("cuda" if _uses_cuda(self.cfg.rollout.device) else "cpu")
-            group = SyncGroup(self.spec.sync_host, self.spec.sync_port, 1 + self.server_id,
-                              1 + self.cfg.rollout.num_servers, device)
+            group = SyncGroup(
+                self.spec.sync_host,
+                self.spec.sync_port,
+                1 + self.server_id,
+                1 + self.cfg.rollout.num_servers,
+                device,
+            )
             receiver = WeightReceiver(group, specs_of(self.engine.named_weights()))
             while (got := receiver.receive()) is not None:
                 start = time.perf_counter()
                 self.engine.update_weights(got.weights, got.version)
                 self.sync_times.append(time.perf_counter() - start)
                 if self._weight_log is not None:
-                    self._weight_log.write({"version": got.version,
-                                            "checksum": weights_checksum(self.engine.named_weights())})
+                    self._weight_log.write(
+                        {
+                            "version": got.version,
+                            "checksum": weights_checksum(self.engine.named_weights()),
+                        }
+                    )
                 loop.call_soon_threadsafe(self._wake.set)
             log.info("learner closed the weight-sync group")
         except BaseException as e:  # surfaced by the main loop, which re-raises it
@@ -92,17 +122,26 @@ class RolloutServer:
 
     async def run_sample(self, prompt: PromptItem, index: int) -> None:
         result = await self.agent_loop.run(prompt)
-        reward, extras = await self.rewards.score(prompt.data_source, result.response_text,
-                                                  prompt.ground_truth, json.loads(prompt.extra_info_json))
+        reward, extras = await self.rewards.score(
+            prompt.data_source,
+            result.response_text,
+            prompt.ground_truth,
+            json.loads(prompt.extra_info_json),
+        )
         traj = Trajectory(
-            traj_id=uuid.uuid4().hex, attempt=0, group_id=prompt.group_id, sample_index=index,
+            traj_id=uuid.uuid4().hex,
+            attempt=0,
+            group_id=prompt.group_id,
+            sample_index=index,
             server_id=self.server_id,
             prompt_ids=np.asarray(result.prompt_ids, np.int32),
             response_ids=np.asarray(result.response_ids, np.int32),
             loss_mask=np.asarray(result.loss_mask, np.uint8),
             behaviour_logprobs=np.asarray(result.logprobs, np.float32),
             versions=np.asarray(result.versions, np.int32),
-            reward=reward, finish_reason=result.finish_reason, metrics={**result.metrics, **extras},
+            reward=reward,
+            finish_reason=result.finish_reason,
+            metrics={**result.metrics, **extras},
         )
         await self.client.put(traj)
         self.counters["trajectories"] += 1
@@ -113,38 +152,48 @@ class RolloutServer:
         background = self.client.start()
         self.start_weight_receiver(loop)
         groups: set[asyncio.Task] = set()
-        lease: asyncio.Task | None = None
-        lease_version = -1
+        leases: set[asyncio.Task] = set()  # outstanding lease requests; every grant is used
+        asked_at_version = -1
         capacity = self.cfg.rollout.max_concurrent_groups
         while not stop.is_set():
+            self._wake.clear()  # anything that happens from here on wakes the sleep below
             self._raise_if_failed(background)
-            free = capacity - len(groups)
-            if free > 0 and (lease is None or lease_version != self.engine.version):
-                lease_version = self.engine.version
-                lease = asyncio.create_task(self.client.lease(self.server_id, lease_version, free))
-                lease.add_done_callback(lambda _: self._wake.set())
-            if lease is not None and lease.done():
-                for prompt in lease.result():
-                    task = asyncio.create_task(self.run_group(prompt))
-                    task.add_done_callback(lambda _: self._wake.set())
-                    groups.add(task)
-                self.counters["leases"] += len(lease.result())
-                lease = None
+            for done in [t for t in leases if t.done()]:
+                leases.discard(done)
+                for prompt in done.result():
+                    groups.add(self._spawn(self.run_group(prompt)))
+                    self.counters["leases"] += 1
             for done in [t for t in groups if t.done()]:
                 groups.discard(done)
                 done.result()
-            self._wake.clear()
-            stop_wait = asyncio.ensure_future(stop.wait())
-            await asyncio.wait([stop_wait, asyncio.ensure_future(self._wake.wait())],
-                               timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-            stop_wait.cancel()
+            free = capacity - len(groups)
+            # ask again at once when the engine moved on: admission control judges by version
+            if free > 0 and (not leases or asked_at_version != self.engine.version):
+                asked_at_version = self.engine.version
+                leases.add(self._spawn(self.client.lease(self.server_id, asked_at_version, free)))
+            await self._sleep_until_woken(stop, timeout_s=0.5)
+        for t in leases | groups:
+            t.cancel()
         left = await self.client.drain(timeout_s=5.0)
         if left:
             log.warning("%d trajectories were not acknowledged before shutdown", left)
 
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.create_task(coro)
+        task.add_done_callback(lambda _: self._wake.set())
+        return task
+
+    async def _sleep_until_woken(self, stop: asyncio.Event, timeout_s: float) -> None:
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._wake.wait())]
+        await asyncio.wait(waits, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()
+
     def _raise_if_failed(self, background: list[asyncio.Task]) -> None:
         if self._receiver_error is not None:
-            raise RuntimeError(f"weight receiver failed: {self._receiver_error!r}") from self._receiver_error
+            raise RuntimeError(
+                f"weight receiver failed: {self._receiver_error!r}"
+            ) from self._receiver_error
         for t in background:
             if t.done():
                 t.result()
@@ -152,11 +201,16 @@ class RolloutServer:
 
     def stats(self) -> dict[str, float]:
         times = self.sync_times or [0.0]
-        return {**self.counters, **{f"client_{k}": v for k, v in self.client.counters.items()},
-                **{f"reward_{k}": v for k, v in self.rewards.failures.items()},
-                "engine_version": self.engine.version, "weight_syncs": len(self.sync_times),
-                "weight_apply_mean_s": sum(times) / len(times), "peak_rss_mb": peak_rss_mb(),
-                "unacked_at_exit": len(self.client.outbox)}
+        return {
+            **self.counters,
+            **{f"client_{k}": v for k, v in self.client.counters.items()},
+            **{f"reward_{k}": v for k, v in self.rewards.failures.items()},
+            "engine_version": self.engine.version,
+            "weight_syncs": len(self.sync_times),
+            "weight_apply_mean_s": sum(times) / len(times),
+            "peak_rss_mb": peak_rss_mb(),
+            "unacked_at_exit": len(self.client.outbox),
+        }
 
 
 def _uses_cuda(device: str) -> bool:
@@ -169,13 +223,20 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
 
     rc = cfg.rollout
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
-    engine = HFEngine(spec.model_path, device="cuda" if _uses_cuda(rc.device) else "cpu",
-                      max_batch_size=rc.max_batch_size, seed=cfg.trainer.seed + 1000 * (server_id + 1))
-    params = SamplingParams(temperature=rc.temperature, top_p=rc.top_p,
-                            max_new_tokens=rc.max_new_tokens)
+    engine = HFEngine(
+        spec.model_path,
+        device="cuda" if _uses_cuda(rc.device) else "cpu",
+        max_batch_size=rc.max_batch_size,
+        seed=cfg.trainer.seed + 1000 * (server_id + 1),
+    )
+    params = SamplingParams(
+        temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens
+    )
     agent = SingleTurnAgentLoop(engine, tokenizer, params)
     client = AsyncReplayClient(spec.replay_address, ack_timeout_s=rc.ack_timeout_s)
-    return RolloutServer(cfg, spec, server_id, engine, agent, client, RewardComputer(rc.reward_timeout_s))
+    return RolloutServer(
+        cfg, spec, server_id, engine, agent, client, RewardComputer(rc.reward_timeout_s)
+    )
 
 
 def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
@@ -191,7 +252,9 @@ def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
         try:
             await server.run(stop)
         finally:
-            write_json_atomic(Path(spec.run_dir) / "stats" / f"server_{server_id}.json", server.stats())
+            write_json_atomic(
+                Path(spec.run_dir) / "stats" / f"server_{server_id}.json", server.stats()
+            )
             server.client.close()
             server.rewards.close()
 

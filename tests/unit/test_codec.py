@@ -4,15 +4,32 @@ import pytest
 
 from asyncrl.codec import WIRE_VERSION, ProtocolError, decode, encode
 from asyncrl.protocol import (
-    Batch, ChatMessage, LeaseGrant, PromptItem, Stats, Trajectory, empty_batch,
+    Batch,
+    ChatMessage,
+    LeaseGrant,
+    PromptItem,
+    Stats,
+    Trajectory,
+    empty_batch,
 )
 
 
 def _traj(**kw):
-    base = dict(traj_id="t1", attempt=0, group_id="g", sample_index=0, server_id=0,
-                prompt_ids=np.array([1, 2, 3]), response_ids=np.array([4, 5]),
-                loss_mask=np.array([1, 1], np.uint8), behaviour_logprobs=np.array([-0.5, -1.0]),
-                versions=np.array([3, 3]), reward=1.0, finish_reason="stop", metrics={"k": 2.0})
+    base = dict(
+        traj_id="t1",
+        attempt=0,
+        group_id="g",
+        sample_index=0,
+        server_id=0,
+        prompt_ids=np.array([1, 2, 3]),
+        response_ids=np.array([4, 5]),
+        loss_mask=np.array([1, 1], np.uint8),
+        behaviour_logprobs=np.array([-0.5, -1.0]),
+        versions=np.array([3, 3]),
+        reward=1.0,
+        finish_reason="stop",
+        metrics={"k": 2.0},
+    )
     base.update(kw)
     return Trajectory(**base)
 
@@ -43,15 +60,24 @@ def test_nested_structs_round_trip():
     assert isinstance(decode(_wire(empty_batch(3))), Batch)
 
 
-@pytest.mark.parametrize("mutate, reason", [
-    (lambda f: [b"\xc1garbage"], "MessagePack"),
-    (lambda f: [], "empty"),
-    (lambda f: [msgpack.packb([1, 2])] + f[1:], "map"),
-    (lambda f: [msgpack.packb({**msgpack.unpackb(f[0]), "v": WIRE_VERSION + 1})] + f[1:], "wire version"),
-    (lambda f: [msgpack.packb({**msgpack.unpackb(f[0]), "type": "nope"})] + f[1:], "unknown message type"),
-    (lambda f: f[:-1], "arrays"),
-    (lambda f: f[:1] + [f[1][:-1]] + f[2:], "do not fit"),
-])
+@pytest.mark.parametrize(
+    "mutate, reason",
+    [
+        (lambda f: [b"\xc1garbage"], "MessagePack"),
+        (lambda f: [], "empty"),
+        (lambda f: [msgpack.packb([1, 2])] + f[1:], "map"),
+        (
+            lambda f: [msgpack.packb({**msgpack.unpackb(f[0]), "v": WIRE_VERSION + 1})] + f[1:],
+            "wire version",
+        ),
+        (
+            lambda f: [msgpack.packb({**msgpack.unpackb(f[0]), "type": "nope"})] + f[1:],
+            "unknown message type",
+        ),
+        (lambda f: f[:-1], "arrays"),
+        (lambda f: f[:1] + [f[1][:-1]] + f[2:], "do not fit"),
+    ],
+)
 def test_malformed_messages_raise_protocol_error(mutate, reason):
     with pytest.raises(ProtocolError, match=reason):
         decode(mutate(_wire(_traj())))

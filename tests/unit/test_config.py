@@ -1,11 +1,13 @@
 import pytest
 
-from asyncrl.config import Config, ConfigError, load_config, parse_override
 from asyncrl.cli import main
+from asyncrl.config import Config, ConfigError, load_config, parse_override
 
 
 def test_default_config_loads_and_overrides_apply():
-    cfg = load_config(overrides=["rollout.n=4", "replay.max_staleness=0", "learner.betas=[0.9, 0.95]"])
+    cfg = load_config(
+        overrides=["rollout.n=4", "replay.max_staleness=0", "learner.betas=[0.9, 0.95]"]
+    )
     assert cfg.rollout.n == 4 and cfg.replay.max_staleness == 0
     assert cfg.learner.betas == (0.9, 0.95)
 

@@ -4,9 +4,13 @@ from asyncrl.weight_sync import ParamSpec, layout_hash, plan_buckets, specs_of, 
 
 
 def test_buckets_respect_size_and_dtype_and_keep_order():
-    specs = [ParamSpec("a", (10,), torch.float32), ParamSpec("b", (20,), torch.float32),
-             ParamSpec("c", (100,), torch.float32), ParamSpec("d", (4,), torch.bfloat16),
-             ParamSpec("e", (4,), torch.float32)]
+    specs = [
+        ParamSpec("a", (10,), torch.float32),
+        ParamSpec("b", (20,), torch.float32),
+        ParamSpec("c", (100,), torch.float32),
+        ParamSpec("d", (4,), torch.bfloat16),
+        ParamSpec("e", (4,), torch.float32),
+    ]
     buckets = plan_buckets(specs, bucket_bytes=160)
     names = [[p.name for p in b.params] for b in buckets]
     assert names == [["a", "b"], ["c"], ["d"], ["e"]]  # c alone exceeds the size: own bucket

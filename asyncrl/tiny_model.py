@@ -1,0 +1,267 @@
+"""The embedded tiny model: a character-level tokenizer and a small Llama, built locally.
+
+Nothing is downloaded. `prepare_embedded_model` builds the tokenizer and a randomly initialised
+`LlamaForCausalLM`, warm-starts it with a short supervised run on the embedded arithmetic task's
+noisy demonstrations (so it knows the answer format and is right only part of the time), and
+saves a plain Hugging Face model directory that every fleet loads with `from_pretrained`.
+
+Invariants:
+- Every prompt is rendered by the chat template through `render_prompt_ids`, so the warm-start,
+  the rollout servers and any evaluation see the same token ids for the same messages.
+- The cache directory for one (spec, task, warmstart_steps, seed, p_correct, format) exists only
+  when complete: it is written to a temporary sibling and renamed into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+)
+
+from asyncrl.tasks import ArithmeticTask
+
+FORMAT_VERSION = 1
+"""Bump when the tokenizer, template, model or warm-start recipe changes: old caches go stale."""
+
+PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
+ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
+SPECIAL_TOKENS = (PAD, BOS, EOS, UNK, *ROLE_TOKENS)
+
+CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|' + message['role'] + '|>' + message['content'] + '</s>' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+"""Each message renders as `<|role|>content</s>`; the generation prompt is `<|assistant|>`.
+No BOS: the role marker already starts every sequence."""
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A character-level tokenizer: the special tokens, then printable ASCII and newline.
+
+    Every character is its own token (the pre-tokenizer isolates each one, newlines included)
+    and the decoder concatenates tokens without separators, so decode(encode(s)) == s for any
+    text made of the vocabulary's characters. Role markers are special tokens: single ids that
+    are never split and that `skip_special_tokens` removes.
+    """
+    chars = [chr(c) for c in range(ord(" "), ord("~") + 1)] + ["\n"]
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *chars])}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD,
+        bos_token=BOS,
+        eos_token=EOS,
+        unk_token=UNK,
+        additional_special_tokens=list(ROLE_TOKENS),
+        clean_up_tokenization_spaces=False,
+        padding_side="right",
+    )
+    tokenizer.chat_template = CHAT_TEMPLATE
+    return tokenizer
+
+
+def render_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
+) -> list[int]:
+    """The chat template applied to `messages` with the generation prompt, as a flat id list.
+
+    transformers 5 returns a `BatchEncoding` from `apply_chat_template(tokenize=True)` while
+    older versions return a list; this normalises both so callers never see the difference.
+    """
+    rendered: Any = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
+    if not isinstance(rendered, list):
+        rendered = rendered["input_ids"]
+    return [int(t) for t in rendered]
+
+
+@dataclass(frozen=True)
+class TinyModelSpec:
+    """Shape of the embedded Llama. Head dim is hidden_size / num_attention_heads = 32, the
+    smallest that vLLM's attention kernels accept."""
+
+    hidden_size: int = 128
+    intermediate_size: int = 256
+    num_hidden_layers: int = 2
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 4
+    max_position_embeddings: int = 256
+    tie_word_embeddings: bool = False
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerBase, spec: TinyModelSpec, seed: int
+) -> LlamaForCausalLM:
+    """A randomly initialised float32 Llama sized for `tokenizer`, seeded without touching the
+    caller's global RNG state."""
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=spec.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = LlamaForCausalLM(config).to(torch.float32)
+    gen = model.generation_config
+    gen.bos_token_id = tokenizer.bos_token_id
+    gen.eos_token_id = tokenizer.eos_token_id
+    gen.pad_token_id = tokenizer.pad_token_id
+    return model
+
+
+def prepare_embedded_model(
+    cache_dir: str | Path,
+    task: ArithmeticTask,
+    warmstart_steps: int,
+    seed: int,
+    spec: TinyModelSpec = TinyModelSpec(),  # noqa: B008 (frozen, so a shared default is safe)
+    p_correct: float = 0.35,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """The warm-started embedded model as a Hugging Face directory, built once and cached.
+
+    The directory name is a hash of everything that determines its contents, so a hit is
+    returned at once without retraining; a miss builds, warm-starts and renames a finished
+    temporary directory into place (a crash leaves at most a stray temporary, never a
+    half-written cache entry; if two processes race, the first rename wins).
+    """
+    cache_dir = Path(cache_dir)
+    key = {
+        "format": FORMAT_VERSION,
+        "spec": dataclasses.asdict(spec),
+        "task": dataclasses.asdict(task),
+        "warmstart_steps": warmstart_steps,
+        "seed": seed,
+        "p_correct": p_correct,
+    }
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    final = cache_dir / f"tiny-llama-{digest}"
+    if final.is_dir():
+        return final
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer = build_tokenizer()
+    model = build_tiny_model(tokenizer, spec, seed)
+    warm_start(model, tokenizer, task, warmstart_steps, seed, p_correct, log)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.", dir=cache_dir))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "asyncrl_cache_key.json").write_text(json.dumps(key, indent=1, sort_keys=True))
+        os.rename(tmp, final)
+    except OSError:
+        if not final.is_dir():  # a concurrent builder finishing first is the only benign case
+            raise
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return final
+
+
+def warm_start(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerBase,
+    task: ArithmeticTask,
+    steps: int,
+    seed: int,
+    p_correct: float,
+    log: Callable[[str], None] = print,
+    batch_size: int = 64,
+    lr: float = 3e-3,
+    warmup_steps: int = 20,
+) -> None:
+    """Supervised training on `task.demonstration`, in place.
+
+    Each sequence is the rendered prompt, the answer and `</s>`; the loss covers only the answer
+    tokens and the final `</s>`, so the model learns to answer (and to stop) but is never
+    trained to predict prompts. The learning rate warms up linearly, then decays by a cosine to
+    a tenth of its peak.
+    """
+    if steps <= 0:
+        return
+    rng = random.Random(seed)
+    prompt_cache: dict[str, list[int]] = {}
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+
+    def lr_factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    model.train()
+    start = time.perf_counter()
+    for step in range(steps):
+        rows: list[tuple[list[int], list[int]]] = []
+        for _ in range(batch_size):
+            prompt, answer = task.demonstration(rng, p_correct)
+            if prompt not in prompt_cache:
+                messages = [{"role": "user", "content": prompt}]
+                prompt_cache[prompt] = render_prompt_ids(tokenizer, messages)
+            target = tokenizer.encode(answer, add_special_tokens=False)
+            rows.append((prompt_cache[prompt], [*target, tokenizer.eos_token_id]))
+        input_ids, loss_mask = _right_padded(rows, tokenizer.pad_token_id)
+        attention_mask = (loss_mask >= 0).long()
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+        targets, weights = input_ids[:, 1:], (loss_mask[:, 1:] > 0).float()
+        nll = torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
+        )
+        loss = (nll * weights.reshape(-1)).sum() / weights.sum()
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        scheduler.step()
+        if step % 50 == 0 or step == steps - 1:
+            elapsed = time.perf_counter() - start
+            log(f"warm-start step {step + 1}/{steps} loss {loss.item():.4f} {elapsed:.1f}s")
+    model.eval()
+
+
+def _right_padded(
+    rows: list[tuple[list[int], list[int]]], pad_id: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, loss_mask) for (prompt, target) rows: mask 0 on prompt, 1 on target, -1 on
+    padding (so one tensor also gives the attention mask)."""
+    length = max(len(p) + len(t) for p, t in rows)
+    input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
+    loss_mask = torch.full((len(rows), length), -1, dtype=torch.long)
+    for i, (prompt, target) in enumerate(rows):
+        seq = prompt + target
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        loss_mask[i, : len(prompt)] = 0
+        loss_mask[i, len(prompt) : len(seq)] = 1
+    return input_ids, loss_mask

@@ -1,0 +1,235 @@
+"""The staleness-bounded group buffer: samples of one prompt kept together until trained.
+
+A group is opened when its lease is granted and becomes ready when all `n` samples arrived. The
+learner takes whole ready groups, oldest lease first, and only as many as it asked for.
+
+Staleness: a sample's version is the OLDEST policy version among its sampled tokens (the minimum
+of `versions` where `loss_mask == 1`); a group's version is the oldest of its samples. A sample
+with no sampled token (every mask 0) counts as generated at the version the group was leased
+at: no token of it reaches the loss, and the lease version is a lower bound on any policy that
+could have produced it after the lease, so it never makes a group look fresher than it is.
+
+Invariants (tested):
+- No sample whose version v has `learner_version - v > max_staleness` is ever returned: every
+  ready group is checked against the learner version of the request that takes it.
+- Each trajectory is returned at most once: a traj_id is accepted once per group, a sample slot
+  is filled once, and a group leaves the buffer when returned, dropped or expired, after which
+  its trajectories are answered `late` (or `duplicate`, while their id is remembered).
+- A batch is whole groups, exactly as many as asked for, or nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+
+from asyncrl.protocol import Batch, PromptItem, Trajectory
+
+AddStatus = Literal["accepted", "duplicate", "late"]
+
+
+class MalformedTrajectory(ValueError):
+    """A trajectory that decoded but cannot be trained on (inconsistent arrays, bad index)."""
+
+
+def sample_version(traj: Trajectory, lease_version: int) -> int:
+    """The oldest policy version of the sample's sampled tokens (the lease version if none)."""
+    sampled = traj.versions[traj.loss_mask == 1]
+    return int(sampled.min()) if sampled.size else lease_version
+
+
+@dataclass
+class Group:
+    """The samples of one lease."""
+
+    item: PromptItem
+    lease_version: int  # the version admission judged the lease by
+    opened_at: float  # monotonic time the lease was granted
+    samples: list[Trajectory | None]  # by sample_index; None until it arrives
+    traj_ids: set[str] = field(default_factory=set)
+    filled: int = 0
+    version: int | None = None  # oldest sample version so far (None: no sample yet)
+
+    @property
+    def ready(self) -> bool:
+        return self.filled == len(self.samples)
+
+
+class GroupBuffer:
+    def __init__(self, seen_ids_limit: int = 1 << 16) -> None:
+        """`seen_ids_limit`: how many trajectory ids to remember for `duplicate` answers. It
+        only decides `duplicate` vs `late` for resends of retired groups; correctness (at most
+        once) never depends on it. Size it well above capacity_groups x n."""
+        self._groups: dict[str, Group] = {}  # in lease order (oldest first)
+        self._seen: OrderedDict[str, None] = OrderedDict()
+        self._seen_limit = seen_ids_limit
+        self._ready = 0
+
+    def __len__(self) -> int:
+        """Groups held: leased but incomplete, plus ready."""
+        return len(self._groups)
+
+    @property
+    def num_ready(self) -> int:
+        return self._ready
+
+    @property
+    def num_in_flight(self) -> int:
+        return len(self._groups) - self._ready
+
+    def open_group(self, item: PromptItem, now: float, lease_version: int) -> None:
+        if item.group_id in self._groups:
+            raise ValueError(f"group {item.group_id!r} is already open")
+        if item.n < 1:
+            raise ValueError(f"group {item.group_id!r}: n must be >= 1, got {item.n}")
+        self._groups[item.group_id] = Group(item, lease_version, now, [None] * item.n)
+
+    def add(self, traj: Trajectory) -> AddStatus:
+        """Place one sample. `duplicate`: this traj_id was seen before (any attempt), or its slot
+        is already filled; `late`: its group is unknown, expired, dropped or consumed. Raises
+        MalformedTrajectory when the sample cannot be trained on."""
+        check_trajectory(traj)
+        if traj.traj_id in self._seen:
+            return "duplicate"
+        group = self._groups.get(traj.group_id)
+        if group is not None and not 0 <= traj.sample_index < len(group.samples):
+            raise MalformedTrajectory(
+                f"sample_index {traj.sample_index} outside 0..{len(group.samples) - 1} "
+                f"of group {traj.group_id!r}"
+            )
+        self._remember(traj.traj_id)
+        if group is None:
+            return "late"
+        if traj.traj_id in group.traj_ids or group.samples[traj.sample_index] is not None:
+            return "duplicate"
+        group.samples[traj.sample_index] = traj
+        group.traj_ids.add(traj.traj_id)
+        group.filled += 1
+        v = sample_version(traj, group.lease_version)
+        group.version = v if group.version is None else min(group.version, v)
+        if group.ready:
+            self._ready += 1
+        return "accepted"
+
+    def pop_batch(
+        self, learner_version: int, num_groups: int, max_staleness: int
+    ) -> tuple[list[Group], int]:
+        """Drop every ready group too stale for `learner_version`, then take exactly
+        `num_groups` ready groups, oldest lease first, or none if fewer are ready.
+        Returns (groups, number of groups dropped as stale)."""
+        if num_groups < 1:
+            raise ValueError(f"num_groups must be >= 1, got {num_groups}")
+        stale = [
+            g
+            for g in self._groups.values()
+            if g.ready and learner_version - _version(g) > max_staleness
+        ]
+        for g in stale:
+            self._remove(g)
+        if self._ready < num_groups:
+            return [], len(stale)
+        taken = []
+        for g in self._groups.values():
+            if g.ready:
+                taken.append(g)
+                if len(taken) == num_groups:
+                    break
+        for g in taken:
+            self._remove(g)
+        return taken, len(stale)
+
+    def expire(self, now: float, lease_timeout_s: float) -> list[PromptItem]:
+        """Drop incomplete groups leased more than `lease_timeout_s` ago; returns their prompts
+        (so the caller can count and re-issue them)."""
+        old = [
+            g for g in self._groups.values() if not g.ready and now - g.opened_at > lease_timeout_s
+        ]
+        for g in old:
+            self._remove(g)
+        return [g.item for g in old]
+
+    def _remove(self, group: Group) -> None:
+        del self._groups[group.item.group_id]
+        if group.ready:
+            self._ready -= 1
+
+    def _remember(self, traj_id: str) -> None:
+        self._seen[traj_id] = None
+        while len(self._seen) > self._seen_limit:
+            self._seen.popitem(last=False)
+
+
+def _version(group: Group) -> int:
+    return group.lease_version if group.version is None else group.version
+
+
+def check_trajectory(traj: Trajectory) -> None:
+    """Raise MalformedTrajectory unless the arrays are 1-D, the response arrays have one length,
+    the mask is 0/1, sampled tokens carry a version >= 0 and finite log-probs, and the reward is
+    finite (a NaN reward would poison the whole group's advantages)."""
+    arrays = {
+        "prompt_ids": traj.prompt_ids,
+        "response_ids": traj.response_ids,
+        "loss_mask": traj.loss_mask,
+        "behaviour_logprobs": traj.behaviour_logprobs,
+        "versions": traj.versions,
+    }
+    for name, arr in arrays.items():
+        if arr.ndim != 1:
+            raise MalformedTrajectory(f"{name} must be 1-D, got shape {list(arr.shape)}")
+    lengths = {name: len(arr) for name, arr in arrays.items() if name != "prompt_ids"}
+    if len(set(lengths.values())) != 1:
+        raise MalformedTrajectory(f"response arrays differ in length: {lengths}")
+    if traj.loss_mask.size and traj.loss_mask.max() > 1:
+        raise MalformedTrajectory("loss_mask must be 0 or 1")
+    sampled = traj.loss_mask == 1
+    if sampled.any() and traj.versions[sampled].min() < 0:
+        raise MalformedTrajectory("a sampled token has a negative policy version")
+    if not np.isfinite(traj.behaviour_logprobs[sampled]).all():
+        raise MalformedTrajectory("a sampled token has a non-finite behaviour log-prob")
+    if not math.isfinite(traj.reward):
+        raise MalformedTrajectory(f"reward {traj.reward} is not finite")
+    if not traj.traj_id or not traj.group_id:
+        raise MalformedTrajectory("traj_id and group_id must be non-empty")
+
+
+def to_batch(request_id: int, groups: list[Group], stale_dropped: int) -> Batch:
+    """Flatten whole groups into the wire layout of `Batch`; a group's samples stay
+    consecutive, in sample_index order."""
+    samples: list[Trajectory] = []
+    group_ids: list[str] = []
+    data_sources: list[str] = []
+    for g in groups:
+        for s in g.samples:
+            if s is None:
+                raise ValueError(f"group {g.item.group_id!r} is not complete")
+            samples.append(s)
+            group_ids.append(g.item.group_id)
+            data_sources.append(g.item.data_source)
+
+    def offsets(arrays: list[np.ndarray]) -> np.ndarray:
+        return np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).astype(np.int64)
+
+    def cat(arrays: list[np.ndarray], dtype: type) -> np.ndarray:
+        return np.concatenate(arrays).astype(dtype, copy=False) if arrays else np.zeros(0, dtype)
+
+    return Batch(
+        request_id=request_id,
+        traj_ids=[s.traj_id for s in samples],
+        group_ids=group_ids,
+        data_sources=data_sources,
+        finish_reasons=[s.finish_reason for s in samples],
+        rewards=np.array([s.reward for s in samples], np.float32),
+        prompt_offsets=offsets([s.prompt_ids for s in samples]),
+        response_offsets=offsets([s.response_ids for s in samples]),
+        prompt_ids=cat([s.prompt_ids for s in samples], np.int32),
+        response_ids=cat([s.response_ids for s in samples], np.int32),
+        loss_mask=cat([s.loss_mask for s in samples], np.uint8),
+        behaviour_logprobs=cat([s.behaviour_logprobs for s in samples], np.float32),
+        versions=cat([s.versions for s in samples], np.int32),
+        stale_dropped=stale_dropped,
+    )

@@ -1,0 +1,413 @@
+"""The replay service: one process, one ZeroMQ ROUTER, one single-threaded poll loop.
+
+Wiring: a `PromptSource` feeds leases, an `AdmissionController` decides how many leases a
+server may start, a `GroupBuffer` holds the groups until the learner takes them. Requests are
+answered at once when they can be; otherwise they are held and answered as soon as something
+changes (a group completes, the learner moves on or consumes, a group is dropped), or answered
+empty after `replay.wait_timeout_s` so clients simply ask again.
+
+Messages (see `asyncrl.protocol`):
+- LeaseRequest -> LeaseGrant: admission judges a server by the version its engine holds (the
+  request says); a server asks again as soon as its engine moves to a new version, and that
+  newer request supersedes its held one.
+- Trajectory -> Ack(accepted | duplicate | late | rejected): every trajectory is acknowledged
+  every time it arrives, so a resending sender stops; `rejected` (it decoded but cannot be
+  trained on: uneven arrays, NaN reward, ...) is also logged and counted here.
+- BatchRequest -> Batch: exactly `num_groups` whole groups trainable at the request's
+  `learner_version` (authoritative), or an empty batch after the wait.
+- VersionUpdate -> Ack(ok); StatsRequest -> Stats.
+Anything that does not decode, is too large, or is a message the replay does not accept is
+answered with `Error` and counted; the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import signal
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import zmq
+
+from asyncrl.codec import ProtocolError
+from asyncrl.config import Config
+from asyncrl.metrics import write_json_atomic
+from asyncrl.protocol import (
+    Ack,
+    BatchRequest,
+    Error,
+    LeaseGrant,
+    LeaseRequest,
+    PromptItem,
+    Stats,
+    StatsRequest,
+    Trajectory,
+    VersionUpdate,
+    empty_batch,
+)
+from asyncrl.transport import decode_frames, send_msg, setup_socket
+from replay.admission import AdmissionController
+from replay.buffer import GroupBuffer, MalformedTrajectory, to_batch
+from replay.prompts import PromptSource, reissue, row_to_prompt_item, setup_prompt_source
+
+log = logging.getLogger("asyncrl.replay")
+
+POLL_INTERVAL_S = 0.1  # longest the loop sleeps, so a stop request is seen within it
+MAX_MESSAGES_PER_TICK = 1000  # messages handled between two looks at timers and held requests
+COUNTERS = (
+    "received",
+    "rejected_malformed",
+    "rejected_oversized",
+    "rejected_unexpected",
+    "lease_requests",
+    "leases_granted",
+    "leases_reissued",
+    "empty_grants",
+    "expired",
+    "accepted",
+    "duplicates",
+    "late",
+    "stale_dropped",
+    "batch_requests",
+    "batches_served",
+    "groups_served",
+    "samples_served",
+    "empty_batches",
+    "version_updates",
+)
+"""Every counter the replay reports, present (as 0) from the start."""
+_ACK_COUNTERS = {"accepted": "accepted", "duplicate": "duplicates", "late": "late"}
+_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+@dataclass
+class _Held:
+    """A request that could not be answered yet."""
+
+    identity: bytes
+    request: LeaseRequest | BatchRequest
+    deadline: float  # monotonic time of the empty answer
+    stale_dropped: int = 0  # batch requests: groups dropped as stale while it waited
+
+
+class ReplayService:
+    """The replay's main loop over a bound ROUTER socket (see the module docstring)."""
+
+    def __init__(self, cfg: Config, address: str, prompts: PromptSource) -> None:
+        rc = cfg.replay
+        if rc.capacity_groups < cfg.data.train_batch_size:
+            raise ValueError(
+                f"replay.capacity_groups={rc.capacity_groups} < data.train_batch_size="
+                f"{cfg.data.train_batch_size}: a batch could never be assembled"
+            )
+        self.cfg = cfg
+        self.address = address
+        self.prompts = prompts
+        self.admission = AdmissionController(
+            rc.max_staleness, cfg.data.train_batch_size, rc.capacity_groups
+        )
+        self.buffer = GroupBuffer(
+            seen_ids_limit=max(1 << 16, 16 * rc.capacity_groups * cfg.rollout.n)
+        )
+        self.max_bytes = int(rc.max_message_mb * 2**20)
+        self.learner_version = 0
+        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
+        self._rows_drawn = 0
+        self._retry: deque[PromptItem] = deque()  # expired leases, granted again before new rows
+        self._held_leases: list[_Held] = []
+        self._held_batches: list[_Held] = []
+        self._changed = False  # something happened that may let a held request be answered
+        self._next_expire_at = 0.0
+        self._handlers: dict[type, Callable[[bytes, Any], None]] = {
+            LeaseRequest: self._on_lease_request,
+            Trajectory: self._on_trajectory,
+            BatchRequest: self._on_batch_request,
+            VersionUpdate: self._on_version_update,
+            StatsRequest: self._on_stats_request,
+        }
+        self._ctx = zmq.Context()
+        self._sock = setup_socket(
+            self._ctx, zmq.ROUTER, bind=address, allow_remote=cfg.launch.allow_remote
+        )
+        log.info(
+            "replay listening on %s (max_staleness=%d, groups/batch=%d, capacity=%d groups)",
+            address,
+            rc.max_staleness,
+            cfg.data.train_batch_size,
+            rc.capacity_groups,
+        )
+
+    # ---- main loop ------------------------------------------------------------------------
+    def run(self, stop: threading.Event | None = None) -> dict[str, float]:
+        """Serve until `stop` is set; returns the final counters."""
+        while stop is None or not stop.is_set():
+            self.poll_once(self._poll_timeout())
+        return self.stats()
+
+    def poll_once(self, timeout_s: float) -> None:
+        """One tick: wait up to `timeout_s` for messages, handle what arrived, then expire
+        leases, answer held requests that can now be answered and those whose wait is over."""
+        if self._sock.poll(math.ceil(timeout_s * 1000)):
+            for _ in range(MAX_MESSAGES_PER_TICK):
+                try:
+                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+                except zmq.Again:
+                    break
+                self._handle(frames)
+        now = time.monotonic()
+        self._maybe_expire(now)
+        if self._changed:
+            self._changed = False
+            self._answer_held()
+        self._answer_timed_out(now)
+
+    def _poll_timeout(self) -> float:
+        deadlines = [h.deadline for h in self._held_leases + self._held_batches]
+        if not deadlines:
+            return POLL_INTERVAL_S
+        return min(POLL_INTERVAL_S, max(0.0, min(deadlines) - time.monotonic()))
+
+    def stats(self) -> dict[str, float]:
+        """Counters and gauges (see `Stats`)."""
+        return {
+            **{k: float(v) for k, v in self.counters.items()},
+            "groups_ready": float(self.buffer.num_ready),
+            "groups_in_flight": float(self.buffer.num_in_flight),
+            "groups_issued": float(self.admission.issued),
+            "held_lease_requests": float(len(self._held_leases)),
+            "held_batch_requests": float(len(self._held_batches)),
+            "learner_version": float(self.learner_version),
+        }
+
+    def close(self) -> None:
+        """Answer every held request empty (so no client waits for nothing) and close, giving
+        those answers at most 100 ms to leave."""
+        for held in self._held_leases + self._held_batches:
+            self._answer_empty(held)
+        self._held_leases, self._held_batches = [], []
+        self._sock.close(linger=100)
+        self._ctx.term()
+
+    # ---- one message ------------------------------------------------------------------------
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        self.counters["received"] += 1
+        if len(frames) < 2:  # a ROUTER always prepends the identity; nothing after it
+            self._reject(frames[0].bytes if frames else b"", "rejected_malformed", "no message")
+            return
+        identity, body = frames[0].bytes, frames[1:]
+        size = sum(len(f) for f in body)
+        if size > self.max_bytes:
+            reason = f"oversized message: {size} bytes > limit {self.max_bytes}"
+            self._reject(identity, "rejected_oversized", reason)
+            return
+        try:
+            msg = decode_frames(body, max_bytes=self.max_bytes)
+        except ProtocolError as e:
+            self._reject(identity, "rejected_malformed", str(e))
+            return
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._reject(
+                identity, "rejected_unexpected", f"the replay does not accept {type(msg).TYPE!r}"
+            )
+            return
+        handler(identity, msg)
+
+    def _reject(self, identity: bytes, counter: str, reason: str, reply: bool = True) -> None:
+        reason = reason if len(reason) <= 500 else reason[:500] + "..."  # it echoes sender input
+        self.counters[counter] += 1
+        n = self.counters[counter]
+        if n <= 10 or n % 1000 == 0:  # enough to diagnose, never a flood
+            log.warning("rejected message #%d (%s): %s", n, counter, reason)
+        if identity and reply:
+            send_msg(self._sock, Error(reason=reason), identity)
+
+    def _on_lease_request(self, identity: bytes, req: LeaseRequest) -> None:
+        if req.max_groups < 0:
+            self._reject(identity, "rejected_malformed", f"max_groups {req.max_groups} < 0")
+            return
+        self.counters["lease_requests"] += 1
+        # a newer request from the same server carries its current version and free slots
+        self._held_leases = self._supersede(self._held_leases, identity)
+        prompts = self._grant(req)
+        if prompts or req.max_groups == 0:
+            send_msg(self._sock, LeaseGrant(req.request_id, prompts), identity)
+        else:
+            self._hold(self._held_leases, identity, req)
+
+    def _on_trajectory(self, identity: bytes, traj: Trajectory) -> None:
+        try:
+            status = self.buffer.add(traj)
+        except MalformedTrajectory as e:
+            self._reject(
+                identity, "rejected_malformed", f"trajectory {traj.traj_id!r}: {e}", reply=False
+            )
+            send_msg(
+                self._sock, Ack(request_id=0, traj_id=traj.traj_id, status="rejected"), identity
+            )
+            return
+        self.counters[_ACK_COUNTERS[status]] += 1
+        self._changed |= status == "accepted"
+        send_msg(self._sock, Ack(request_id=0, traj_id=traj.traj_id, status=status), identity)
+
+    def _on_batch_request(self, identity: bytes, req: BatchRequest) -> None:
+        if not 1 <= req.num_groups <= self.cfg.replay.capacity_groups:
+            reason = (
+                f"num_groups {req.num_groups} outside 1..{self.cfg.replay.capacity_groups} "
+                "(replay.capacity_groups)"
+            )
+            self._reject(identity, "rejected_malformed", reason)
+            return
+        self.counters["batch_requests"] += 1
+        self._held_batches = self._supersede(self._held_batches, identity)
+        held = _Held(identity, req, time.monotonic() + self.cfg.replay.wait_timeout_s)
+        if not self._maybe_serve_batch(held):
+            self._held_batches.append(held)
+
+    def _on_version_update(self, identity: bytes, msg: VersionUpdate) -> None:
+        if msg.version < self.learner_version:
+            log.warning(
+                "learner version went back from %d to %d", self.learner_version, msg.version
+            )
+        self.learner_version = msg.version
+        self.counters["version_updates"] += 1
+        self._changed = True
+        send_msg(self._sock, Ack(request_id=msg.request_id, traj_id="", status="ok"), identity)
+
+    def _on_stats_request(self, identity: bytes, msg: StatsRequest) -> None:
+        send_msg(self._sock, Stats(request_id=msg.request_id, counters=self.stats()), identity)
+
+    # ---- leases -----------------------------------------------------------------------------
+    def _grant(self, req: LeaseRequest) -> list[PromptItem]:
+        version = req.server_version
+        k = self.admission.grantable(version, req.max_groups, len(self.buffer))
+        now = time.monotonic()
+        prompts = [self._next_prompt() for _ in range(k)]
+        for item in prompts:
+            self.buffer.open_group(item, now, lease_version=version)
+        self.admission.on_issued(k)
+        self.counters["leases_granted"] += k
+        return prompts
+
+    def _next_prompt(self) -> PromptItem:
+        if self._retry:
+            self.counters["leases_reissued"] += 1
+            return reissue(self._retry.popleft())
+        row_index = self._rows_drawn
+        self._rows_drawn += 1
+        return row_to_prompt_item(self.prompts.next_row(), row_index, self.cfg.rollout.n)
+
+    def _maybe_expire(self, now: float) -> None:
+        if now < self._next_expire_at:
+            return
+        timeout = self.cfg.replay.lease_timeout_s
+        self._next_expire_at = now + min(1.0, timeout / 4)
+        expired = self.buffer.expire(now, timeout)
+        if expired:
+            self.counters["expired"] += len(expired)
+            self.admission.on_never_trained(len(expired))
+            self._retry.extend(expired)
+            self._changed = True
+            log.warning("%d lease(s) expired after %.0fs; re-issuing", len(expired), timeout)
+
+    # ---- batches ----------------------------------------------------------------------------
+    def _maybe_serve_batch(self, held: _Held) -> bool:
+        """Answer `held` with a batch if one is ready; True if it was answered."""
+        req = held.request
+        assert isinstance(req, BatchRequest)
+        groups, stale = self.buffer.pop_batch(
+            req.learner_version, req.num_groups, self.cfg.replay.max_staleness
+        )
+        if stale:
+            self.counters["stale_dropped"] += stale
+            self.admission.on_never_trained(stale)
+            held.stale_dropped += stale
+            self._changed = True  # capacity and admission slots were freed
+        if not groups:
+            return False
+        batch = to_batch(req.request_id, groups, held.stale_dropped)
+        self.counters["batches_served"] += 1
+        self.counters["groups_served"] += len(groups)
+        self.counters["samples_served"] += len(batch.traj_ids)
+        self._changed = True  # capacity was freed
+        send_msg(self._sock, batch, held.identity)
+        return True
+
+    # ---- held requests ----------------------------------------------------------------------
+    def _hold(self, queue: list[_Held], identity: bytes, req: LeaseRequest) -> None:
+        queue.append(_Held(identity, req, time.monotonic() + self.cfg.replay.wait_timeout_s))
+
+    def _supersede(self, queue: list[_Held], identity: bytes) -> list[_Held]:
+        """Answer empty any request `identity` still has waiting in `queue`; return the rest."""
+        keep = []
+        for held in queue:
+            if held.identity == identity:
+                self._answer_empty(held)
+            else:
+                keep.append(held)
+        return keep
+
+    def _answer_held(self) -> None:
+        """Batches first (consuming frees capacity), then leases, each in arrival order."""
+        self._held_batches = [h for h in self._held_batches if not self._maybe_serve_batch(h)]
+        waiting = []
+        for held in self._held_leases:
+            assert isinstance(held.request, LeaseRequest)
+            prompts = self._grant(held.request)
+            if prompts:
+                send_msg(self._sock, LeaseGrant(held.request.request_id, prompts), held.identity)
+            else:
+                waiting.append(held)
+        self._held_leases = waiting
+
+    def _answer_timed_out(self, now: float) -> None:
+        for queue in (self._held_batches, self._held_leases):
+            for held in [h for h in queue if h.deadline <= now]:
+                queue.remove(held)
+                self._answer_empty(held)
+
+    def _answer_empty(self, held: _Held) -> None:
+        req = held.request
+        if isinstance(req, BatchRequest):
+            self.counters["empty_batches"] += 1
+            send_msg(self._sock, empty_batch(req.request_id, held.stale_dropped), held.identity)
+        else:
+            self.counters["empty_grants"] += 1
+            send_msg(self._sock, LeaseGrant(req.request_id, []), held.identity)
+
+
+def run_replay(cfg: Config, address: str, stats_path: str | None) -> None:
+    """Entry point of the replay process: serve until SIGTERM/SIGINT, then write the final
+    counters to `stats_path` (atomically) and log a one-line summary."""
+    service = ReplayService(cfg, address, setup_prompt_source(cfg))
+    stop = threading.Event()
+    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _STOP_SIGNALS}
+    try:
+        service.run(stop)
+    finally:
+        counters = service.stats()
+        service.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+        if stats_path is not None:
+            write_json_atomic(stats_path, counters)
+        log.info("replay done: %s", summarize(counters))
+
+
+def summarize(counters: dict[str, float]) -> str:
+    """One line for logs: what came in, what went out, what was dropped or rejected."""
+    c = {k: int(v) for k, v in counters.items()}
+    rejected = sum(v for k, v in c.items() if k.startswith("rejected_"))
+    return (
+        f"{c.get('accepted', 0)} trajectories accepted ({c.get('duplicates', 0)} duplicate, "
+        f"{c.get('late', 0)} late, {rejected} rejected messages); "
+        f"{c.get('leases_granted', 0)} leases granted, {c.get('expired', 0)} expired; "
+        f"{c.get('batches_served', 0)} batches / {c.get('samples_served', 0)} samples served; "
+        f"{c.get('stale_dropped', 0)} groups dropped as stale; "
+        f"learner version {c.get('learner_version', 0)}"
+    )

@@ -1,0 +1,319 @@
+"""The replay service over real ZeroMQ sockets: bad input is rejected and counted while the
+service keeps serving; held requests are answered when something changes."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+
+from asyncrl.codec import encode
+from asyncrl.config import Config
+from asyncrl.protocol import (
+    Ack,
+    Batch,
+    BatchRequest,
+    Error,
+    LeaseGrant,
+    LeaseRequest,
+    PromptItem,
+    Stats,
+    StatsRequest,
+    Trajectory,
+    VersionUpdate,
+)
+from asyncrl.transport import decode_frames, free_port, tcp_address
+from replay.prompts import setup_prompt_source
+from replay.service import COUNTERS, ReplayService
+
+pytestmark = pytest.mark.integration
+
+N = 2  # samples per group
+B = 2  # groups per batch
+WAIT_S = 0.4  # replay.wait_timeout_s
+
+
+def _config(**replay) -> Config:
+    return Config.model_validate(
+        {
+            "rollout": {"n": N},
+            "data": {"train_batch_size": B},
+            "replay": {"max_staleness": 0, "wait_timeout_s": WAIT_S, **replay},
+        }
+    )
+
+
+@contextmanager
+def running_replay(cfg: Config) -> Iterator[str]:
+    """A ReplayService looping in a thread on a free loopback port; yields its address."""
+    address = tcp_address("127.0.0.1", free_port())
+    service = ReplayService(cfg, address, setup_prompt_source(cfg))
+    stop = threading.Event()
+    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield address
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        assert not thread.is_alive(), "the replay loop did not stop"
+        service.close()
+
+
+@contextmanager
+def dealer(address: str) -> Iterator[zmq.Socket]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+@pytest.fixture
+def client() -> Iterator[zmq.Socket]:
+    with running_replay(_config(max_message_mb=0.01)) as address, dealer(address) as sock:
+        yield sock  # 10 KiB messages at most: easy to exceed
+
+
+def _send_raw(sock: zmq.Socket, frames: list[bytes]) -> object:
+    sock.send_multipart(frames)
+    return _recv(sock)
+
+
+def _recv(sock: zmq.Socket, timeout_s: float = 3.0) -> object:
+    assert sock.poll(int(timeout_s * 1000)), "the replay did not answer"
+    return decode_frames(sock.recv_multipart())
+
+
+def _ask(sock: zmq.Socket, msg: object) -> object:
+    return _send_raw(sock, [bytes(f) for f in encode(msg)])
+
+
+def _stats(sock: zmq.Socket) -> dict[str, float]:
+    reply = _ask(sock, StatsRequest(request_id=99))
+    assert isinstance(reply, Stats)
+    return reply.counters
+
+
+def _traj(group_id: str, index: int, version: int = 0, r: int = 3, **kw) -> Trajectory:
+    fields = dict(
+        traj_id=f"{group_id}/{index}",
+        attempt=0,
+        group_id=group_id,
+        sample_index=index,
+        server_id=0,
+        prompt_ids=np.array([1, 2, 3], np.int32),
+        response_ids=np.arange(r, dtype=np.int32),
+        loss_mask=np.ones(r, np.uint8),
+        behaviour_logprobs=np.full(r, -0.5, np.float32),
+        versions=np.full(r, version, np.int32),
+        reward=1.0,
+        finish_reason="stop",
+        metrics={},
+    )
+    fields.update(kw)
+    return Trajectory(**fields)
+
+
+def _lease(sock: zmq.Socket, request_id: int, version: int, max_groups: int) -> list[PromptItem]:
+    grant = _ask(sock, LeaseRequest(request_id, 0, version, max_groups))
+    assert isinstance(grant, LeaseGrant) and grant.request_id == request_id
+    return grant.prompts
+
+
+def _complete(sock: zmq.Socket, prompts: list[PromptItem], version: int = 0) -> None:
+    for p in prompts:
+        for i in range(p.n):
+            ack = _ask(sock, _traj(p.group_id, i, version))
+            assert isinstance(ack, Ack) and ack.status == "accepted"
+
+
+def _tampered_dtype(traj: Trajectory) -> list[bytes]:
+    frames = [bytes(f) for f in encode(traj)]
+    header = msgpack.unpackb(frames[0])
+    header["arrays"][0][1] = "<f8"  # prompt_ids claimed as float64
+    return [msgpack.packb(header), *frames[1:]]
+
+
+def test_every_counter_is_reported_from_the_start(client):
+    stats = _stats(client)
+    assert {k: stats[k] for k in COUNTERS} == {k: (k == "received") * 1.0 for k in COUNTERS}
+    gauges = ("groups_ready", "groups_in_flight", "groups_issued", "learner_version")
+    assert all(stats[k] == 0 for k in gauges)
+
+
+def test_bad_messages_are_rejected_counted_and_the_service_keeps_serving(client):
+    sock = client
+    good = [bytes(f) for f in encode(_traj("g", 0))]
+    bad_version = msgpack.unpackb(good[0])
+    bad_version["v"] = 99
+    unknown_type = msgpack.unpackb(good[0])
+    unknown_type["type"] = "no_such_message"
+    malformed = [
+        [b"\x00garbage\xff\xc1"],  # not MessagePack
+        [b""],  # an empty frame
+        [b"", b""],
+        [msgpack.packb(bad_version), *good[1:]],
+        [msgpack.packb(unknown_type), *good[1:]],
+        _tampered_dtype(_traj("g", 0)),
+        [*good[:-1], good[-1][:-2]],  # short array frame
+        good[:-1],  # an array frame missing
+        [bytes(f) for f in encode(LeaseRequest(1, 0, 0, -1))],
+        [bytes(f) for f in encode(BatchRequest(1, 0, 0))],
+    ]
+    for frames in malformed:
+        assert isinstance(_send_raw(sock, frames), Error)
+    # decodes, but cannot be trained on: acknowledged as rejected so the sender stops resending
+    uneven = _traj("g", 0, versions=np.zeros(1, np.int32))
+    reply = _send_raw(sock, [bytes(f) for f in encode(uneven)])
+    assert isinstance(reply, Ack) and reply.status == "rejected" and reply.traj_id == uneven.traj_id
+    huge = _traj("g", 0, prompt_ids=np.zeros(20_000, np.int32))
+    reply = _ask(sock, huge)
+    assert isinstance(reply, Error) and "oversized" in reply.reason
+    reply = _ask(sock, Ack(request_id=1, traj_id="x", status="ok"))  # valid, but not for it
+    assert isinstance(reply, Error) and "does not accept" in reply.reason
+
+    stats = _stats(sock)
+    assert stats["rejected_malformed"] == len(malformed) + 1  # + the untrainable trajectory
+    assert stats["rejected_oversized"] == 1
+    assert stats["rejected_unexpected"] == 1
+    assert stats["received"] == len(malformed) + 4
+
+    # a full round trip still works: lease -> samples (one resent) -> batch
+    prompts = _lease(sock, 1, version=0, max_groups=5)
+    assert len(prompts) == B and all(p.n == N for p in prompts)  # max_staleness 0: one batch
+    for p in prompts:  # embedded task rows, as a verl-schema dataset would give them
+        extra = json.loads(p.extra_info_json)
+        assert (
+            p.messages[0].role == "user" and p.messages[0].content == f"{extra['a']}+{extra['b']}="
+        )
+        assert p.ground_truth == str(extra["a"] + extra["b"])
+        assert p.group_id.startswith(f"{extra['index']}-")
+    _complete(sock, prompts)
+    resent = _ask(sock, _traj(prompts[0].group_id, 0, attempt=1))
+    assert isinstance(resent, Ack) and resent.status == "duplicate"
+    late = _ask(sock, _traj("never-leased", 0))
+    assert isinstance(late, Ack) and late.status == "late"
+    batch = _ask(sock, BatchRequest(request_id=7, learner_version=0, num_groups=B))
+    assert isinstance(batch, Batch) and batch.request_id == 7
+    assert batch.group_ids == [p.group_id for p in prompts for _ in range(N)]
+    assert batch.response_offsets.tolist() == [0, 3, 6, 9, 12]
+    stats = _stats(sock)
+    assert (stats["accepted"], stats["duplicates"], stats["late"]) == (B * N, 1, 1)
+    assert (stats["batches_served"], stats["samples_served"]) == (1, B * N)
+    assert (stats["leases_granted"], stats["groups_ready"], stats["groups_in_flight"]) == (B, 0, 0)
+
+
+def test_held_batch_request_is_answered_when_the_groups_complete(client):
+    prompts = _lease(client, 1, version=0, max_groups=B)
+    _complete(client, prompts[:1])
+    client.send_multipart([bytes(f) for f in encode(BatchRequest(5, 0, B))])
+    assert not client.poll(100), "one group short: the request must wait"
+    last = prompts[1]
+    _ask(client, _traj(last.group_id, 0))
+    started = time.monotonic()
+    client.send_multipart([bytes(f) for f in encode(_traj(last.group_id, 1))])
+    replies = [_recv(client), _recv(client)]
+    assert time.monotonic() - started < WAIT_S  # answered by the completion, not the timeout
+    batch = next(r for r in replies if isinstance(r, Batch))
+    assert batch.request_id == 5 and len(batch.traj_ids) == B * N
+
+
+def test_held_lease_request_is_superseded_by_one_at_the_new_version(client):
+    first = _lease(client, 1, version=0, max_groups=4)
+    assert len(first) == B
+    client.send_multipart([bytes(f) for f in encode(LeaseRequest(2, 0, 0, 4))])
+    assert not client.poll(100), "admission is full at version 0: the request must wait"
+    _complete(client, first)
+    assert isinstance(_ask(client, BatchRequest(3, 0, B)), Batch)
+    assert isinstance(_ask(client, VersionUpdate(4, 1)), Ack)
+    assert not client.poll(100), "the server still holds version 0: admission must not grant"
+    started = time.monotonic()
+    # the server's engine moved to version 1: it asks again, which supersedes the held request
+    client.send_multipart([bytes(f) for f in encode(LeaseRequest(5, 0, 1, 4))])
+    replies = {r.request_id: r for r in (_recv(client), _recv(client))}
+    assert time.monotonic() - started < WAIT_S
+    assert replies[2].prompts == [] and len(replies[5].prompts) == B
+
+
+def test_held_requests_are_answered_empty_after_the_wait(client):
+    _lease(client, 1, version=0, max_groups=B)
+    started = time.monotonic()
+    grant = _ask(client, LeaseRequest(2, 0, 0, 1))
+    batch = _ask(client, BatchRequest(3, 0, B))
+    assert isinstance(grant, LeaseGrant) and grant.prompts == []
+    assert isinstance(batch, Batch) and batch.traj_ids == [] and batch.request_id == 3
+    assert WAIT_S * 2 * 0.9 <= time.monotonic() - started < WAIT_S * 2 + 1.0
+    stats = _stats(client)
+    assert (stats["empty_grants"], stats["empty_batches"]) == (1, 1)
+
+
+def test_stale_groups_are_dropped_and_reported_in_the_batch(client):
+    prompts = _lease(client, 1, version=0, max_groups=B)
+    _complete(client, prompts, version=0)
+    _ask(client, VersionUpdate(2, 1))
+    fresh = _lease(client, 3, version=1, max_groups=B)
+    assert len(fresh) == B
+    _complete(client, fresh, version=1)
+    batch = _ask(client, BatchRequest(4, learner_version=1, num_groups=B))
+    assert isinstance(batch, Batch) and batch.stale_dropped == B
+    assert set(batch.group_ids) == {p.group_id for p in fresh}
+    assert set(batch.versions.tolist()) == {1}
+    assert _stats(client)["stale_dropped"] == B
+
+
+def test_expired_leases_are_counted_and_reissued():
+    with running_replay(_config(lease_timeout_s=0.2)) as address, dealer(address) as sock:
+        first = _lease(sock, 1, version=0, max_groups=B)
+        time.sleep(0.5)
+        again = _lease(sock, 2, version=0, max_groups=B)
+        assert _rows(again) == _rows(first)  # the same prompts, under new group ids
+        assert not {p.group_id for p in again} & {p.group_id for p in first}
+        late = _ask(sock, _traj(first[0].group_id, 0))
+        assert isinstance(late, Ack) and late.status == "late"
+        stats = _stats(sock)
+        assert (stats["expired"], stats["leases_reissued"]) == (B, B)
+
+
+def _rows(prompts: list[PromptItem]) -> list[str]:
+    """The row index part of each group id."""
+    return sorted(p.group_id.split("-")[0] for p in prompts)
+
+
+def test_run_replay_writes_its_counters_on_sigterm(tmp_path: Path):
+    address = tcp_address("127.0.0.1", free_port())
+    stats_path = tmp_path / "stats" / "replay.json"
+    code = (
+        "import logging, sys; logging.basicConfig(level=logging.INFO);"
+        "from asyncrl.config import Config; from replay.service import run_replay;"
+        "run_replay(Config(), sys.argv[1], sys.argv[2])"
+    )
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, address, str(stats_path)], env=env, stderr=subprocess.PIPE
+    )
+    try:
+        with dealer(address) as sock:
+            sock.send_multipart([b"garbage"])
+            assert isinstance(_recv(sock, timeout_s=30), Error)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err.decode()
+    stats = json.loads(stats_path.read_text())
+    assert stats["received"] == 1 and stats["rejected_malformed"] == 1
+    assert "replay done" in err.decode()
