@@ -56,7 +56,17 @@ def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
 
 
 def peak_rss_mb() -> float:
-    """Peak resident set size of this process, MiB."""
+    """Peak resident set size of this process, MiB.
+
+    Read from VmHWM (per address space) where available: Linux `ru_maxrss` also carries the
+    high-water mark of the forked parent image from before `exec`, which would charge the
+    launcher's memory to every child."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

@@ -36,7 +36,7 @@ import zmq
 
 from asyncrl.codec import ProtocolError
 from asyncrl.config import Config
-from asyncrl.metrics import write_json_atomic
+from asyncrl.metrics import peak_rss_mb, write_json_atomic
 from asyncrl.protocol import (
     Ack,
     BatchRequest,
@@ -182,6 +182,7 @@ class ReplayService:
             "held_lease_requests": float(len(self._held_leases)),
             "held_batch_requests": float(len(self._held_batches)),
             "learner_version": float(self.learner_version),
+            "peak_rss_mb": peak_rss_mb(),
         }
 
     def close(self) -> None:
