@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import signal
 import sys
 
 from asyncrl.config import ConfigError, config_to_yaml, load_config
@@ -19,6 +20,10 @@ def _split_config_and_overrides(args: list[str]) -> tuple[str | None, list[str]]
     if args and "=" not in args[0]:
         return args[0], args[1:]
     return None, args
+
+
+def _interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:
@@ -32,6 +37,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         return 0
     from asyncrl.launcher import LaunchError, launch
 
+    signal.signal(signal.SIGTERM, _interrupt)  # stop the fleets in order, as on Ctrl-C
     command = "asyncrl launch " + shlex.join(ns.args)
     try:
         launch(cfg, command=command.strip())
