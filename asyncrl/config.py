@@ -88,21 +88,81 @@ class LearnerConfig(_Section):
     """Clip the global gradient norm to this."""
     micro_batch_size: int = Field(64, ge=1)
     """Sequences per forward/backward on one rank (gradient accumulation above it)."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch."""
+    ppo_mini_batch_size: int = Field(0, ge=0)
+    """Groups per optimizer step within a batch; 0: the whole batch is one mini-batch."""
+    critic_lr: float = Field(1e-3, gt=0)
+    """gae: AdamW learning rate of the critic (its value head starts from scratch)."""
     bucket_mb: float = Field(64.0, gt=0)
     """Weight broadcast bucket size."""
     weight_checksum: bool = False
     """Checksum the weights at every sync on both sides (for tests; costs a pass over the bytes)."""
 
 
+KLKind = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
+
+
 class AlgorithmConfig(_Section):
-    adv_estimator: Literal["grpo"] = "grpo"
-    """Advantage estimator."""
+    adv_estimator: Literal[
+        "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"
+    ] = "grpo"
+    """Advantage estimator (verl names). `gae` trains a critic; `remax` samples a greedy baseline."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's std (false gives Dr.GRPO)."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount for gae and reinforce_plus_plus."""
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE lambda."""
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """`ppo`: token-level clipped ratio; `gspo`: sequence-level, length-normalised ratio."""
     clip_ratio_low: float = Field(0.2, ge=0, le=1)
-    """PPO clip: ratio lower bound is 1 - this."""
+    """Clip: ratio lower bound is 1 - this."""
     clip_ratio_high: float = Field(0.2, ge=0)
-    """PPO clip: ratio upper bound is 1 + this."""
+    """Clip: ratio upper bound is 1 + this (raise it for clip-higher / DAPO)."""
+    clip_ratio_c: float | None = Field(3.0, gt=1.0)
+    """Dual-clip bound for negative advantages (None disables it)."""
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How token losses become one number (normalised over the whole batch, all ranks)."""
+    decoupled: bool = False
+    """Decoupled PPO: clip around a proximal policy recomputed by the learner before the update,
+    and weight tokens by behaviour -> proximal importance weights."""
+    is_level: Literal["off", "token", "sequence"] = "off"
+    """Truncated importance sampling behaviour -> proximal (needs the proximal recompute)."""
+    is_cap: float | None = Field(2.0, gt=0)
+    """Cap of the truncated importance weight (None: no truncation)."""
+    reject_level: Literal["off", "token", "sequence"] = "off"
+    """Rejection mask on behaviour-vs-proximal divergence: drop tokens or whole sequences."""
+    reject_metric: Literal["ratio", "k1", "k2", "k3"] = "ratio"
+    """Quantity the rejection bounds apply to."""
+    reject_low: float | None = None
+    """Reject when the metric is below this."""
+    reject_high: float | None = None
+    """Reject when the metric is above this."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_coef x KL(policy || reference) from the per-token reward."""
+    kl_penalty: KLKind = "kl"
+    """Estimator of the in-reward KL."""
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    """Fixed coefficient, or the adaptive controller of Ziegler et al. (2019)."""
+    kl_coef: float = Field(0.001, ge=0)
+    """(Initial) coefficient of the in-reward KL."""
+    kl_target: float = Field(0.1, gt=0)
+    """Adaptive controller: target KL."""
+    kl_horizon: int = Field(10000, ge=1)
+    """Adaptive controller: horizon."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef x KL(policy || reference) to the loss (GRPO style)."""
+    kl_loss_coef: float = Field(0.001, ge=0)
+    """Coefficient of the KL loss."""
+    kl_loss_type: KLKind = "low_var_kl"
+    """Estimator of the KL loss."""
+    entropy_coeff: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient."""
+    value_clip: float = Field(0.5, gt=0)
+    """gae: clip range of the value loss around the old values."""
 
 
 class TrainerConfig(_Section):
@@ -167,8 +227,17 @@ class Config(_Section):
                 f"replay.capacity_groups={self.replay.capacity_groups} is smaller than "
                 f"data.train_batch_size={self.data.train_batch_size}: a batch could never fit"
             )
-        if self.algorithm.adv_estimator == "grpo" and self.rollout.n < 2:
-            raise ValueError("rollout.n must be >= 2 for grpo (a group needs a baseline)")
+        group_based = ("grpo", "rloo", "reinforce_plus_plus_baseline")
+        if self.algorithm.adv_estimator in group_based and self.rollout.n < 2:
+            raise ValueError(
+                f"rollout.n must be >= 2 for {self.algorithm.adv_estimator} "
+                "(a group needs a baseline)"
+            )
+        if self.learner.ppo_mini_batch_size > self.data.train_batch_size:
+            raise ValueError(
+                f"learner.ppo_mini_batch_size={self.learner.ppo_mini_batch_size} exceeds "
+                f"data.train_batch_size={self.data.train_batch_size}"
+            )
         return self
 
 

@@ -66,6 +66,7 @@ class Trajectory:
     )  # [R] engine log-prob of each sampled token (0 where mask 0)
     versions: Array("int32")  # [R] policy version that sampled each token (-1 where mask 0)
     reward: float  # scalar reward of the whole trajectory
+    baseline_reward: float  # reward of the group's greedy answer (ReMax); NaN when not sampled
     finish_reason: str  # "stop" | "length" | agent-specific
     metrics: dict[str, float]  # per-trajectory extras (reward parts, turns, tool calls)
 
@@ -97,6 +98,7 @@ class Batch:
     data_sources: list[str]  # [B]
     finish_reasons: list[str]  # [B]
     rewards: Array("float32")  # [B]
+    baseline_rewards: Array("float32")  # [B] greedy-baseline reward (ReMax), NaN when absent
     prompt_offsets: Array("int64")  # [B+1]
     response_offsets: Array("int64")  # [B+1]
     prompt_ids: Array("int32")  # [sum P]
@@ -139,6 +141,7 @@ def empty_batch(request_id: int, stale_dropped: int = 0) -> Batch:
         data_sources=[],
         finish_reasons=[],
         rewards=np.zeros(0, np.float32),
+        baseline_rewards=np.zeros(0, np.float32),
         prompt_offsets=z64,
         response_offsets=z64,
         prompt_ids=z32,

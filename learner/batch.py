@@ -1,14 +1,12 @@
 """Turn the replay's flat `Batch` message into padded training tensors and share them out.
 
 Rank 0 receives the batch and builds `TrainBatch`; it is broadcast to every learner rank (the
-tensors are small next to the model) and each rank trains on its contiguous slice of rows. All
-ranks must run the same number of forward/backward passes (FSDP collectives pair up), so the
-batch is padded with fully masked rows up to a multiple of world_size x micro_batch_size.
+tensors are small next to the model), so every rank can compute advantages and global loss
+denominators itself; `learner.update` then gives each rank its share of the rows.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, fields
 
 import torch
@@ -29,13 +27,15 @@ class TrainBatch:
     versions: torch.Tensor  # int64, policy version per sampled token (-1 elsewhere)
     rewards: torch.Tensor  # float32 [B]
     group_index: torch.Tensor  # int64 [B]
+    baseline_rewards: torch.Tensor  # float32 [B], NaN when no greedy baseline was sampled
 
     @property
     def size(self) -> int:
         return self.input_ids.shape[0]
 
-    def rows(self, start: int, stop: int) -> TrainBatch:
-        return TrainBatch(**{f.name: getattr(self, f.name)[start:stop] for f in fields(self)})
+    def select(self, index: torch.Tensor) -> TrainBatch:
+        """The rows at `index` (a new batch; tensors are copies)."""
+        return TrainBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
 
 def from_message(msg: Batch, pad_id: int) -> TrainBatch:
@@ -69,22 +69,8 @@ def from_message(msg: Batch, pad_id: int) -> TrainBatch:
         versions,
         torch.from_numpy(msg.rewards.copy()),
         group_index,
+        torch.from_numpy(msg.baseline_rewards.copy()),
     )
-
-
-def pad_rows(batch: TrainBatch, multiple: int) -> TrainBatch:
-    """Append fully masked copies of row 0 until the batch size is a multiple of `multiple`."""
-    extra = math.ceil(batch.size / multiple) * multiple - batch.size
-    if extra == 0:
-        return batch
-    out = {}
-    for f in fields(batch):
-        t = getattr(batch, f.name)
-        filler = t[:1].expand(extra, *t.shape[1:]).clone()
-        if f.name in ("loss_mask",):
-            filler.zero_()
-        out[f.name] = torch.cat([t, filler])
-    return TrainBatch(**out)
 
 
 def broadcast_batch(batch: TrainBatch | None, rank: int, device: torch.device) -> TrainBatch:
@@ -99,8 +85,10 @@ def broadcast_batch(batch: TrainBatch | None, rank: int, device: torch.device) -
     b, seq_len = (int(x) for x in shape.cpu())
     out = {}
     for name in names:
-        like = {"rewards": (b,), "group_index": (b,)}.get(name, (b, seq_len))
-        dtype = torch.float32 if name in ("loss_mask", "old_logprobs", "rewards") else torch.int64
+        per_row = name in ("rewards", "group_index", "baseline_rewards")
+        like = (b,) if per_row else (b, seq_len)
+        floats = ("loss_mask", "old_logprobs", "rewards", "baseline_rewards")
+        dtype = torch.float32 if name in floats else torch.int64
         t = (
             getattr(batch, name).to(device)
             if rank == 0

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from asyncrl.weight_sync import ParamSpec
 
@@ -43,10 +43,23 @@ def setup_distributed(device_kind: str, timeout_s: float = 3600.0) -> tuple[int,
     return rank, world, device
 
 
-def setup_model(model_path: str, device: torch.device) -> torch.nn.Module:
-    """Load the model in float32 and shard it with FSDP2 over the default process group."""
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+def setup_model(
+    model_path: str, device: torch.device, head: str = "lm", trainable: bool = True
+) -> torch.nn.Module:
+    """Load the model in float32 and shard it with FSDP2 over the default process group.
+
+    head="lm": the causal LM (policy, reference). head="value": the same backbone with a
+    one-output token-classification head (the critic; the head starts from scratch)."""
+    if head == "value":
+        model = AutoModelForTokenClassification.from_pretrained(
+            model_path, num_labels=1, dtype=torch.float32
+        )
+    else:
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     model.to(device)
+    if not trainable:
+        model.requires_grad_(False)
+        model.eval()
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in layer_classes:

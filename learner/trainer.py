@@ -6,12 +6,15 @@ Invariants:
 - After step w the weights of version w + 1 are on every rollout server (the broadcast is a
   collective: it returns when all have them) before the replay hears of version w + 1.
 - Every rank runs the same number of forward/backward passes (FSDP collectives pair up).
+
+A step is a list of named, timed stages: fetch_batch, compute_logprobs (proximal / reference /
+values, only those the algorithm needs), compute_advantages, update, broadcast_weights,
+publish_version.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import signal
 import time
 from pathlib import Path
@@ -25,20 +28,20 @@ from asyncrl.metrics import JsonlWriter, StageTimer, peak_rss_mb, write_json_ato
 from asyncrl.replay_client import ReplayClient
 from asyncrl.run_spec import RunSpec
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, weights_checksum
-from learner.algorithms import grpo_advantages, ppo_clip_loss
-from learner.batch import TrainBatch, broadcast_batch, from_message, pad_rows
+from learner.advantages import compute_advantages, outcome_token_rewards
+from learner.batch import TrainBatch, broadcast_batch, from_message
 from learner.fsdp import iter_full_tensors, param_specs, setup_distributed, setup_model
+from learner.losses import (
+    AdaptiveKLController,
+    FixedKLController,
+    importance_weights,
+    kl_penalty,
+    mismatch_kl,
+    rejection_mask,
+)
+from learner.update import UpdateInputs, Updater, policy_forward, recompute, value_forward
 
 log = logging.getLogger("asyncrl.learner")
-
-
-def token_logprobs(model: torch.nn.Module, batch: TrainBatch, temperature: float) -> torch.Tensor:
-    """log p(token_t | tokens_<t) of softmax(logits / T), [B, L-1] aligned to input_ids[:, 1:].
-    The same quantity the engines report as behaviour log-probs."""
-    logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    logits = logits[:, :-1].float() / temperature
-    targets = batch.input_ids[:, 1:].unsqueeze(-1)
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets).squeeze(-1)
 
 
 class Learner:
@@ -55,6 +58,39 @@ class Learner:
         )
         self.specs = param_specs(self.model)
         self.temperature = cfg.rollout.temperature or 1.0
+        algo = cfg.algorithm
+        self.needs_proximal = algo.decoupled or algo.is_level != "off" or algo.reject_level != "off"
+        self.ref_model = None
+        if algo.use_kl_in_reward or algo.use_kl_loss:
+            self.ref_model = setup_model(spec.model_path, device, trainable=False)
+        self.critic = self.critic_optimizer = None
+        if algo.adv_estimator == "gae":
+            self.critic = setup_model(spec.model_path, device, head="value")
+            self.critic.train()
+            self.critic_optimizer = torch.optim.AdamW(
+                self.critic.parameters(),
+                lr=lc.critic_lr,
+                betas=lc.betas,
+                weight_decay=lc.weight_decay,
+            )
+        self.kl_ctrl = (
+            AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
+            if algo.kl_ctrl == "adaptive"
+            else FixedKLController(algo.kl_coef)
+        )
+        self.updater = Updater(
+            self.model,
+            self.optimizer,
+            algo,
+            self.temperature,
+            lc.grad_clip,
+            lc.micro_batch_size,
+            world,
+            rank,
+            device,
+            self.critic,
+            self.critic_optimizer,
+        )
         self.pad_id = self.model.config.pad_token_id or 0
         run_dir = Path(spec.run_dir)
         self.replay: ReplayClient | None = None
@@ -102,56 +138,103 @@ class Learner:
             batch = broadcast_batch(batch, self.rank, self.device)
         return batch, info
 
-    def update(self, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, float]:
-        """One optimizer step on this rank's slice, with the PPO clipped loss over the behaviour
-        log-probs as the old policy, normalised by the global number of sampled tokens."""
-        mbs = self.cfg.learner.micro_batch_size
-        full = pad_rows(batch, self.world)
-        adv_full = torch.cat([advantages, advantages.new_zeros(full.size - batch.size)])
-        per_rank = full.size // self.world
-        lo = self.rank * per_rank
-        mine, my_adv = full.rows(lo, lo + per_rank), adv_full[lo : lo + per_rank]
-        num_micro = math.ceil(per_rank / mbs)
-        total_tokens = batch.loss_mask[:, 1:].sum().clamp(min=1.0)
-        scale = self.world / total_tokens
-        a = self.cfg.algorithm
-        sums = torch.zeros(4, device=self.device)  # loss, clipped, ratio_sum, |logp - old| sum
-        ratio_max = torch.zeros((), device=self.device)
-        for i in range(num_micro):
-            mb = mine.rows(i * mbs, (i + 1) * mbs)
-            self.model.set_requires_gradient_sync(i == num_micro - 1)
-            logp = token_logprobs(self.model, mb, self.temperature)
-            mask = mb.loss_mask[:, 1:]
-            adv = my_adv[i * mbs : (i + 1) * mbs, None].expand_as(logp)
-            loss_sum, st = ppo_clip_loss(
-                logp, mb.old_logprobs[:, 1:], adv, mask, a.clip_ratio_low, a.clip_ratio_high
-            )
-            (loss_sum * scale).backward()
-            with torch.no_grad():
-                diff = ((logp - mb.old_logprobs[:, 1:]).abs() * mask).sum()
-                sums += torch.stack(
-                    [loss_sum.detach(), st["clipped_tokens"], st["ratio_sum"], diff]
-                )
-                ratio_max = torch.maximum(ratio_max, st["ratio_max"])
-        grad_norm = torch.nn.utils.clip_grad_norm_(
-            self.model.parameters(), self.cfg.learner.grad_clip
+    def compute_logprobs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
+        """The no-grad forwards the chosen algorithm needs before the update: proximal policy
+        (decoupled PPO, IS, rejection), frozen reference (KL), critic values (gae)."""
+        out: dict[str, torch.Tensor] = {}
+        mb = self.cfg.learner.micro_batch_size
+        args = (self.world, self.rank, mb, self.device)
+
+        def logp(model, b):
+            return policy_forward(model, b, self.temperature, with_entropy=False)[0]
+
+        if self.needs_proximal:
+            out["proximal"] = recompute(self.model, batch, logp, *args)
+        if self.ref_model is not None:
+            out["ref"] = recompute(self.ref_model, batch, logp, *args)
+        if self.critic is not None:
+            out["values"] = recompute(self.critic, batch, value_forward, *args)
+        return out
+
+    def compute_advantages(
+        self, batch: TrainBatch, logprobs: dict[str, torch.Tensor]
+    ) -> tuple[UpdateInputs, dict[str, float]]:
+        """Token rewards (with the in-reward KL penalty), advantages, importance weights and
+        rejection masks: everything the update consumes."""
+        algo = self.cfg.algorithm
+        mask = batch.loss_mask[:, 1:]
+        behaviour = batch.old_logprobs[:, 1:]
+        proximal = logprobs.get("proximal")
+        metrics: dict[str, float] = {}
+        token_rewards = None
+        if algo.use_kl_in_reward:
+            current = proximal if proximal is not None else behaviour
+            kl = kl_penalty(current, logprobs["ref"], algo.kl_penalty) * mask
+            token_rewards = outcome_token_rewards(batch.rewards, mask) - self.kl_ctrl.value * kl
+            seq_kl = float((kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean())
+            metrics.update(kl_in_reward=seq_kl, kl_coef=self.kl_ctrl.value)
+            self.kl_ctrl.update(seq_kl, batch.size)
+        advantages, returns = compute_advantages(
+            algo.adv_estimator,
+            rewards=batch.rewards,
+            mask=mask,
+            group_index=batch.group_index,
+            values=logprobs.get("values"),
+            token_rewards=token_rewards,
+            baseline_rewards=batch.baseline_rewards,
+            gamma=algo.gamma,
+            lam=algo.lam,
+            norm_adv_by_std=algo.norm_adv_by_std,
         )
-        if hasattr(grad_norm, "full_tensor"):
-            grad_norm = grad_norm.full_tensor()
-        self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.world > 1:
-            dist.all_reduce(sums)
-            dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
-        n = float(total_tokens)
-        return {
-            "loss": float(sums[0]) / n,
-            "clip_frac": float(sums[1]) / n,
-            "ratio_mean": float(sums[2]) / n,
-            "ratio_max": float(ratio_max),
-            "logprob_abs_diff": float(sums[3]) / n,
-            "grad_norm": float(grad_norm),
-        }
+        weights = keep = None
+        if proximal is not None:
+            metrics["proximal_behaviour_kl"] = float(mismatch_kl(proximal, behaviour, mask))
+            if algo.is_level != "off":
+                weights = importance_weights(proximal, behaviour, mask, algo.is_level, algo.is_cap)
+                raw = importance_weights(proximal, behaviour, mask, algo.is_level, None)
+                n = mask.sum().clamp(min=1)
+                metrics.update(
+                    is_weight_mean=float((raw * mask).sum() / n),
+                    is_weight_max=float((raw * mask).max()),
+                    is_truncated_frac=float(((raw > weights) * mask).sum() / n),
+                )
+            if algo.reject_level != "off":
+                keep = _keep_mask(
+                    rejection_mask(
+                        proximal,
+                        behaviour,
+                        mask,
+                        algo.reject_level,
+                        algo.reject_metric,
+                        algo.reject_low,
+                        algo.reject_high,
+                    )
+                )
+                metrics["masked_token_frac"] = float(
+                    ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
+                )
+        valid = mask > 0
+        metrics.update(
+            adv_mean=float(advantages[valid].mean()),
+            adv_std=float(advantages[valid].std()),
+            adv_min=float(advantages[valid].min()),
+            adv_max=float(advantages[valid].max()),
+        )
+        inputs = UpdateInputs(
+            advantages,
+            behaviour,
+            proximal,
+            weights,
+            keep,
+            logprobs.get("ref") if algo.use_kl_loss else None,
+            returns,
+            logprobs.get("values"),
+        )
+        return inputs, metrics
+
+    def update(self, batch: TrainBatch, inputs: UpdateInputs) -> dict[str, float]:
+        lc = self.cfg.learner
+        return self.updater.run(batch, inputs, lc.ppo_epochs, lc.ppo_mini_batch_size)
 
     def broadcast_weights(self, version: int) -> str | None:
         """Gather full weights (all ranks) and broadcast them to every server (rank 0)."""
@@ -200,12 +283,12 @@ class Learner:
             batch, info = self.fetch_batch(version)
         if batch is None:
             return False
+        with timer("compute_logprobs"):
+            logprobs = self.compute_logprobs(batch)
         with timer("compute_advantages"):
-            adv = grpo_advantages(
-                batch.rewards, batch.group_index, self.cfg.algorithm.norm_adv_by_std
-            )
+            inputs, adv_metrics = self.compute_advantages(batch, logprobs)
         with timer("update"):
-            stats = self.update(batch, adv)
+            stats = {**adv_metrics, **self.update(batch, inputs)}
         with timer("broadcast_weights"):
             checksum = self.broadcast_weights(version + 1)
         if self.rank == 0:
@@ -274,6 +357,11 @@ class Learner:
         plain.save_pretrained(out, safe_serialization=True)
         AutoTokenizer.from_pretrained(self.spec.model_path).save_pretrained(out)
         log.info("final weights written to %s", out)
+
+
+def _keep_mask(result) -> torch.Tensor:
+    """`rejection_mask` returns the mask, possibly with stats alongside."""
+    return result[0] if isinstance(result, tuple) else result
 
 
 def run_learner(spec: RunSpec, cfg: Config) -> None:

@@ -224,6 +224,7 @@ def to_batch(request_id: int, groups: list[Group], stale_dropped: int) -> Batch:
         data_sources=data_sources,
         finish_reasons=[s.finish_reason for s in samples],
         rewards=np.array([s.reward for s in samples], np.float32),
+        baseline_rewards=np.array([s.baseline_reward for s in samples], np.float32),
         prompt_offsets=offsets([s.prompt_ids for s in samples]),
         response_offsets=offsets([s.response_ids for s in samples]),
         prompt_ids=cat([s.prompt_ids for s in samples], np.int32),

@@ -2,8 +2,9 @@
 
 A `PromptSource` hands out rows in the verl schema (`data_source`, `prompt`, `reward_model`,
 `extra_info`, ...); the replay turns each row into a `PromptItem` with a fresh group id when it
-grants a lease. The protocol is one method so that any row stream (the embedded arithmetic task
-here, a parquet reader later) plugs in without the replay knowing where rows live.
+grants a lease. The protocol is one method so that any row stream (the embedded arithmetic task,
+parquet files through `asyncrl.data.PromptReader`) plugs in without the replay knowing where
+rows live.
 
 Invariant: every group id handed out is unique for the life of the process (row index plus a
 random suffix), so a trajectory of an expired or consumed lease can never be mistaken for a
@@ -16,13 +17,17 @@ import dataclasses
 import json
 import uuid
 from collections.abc import Iterator
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from asyncrl.config import Config
+from asyncrl.data import PromptReader, prompt_messages
 from asyncrl.protocol import ChatMessage, PromptItem
 from asyncrl.tasks import ArithmeticTask
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 class PromptSource(Protocol):
@@ -43,16 +48,66 @@ class EmbeddedPromptSource:
         return next(self._rows)
 
 
-def setup_prompt_source(cfg: Config) -> PromptSource:
-    """The prompt source the config asks for (today: the embedded task when no files are set)."""
-    if cfg.data.train_files:
-        raise ValueError(
-            f"data.train_files={cfg.data.train_files!r}: the replay cannot read parquet prompts "
-            "yet; leave data.train_files empty to train on the embedded arithmetic task"
+class ParquetPromptSource:
+    """Rows of verl-schema parquet files, validated, mixed and shuffled by a `PromptReader`.
+
+    `state`/`load_state` expose the reader's position so a resumed run continues the stream
+    where it stopped (no prompt repeated or skipped).
+    """
+
+    def __init__(self, reader: PromptReader) -> None:
+        self.reader = reader
+
+    def next_row(self) -> dict[str, Any]:
+        return next(self.reader)
+
+    def state(self) -> dict[str, Any]:
+        """The reader's position, JSON-serialisable."""
+        return self.reader.state()
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from a position saved by `state`."""
+        self.reader.load_state(state)
+
+
+def setup_prompt_source(
+    cfg: Config, tokenizer: PreTrainedTokenizerBase | None = None
+) -> PromptSource:
+    """The prompt source the config asks for: parquet files when `data.train_files` is set,
+    else the embedded arithmetic task.
+
+    `tokenizer` measures prompts for `data.max_prompt_length`; when none is given and a length
+    is set, the model's tokenizer is loaded (`trainer.model_path`, or the embedded model's).
+    """
+    data = cfg.data
+    if not data.train_files:
+        return EmbeddedPromptSource(
+            ArithmeticTask(max_operand=data.task_max_operand, seed=data.seed)
         )
-    return EmbeddedPromptSource(
-        ArithmeticTask(max_operand=cfg.data.task_max_operand, seed=cfg.data.seed)
+    max_prompt_length = getattr(data, "max_prompt_length", None)
+    if max_prompt_length is not None and tokenizer is None:
+        tokenizer = _model_tokenizer(cfg)
+    reader = PromptReader(
+        data.train_files,
+        weights=getattr(data, "train_weights", None) or None,
+        seed=data.seed,
+        shuffle=getattr(data, "shuffle", True),
+        skip_bad_rows=getattr(data, "skip_bad_rows", False),
+        tokenizer=tokenizer if max_prompt_length is not None else None,
+        max_prompt_length=max_prompt_length,
+        too_long=getattr(data, "too_long", "filter"),
     )
+    return ParquetPromptSource(reader)
+
+
+def _model_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
+    if cfg.trainer.model_path is None:
+        from asyncrl.tiny_model import build_tokenizer
+
+        return build_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(cfg.trainer.model_path)
 
 
 def new_group_id(row_index: int) -> str:
@@ -90,20 +145,11 @@ def row_to_prompt_item(row: dict[str, Any], row_index: int, n: int) -> PromptIte
 
 
 def _messages(prompt: Any, row_index: int) -> list[ChatMessage]:
-    if isinstance(prompt, str):
-        return [ChatMessage(role="user", content=prompt)]
-    # parquet readers hand back numpy arrays of dicts where the writer had lists
-    items = list(prompt) if isinstance(prompt, (list, tuple, np.ndarray)) else None
-    if not items:
-        raise ValueError(f"row {row_index}: prompt must be a string or a non-empty message list")
-    messages = []
-    for i, m in enumerate(items):
-        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
-            raise ValueError(f"row {row_index}: prompt[{i}] must be a mapping with a string role")
-        if not isinstance(m.get("content"), str):
-            raise ValueError(f"row {row_index}: prompt[{i}].content must be a string")
-        messages.append(ChatMessage(role=m["role"], content=m["content"]))
-    return messages
+    try:
+        messages = prompt_messages(prompt)
+    except ValueError as e:
+        raise ValueError(f"row {row_index}: {e}") from None
+    return [ChatMessage(role=m["role"], content=m["content"]) for m in messages]
 
 
 def _plain(value: Any) -> Any:

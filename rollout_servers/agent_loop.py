@@ -28,7 +28,9 @@ class AgentResult:
 
 
 class AgentLoop(Protocol):
-    async def run(self, prompt: PromptItem) -> AgentResult: ...
+    async def run(self, prompt: PromptItem, params: SamplingParams | None = None) -> AgentResult:
+        """One trajectory for `prompt`; `params` overrides the loop's sampling (e.g. greedy)."""
+        ...
 
 
 class SingleTurnAgentLoop:
@@ -37,10 +39,10 @@ class SingleTurnAgentLoop:
     def __init__(self, engine: Engine, tokenizer, params: SamplingParams):
         self.engine, self.tokenizer, self.params = engine, tokenizer, params
 
-    async def run(self, prompt: PromptItem) -> AgentResult:
+    async def run(self, prompt: PromptItem, params: SamplingParams | None = None) -> AgentResult:
         messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
         prompt_ids = render_prompt_ids(self.tokenizer, messages)
-        out = await self.engine.generate(prompt_ids, self.params)
+        out = await self.engine.generate(prompt_ids, params or self.params)
         text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
         n = len(out.token_ids)
         return AgentResult(

@@ -1,37 +1,163 @@
 """Reward functions, chosen by a row's `data_source`, computed next to the agent loop.
 
 A reward function has verl's signature, `compute_score(data_source, solution_str, ground_truth,
-extra_info=None) -> float | dict` (a dict carries `score` plus extra metrics). It runs in a
-thread pool, off the event loop, under a timeout. An exception, a timeout or a non-finite value
-scores 0.0 and is counted: a bad reward function never takes down a rollout server.
+extra_info=None) -> float | dict` (a dict carries `score` plus extra metrics), and is called with
+keyword arguments, as verl calls it. Built-ins, by data_source:
+
+- `gsm8k_reward_fn` ("openai/gsm8k", "gsm8k"): the last `#### N` of the response against the
+  ground truth, compared as numbers.
+- `math_reward_fn` (MATH-style sources): the last `\\boxed{...}` against the ground truth, by
+  symbolic equivalence (math-verify).
+- `code_reward_fn` (code sources; see `reward_sandbox`): test cases run in a subprocess.
+
+A user's function is loaded from a file with `load_custom_reward` and then scores every row.
+
+`RewardComputer` runs each call in a small pool of worker processes, never on the event loop:
+an exception, a timeout, a crashed worker or a score that is not a finite number scores 0.0 and
+is counted by kind in `failures`. A call past its timeout has its worker killed and replaced, so
+a hanging reward function costs one timeout, never the pool. A bad reward function never takes
+down a rollout server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import importlib.util
+import inspect
+import json
 import logging
 import math
+import numbers
+import queue
+import re
+import signal
+import socket
+import subprocess
+import sys
+import threading
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
+from decimal import Decimal, InvalidOperation
+from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
+from asyncrl.data import gsm8k_final_answer
 from asyncrl.tasks import ARITH_SOURCE, arith_reward_fn
+from rollout_servers.reward_sandbox import code_reward_fn, die_with_parent
 
 log = logging.getLogger("asyncrl.rewards")
 
 RewardFn = Callable[..., "float | dict[str, float]"]
+FnRef = tuple[str, str, str]
+"""How a worker finds a function: ("module", module, qualname) or ("path", file, name)."""
+
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 
 
-def _arith_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
+# ---- built-in reward functions ---------------------------------------------------------------
+def arith_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
+    """The embedded arithmetic task's exact-match reward under verl's signature."""
     return arith_reward_fn(solution_str, ground_truth)
 
 
-REWARD_FNS: dict[str, RewardFn] = {ARITH_SOURCE: _arith_score}
+def gsm8k_reward_fn(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict[str, Any] | None = None,
+    *,
+    format_score: float = 0.0,
+) -> float:
+    """1.0 when the last `#### N` equals the ground truth as a number, `format_score` when a
+    `#### N` is there but wrong, 0.0 without one (verl's gsm8k rule; `1,000`, `$5`, `-3`, `2.50`
+    are all read)."""
+    answer = gsm8k_final_answer(solution_str)
+    if answer is None:
+        return 0.0
+    return 1.0 if _same_number(answer, ground_truth) else format_score
 
 
-def register_reward(data_source: str):
-    """Decorator: `@register_reward("my_source")` over a verl-signature function."""
+def _same_number(answer: str, ground_truth: str) -> bool:
+    truth = ground_truth.strip().replace(",", "").replace("$", "")
+    try:
+        return Decimal(answer) == Decimal(truth)
+    except InvalidOperation:
+        return answer == truth
+
+
+def last_boxed_answer(text: str) -> str | None:
+    """The content of the last `\\boxed{...}` (nested braces kept), `\\fbox{...}` or `\\boxed N`."""
+    matches = list(_BOXED.finditer(text))
+    if not matches:
+        return None
+    start = matches[-1].end()
+    if not text.startswith("{", start):
+        token = re.match(r"[^\s$]+", text[start:])
+        return token.group(0) if token else None
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start + 1 : i]
+    return None  # unbalanced: the response was cut off inside the box
+
+
+def math_equal(answer: str, ground_truth: str) -> bool:
+    """Whether two final answers are mathematically the same (`\\frac{1}{2}` = `0.5`,
+    `2\\sqrt{2}` = `\\sqrt{8}`), by math-verify's parse and verify."""
+    from math_verify import parse, verify
+
+    if answer.strip() == ground_truth.strip():
+        return True
+    # math-verify times itself out with SIGALRM, which only the main thread may use; elsewhere
+    # the caller's own timeout (the worker pool's) is the bound
+    limit = 5 if threading.current_thread() is threading.main_thread() else None
+    gold = parse(f"${ground_truth}$", parsing_timeout=limit)  # type: ignore[arg-type]
+    pred = parse(f"${answer}$", parsing_timeout=limit)  # type: ignore[arg-type]
+    return bool(gold and pred and verify(gold, pred, timeout_seconds=limit))
+
+
+def math_reward_fn(
+    data_source: str,
+    solution_str: str,
+    ground_truth: str,
+    extra_info: dict[str, Any] | None = None,
+    *,
+    format_score: float = 0.0,
+) -> float:
+    """1.0 when the last boxed answer is equivalent to the ground truth (itself boxed or not),
+    `format_score` when a boxed answer is there but wrong, else 0.0."""
+    answer = last_boxed_answer(solution_str)
+    if answer is None:
+        return 0.0
+    truth = last_boxed_answer(ground_truth) or ground_truth
+    return 1.0 if math_equal(answer, truth) else format_score
+
+
+REWARD_FNS: dict[str, RewardFn] = {
+    ARITH_SOURCE: arith_score,
+    **dict.fromkeys(("openai/gsm8k", "gsm8k"), gsm8k_reward_fn),
+    **dict.fromkeys(
+        (
+            "math",
+            "lighteval/MATH",
+            "DigitalLearningGmbH/MATH-lighteval",
+            "HuggingFaceH4/MATH-500",
+            "math_dapo",
+        ),
+        math_reward_fn,
+    ),
+    **dict.fromkeys(("code", "codecontests", "apps", "codeforces", "taco"), code_reward_fn),
+}
+"""data_source -> reward function (verl's names for the same datasets)."""
+
+
+def register_reward(data_source: str) -> Callable[[RewardFn], RewardFn]:
+    """Decorator: `@register_reward("my_source")` over a module-level verl-signature function
+    (the worker processes import it by module and name, so lambdas and closures do not work)."""
 
     def wrap(fn: RewardFn) -> RewardFn:
         REWARD_FNS[data_source] = fn
@@ -40,13 +166,194 @@ def register_reward(data_source: str):
     return wrap
 
 
-class RewardComputer:
-    """Scores responses off the event loop with a timeout; failures score 0 and are counted."""
+def load_custom_reward(path: str | Path, name: str = "compute_score") -> RewardFn:
+    """The function `name` from the Python file at `path` (verl's custom_reward_function).
 
-    def __init__(self, timeout_s: float, max_workers: int = 4):
+    Raises FileNotFoundError, AttributeError or TypeError with a message naming the file and
+    function; an error inside the file propagates as it is.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"custom reward file {str(path)!r} does not exist")
+    spec = importlib.util.spec_from_file_location(f"asyncrl_custom_reward_{path.stem}", path)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"custom reward file {str(path)!r} cannot be imported as Python")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, name):
+        raise AttributeError(f"custom reward file {str(path)!r} has no function {name!r}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(f"{name!r} in custom reward file {str(path)!r} is not callable")
+    return fn
+
+
+# ---- worker processes ------------------------------------------------------------------------
+def _fn_ref(fn: RewardFn) -> FnRef:
+    qualname = getattr(fn, "__qualname__", "")
+    if "<" in qualname or not getattr(fn, "__module__", None):
+        raise ValueError(
+            f"reward function {fn!r} cannot be imported by a worker process (a lambda or nested "
+            "function); define it at module level, or load it with custom_path"
+        )
+    return ("module", fn.__module__, qualname)
+
+
+def _resolve(ref: FnRef) -> RewardFn:
+    kind, where, name = ref
+    if kind == "path":
+        return load_custom_reward(where, name)
+    obj: Any = importlib.import_module(where)
+    for part in name.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _plain_result(result: Any) -> tuple[float | None, dict[str, float]]:
+    """A reward function's return value -> (score or None when not a number, numeric extras)."""
+    extras: dict[str, float] = {}
+    if isinstance(result, Mapping):
+        extras = {
+            str(k): float(v)
+            for k, v in result.items()
+            if k != "score" and isinstance(v, numbers.Real)
+        }
+        result = result.get("score")
+    return (float(result) if isinstance(result, numbers.Real) else None), extras
+
+
+_WORKER_BOOT = (
+    "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
+    "from rollout_servers.rewards import worker_main; worker_main(int(sys.argv[2]))"
+)
+
+
+def worker_main(fd: int) -> None:
+    """A reward worker process: receive (function ref, kwargs) on socket `fd`, reply ("ok",
+    score, extras) or ("exception", message, {}). Functions are resolved once and cached. The
+    socket is a private socketpair with the parent that started us, never a network socket."""
+    die_with_parent()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
+    conn = Connection(fd)
+    cache: dict[FnRef, RewardFn] = {}
+    while True:
+        try:
+            ref, kwargs = conn.recv()
+        except (EOFError, OSError):
+            return
+        try:
+            if ref not in cache:
+                cache[ref] = _resolve(ref)
+            conn.send(("ok", *_plain_result(cache[ref](**kwargs))))
+        except (Exception, SystemExit) as e:
+            conn.send(("exception", f"{type(e).__name__}: {e}", {}))
+
+
+class _Worker:
+    """One worker process and its socket. A pool thread uses it for one call at a time; `stop`
+    may come from any thread (close), hence the lock.
+
+    Workers are plain `python -c` subprocesses, not multiprocessing children: those re-import
+    the host's `__main__` (slow, and side effects in scripts without a main guard), and fork
+    would copy the rollout server's threads and CUDA state. A start costs ~0.1 s, off the loop.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._conn: Connection | None = None
+        self._retired = False
+
+    def start(self) -> bool:
+        """Start the process unless it runs; False once the worker is retired."""
+        with self._lock:
+            if self._retired:
+                return False
+            if self._proc is None:
+                mine, theirs = socket.socketpair()
+                with theirs:
+                    self._proc = subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-c",
+                            _WORKER_BOOT,
+                            json.dumps(sys.path),
+                            str(theirs.fileno()),
+                        ],
+                        pass_fds=(theirs.fileno(),),
+                        stdin=subprocess.DEVNULL,
+                        start_new_session=True,  # a terminal's Ctrl-C is the parent's to handle
+                    )
+                self._conn = Connection(mine.detach())
+            return True
+
+    def call(self, ref: FnRef, kwargs: dict[str, Any], timeout_s: float) -> tuple[Any, ...]:
+        """("ok", score, extras) | (failure kind, detail, {}); never raises."""
+        if not self.start():
+            return ("closed", "the reward computer is closed", {})
+        conn, proc = self._conn, self._proc
+        assert conn is not None and proc is not None
+        try:
+            conn.send((ref, kwargs))  # pickling happens before any byte is written
+        except (EOFError, OSError) as e:
+            self.stop()
+            return ("crash", f"worker unreachable ({type(e).__name__})", {})
+        except Exception as e:
+            return ("exception", f"arguments cannot be sent: {type(e).__name__}: {e}", {})
+        try:
+            if not conn.poll(timeout_s):
+                self.stop()
+                return ("timeout", f"no result within {timeout_s}s; worker replaced", {})
+            return conn.recv()
+        except (EOFError, OSError) as e:
+            self.stop()
+            return ("crash", f"worker died ({type(e).__name__}, exit code {proc.poll()})", {})
+
+    def stop(self, retire: bool = False) -> None:
+        """Kill the process (it may be running a hung function); `retire` forbids restarts."""
+        with self._lock:
+            self._retired = self._retired or retire
+            if self._proc is not None:
+                self._proc.kill()
+                self._proc.wait()
+                self._proc = None
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+
+class RewardComputer:
+    """Scores responses in worker processes with a timeout; failures score 0 and are counted.
+
+    `custom_path`/`custom_name`: a user's function (verl's custom_reward_function) that scores
+    every data_source. `reward_kwargs`: options passed to whichever reward function declares
+    them by name (or takes **kwargs), e.g. `format_score`, `partial_credit`, `case_timeout_s`.
+    """
+
+    def __init__(
+        self,
+        timeout_s: float,
+        num_workers: int = 2,
+        custom_path: str | None = None,
+        custom_name: str = "compute_score",
+        reward_kwargs: Mapping[str, Any] | None = None,
+    ) -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
         self.timeout_s = timeout_s
-        self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="reward")
         self.failures: Counter[str] = Counter()
+        self._reward_kwargs = dict(reward_kwargs or {})
+        self._custom: tuple[RewardFn, FnRef] | None = None
+        if custom_path is not None:
+            fn = load_custom_reward(custom_path, custom_name)  # fail at start-up, not per call
+            self._custom = (fn, ("path", str(Path(custom_path).resolve()), custom_name))
+        self._kwargs_cache: dict[RewardFn, dict[str, Any]] = {}
+        self._workers = [_Worker() for _ in range(num_workers)]
+        self._idle: queue.SimpleQueue[_Worker] = queue.SimpleQueue()
+        for worker in self._workers:
+            worker.start()
+            self._idle.put(worker)
+        self._threads = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="reward")
 
     async def score(
         self,
@@ -55,38 +362,73 @@ class RewardComputer:
         ground_truth: str,
         extra_info: dict[str, Any] | None,
     ) -> tuple[float, dict[str, float]]:
-        fn = REWARD_FNS.get(data_source)
-        if fn is None:
-            self.failures["unknown_data_source"] += 1
-            log.warning("no reward function for data_source %r; scoring 0", data_source)
+        """(score, extra metrics) of one response; 0.0 and a counted failure when anything
+        about the reward function goes wrong."""
+        picked = self._pick(data_source)
+        if picked is None:
+            self._count("unknown_data_source", f"no reward function for {data_source!r}")
             return 0.0, {}
+        fn, ref = picked
+        kwargs = {
+            "data_source": data_source,
+            "solution_str": solution_str,
+            "ground_truth": ground_truth,
+            "extra_info": extra_info,
+            **self._options_for(fn),
+        }
         loop = asyncio.get_running_loop()
         try:
-            result = await asyncio.wait_for(
-                loop.run_in_executor(
-                    self._pool, fn, data_source, solution_str, ground_truth, extra_info
-                ),
-                self.timeout_s,
-            )
-        except asyncio.TimeoutError:
-            self.failures["timeout"] += 1
+            kind, score, extras = await loop.run_in_executor(self._threads, self._call, ref, kwargs)
+        except RuntimeError as e:  # the pool was closed under us (shutdown)
+            kind, score, extras = "closed", str(e), {}
+        if kind != "ok":
+            self._count(kind, f"reward function for {data_source!r}: {score}")
             return 0.0, {}
-        except Exception as e:  # a user's reward function is a process boundary of sorts
-            self.failures["exception"] += 1
-            log.warning("reward function for %r raised %s: %s", data_source, type(e).__name__, e)
-            return 0.0, {}
-        extras: dict[str, float] = {}
-        if isinstance(result, dict):
-            extras = {k: float(v) for k, v in result.items() if k != "score" and _is_number(v)}
-            result = result.get("score", float("nan"))
-        if not _is_number(result) or not math.isfinite(float(result)):
-            self.failures["non_finite"] += 1
+        if score is None:
+            self._count("non_number", f"reward function for {data_source!r} returned no number")
             return 0.0, extras
-        return float(result), extras
+        if not math.isfinite(score):
+            self._count("non_finite", f"reward function for {data_source!r} returned {score}")
+            return 0.0, extras
+        return score, extras
+
+    def _pick(self, data_source: str) -> tuple[RewardFn, FnRef] | None:
+        if self._custom is not None:
+            return self._custom
+        fn = REWARD_FNS.get(data_source)
+        return None if fn is None else (fn, _fn_ref(fn))
+
+    def _options_for(self, fn: RewardFn) -> dict[str, Any]:
+        """The `reward_kwargs` that `fn` declares (all of them when it takes **kwargs)."""
+        if fn not in self._kwargs_cache:
+            params = inspect.signature(fn).parameters.values()
+            if any(p.kind is p.VAR_KEYWORD for p in params):
+                wanted = dict(self._reward_kwargs)
+            else:
+                names = {p.name for p in params}
+                wanted = {k: v for k, v in self._reward_kwargs.items() if k in names}
+            self._kwargs_cache[fn] = wanted
+        return self._kwargs_cache[fn]
+
+    def _call(self, ref: FnRef, kwargs: dict[str, Any]) -> tuple[Any, ...]:
+        """On a pool thread: borrow an idle worker (there is one per thread), call, give back."""
+        worker = self._idle.get()
+        try:
+            result = worker.call(ref, kwargs, self.timeout_s)
+            if result[0] in ("timeout", "crash"):
+                worker.start()  # replace the killed worker now, off the event loop
+            return result
+        finally:
+            self._idle.put(worker)
+
+    def _count(self, kind: str, detail: str) -> None:
+        self.failures[kind] += 1
+        n = self.failures[kind]
+        if n & (n - 1) == 0:  # 1st, 2nd, 4th, 8th, ...: visible without flooding the log
+            log.warning("reward %s (%d so far), scored 0: %s", kind, n, detail)
 
     def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def _is_number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+        """Stop the workers; a call still in flight scores 0 and counts as `closed`/`crash`."""
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        for worker in self._workers:
+            worker.stop(retire=True)

@@ -62,6 +62,8 @@ class RolloutServer:
             rewards,
         )
         self.counters: Counter[str] = Counter()
+        rc = cfg.rollout
+        self.greedy_params = SamplingParams(temperature=0.0, max_new_tokens=rc.max_new_tokens)
         self.sync_times: list[float] = []
         self._wake = asyncio.Event()
         self._receiver_error: BaseException | None = None
@@ -117,17 +119,26 @@ class RolloutServer:
 
     # ---- one group, one sample ------------------------------------------------------------
     async def run_group(self, prompt: PromptItem) -> None:
-        await asyncio.gather(*(self.run_sample(prompt, i) for i in range(prompt.n)))
+        """The group's n samples, concurrently (and, for ReMax, its greedy baseline too)."""
+        if self.cfg.algorithm.adv_estimator == "remax":
+            baseline = asyncio.ensure_future(self._greedy_baseline(prompt))
+        else:
+            baseline = asyncio.get_running_loop().create_future()
+            baseline.set_result(float("nan"))
+        await asyncio.gather(*(self.run_sample(prompt, i, baseline) for i in range(prompt.n)))
         self.counters["groups"] += 1
 
-    async def run_sample(self, prompt: PromptItem, index: int) -> None:
+    async def _greedy_baseline(self, prompt: PromptItem) -> float:
+        greedy = await self.agent_loop.run(prompt, self.greedy_params)
+        return (await self._score(prompt, greedy.response_text))[0]
+
+    async def _score(self, prompt: PromptItem, text: str) -> tuple[float, dict[str, float]]:
+        extra = json.loads(prompt.extra_info_json)
+        return await self.rewards.score(prompt.data_source, text, prompt.ground_truth, extra)
+
+    async def run_sample(self, prompt: PromptItem, index: int, baseline: asyncio.Future) -> None:
         result = await self.agent_loop.run(prompt)
-        reward, extras = await self.rewards.score(
-            prompt.data_source,
-            result.response_text,
-            prompt.ground_truth,
-            json.loads(prompt.extra_info_json),
-        )
+        reward, extras = await self._score(prompt, result.response_text)
         traj = Trajectory(
             traj_id=uuid.uuid4().hex,
             attempt=0,
@@ -140,6 +151,7 @@ class RolloutServer:
             behaviour_logprobs=np.asarray(result.logprobs, np.float32),
             versions=np.asarray(result.versions, np.int32),
             reward=reward,
+            baseline_reward=await baseline,
             finish_reason=result.finish_reason,
             metrics={**result.metrics, **extras},
         )

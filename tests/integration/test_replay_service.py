@@ -121,6 +121,7 @@ def _traj(group_id: str, index: int, version: int = 0, r: int = 3, **kw) -> Traj
         versions=np.full(r, version, np.int32),
         reward=1.0,
         finish_reason="stop",
+        baseline_reward=float("nan"),
         metrics={},
     )
     fields.update(kw)

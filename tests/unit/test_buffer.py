@@ -29,6 +29,7 @@ def _traj(group_id: str, index: int, versions=(3, 3), mask=None, traj_id=None, *
         versions=np.where(mask == 1, np.asarray(versions, np.int32), -1).astype(np.int32),
         reward=1.0,
         finish_reason="stop",
+        baseline_reward=float("nan"),
         metrics={},
     )
     fields.update(kw)

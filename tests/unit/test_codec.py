@@ -28,6 +28,7 @@ def _traj(**kw):
         versions=np.array([3, 3]),
         reward=1.0,
         finish_reason="stop",
+        baseline_reward=float("nan"),
         metrics={"k": 2.0},
     )
     base.update(kw)

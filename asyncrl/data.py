@@ -1,0 +1,423 @@
+"""Prompt datasets in the verl parquet schema: preparing them, inspecting them, reading them.
+
+Users arrive with parquet files written by verl's preprocessing scripts, so the schema is
+verl's: `data_source` (picks the reward function), `prompt` (chat messages, or a plain string),
+`ability`, `reward_model` (`style`, `ground_truth`) and `extra_info`.
+
+- `prepare_gsm8k` turns the GSM8K jsonl release into that schema exactly as verl's
+  `examples/data_preprocess/gsm8k.py` does (same instruction, same ground-truth extraction).
+- `inspect_parquet` is what `asyncrl data inspect` prints: a quick look before a long run.
+- `PromptReader` is the endless, seeded, resumable row stream the replay leases prompts from.
+
+Invariants of `PromptReader`:
+- Every row it yields passed `validate_row` (and the length policy when one is set); bad rows are
+  found when the reader is built, never halfway through a run.
+- The stream is a pure function of (files, weights, seed, shuffle) and the position; `state()`
+  captures the position, so a reader restored with `load_state` continues with exactly the rows
+  the original would have yielded next: a resumed run neither repeats nor skips prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections import Counter
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+log = logging.getLogger("asyncrl.data")
+
+GSM8K_SOURCE = "openai/gsm8k"
+GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
+"""verl's gsm8k instruction, appended to every question after one space."""
+
+_FINAL_ANSWER = re.compile(r"####\s*(-?)\s*\$?\s*(-?)(\d[\d,]*(?:\.\d+)?|\.\d+)")
+
+_GSM8K_SCHEMA = pa.schema(
+    [
+        ("data_source", pa.string()),
+        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
+        ("ability", pa.string()),
+        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
+        (
+            "extra_info",
+            pa.struct(
+                [
+                    ("split", pa.string()),
+                    ("index", pa.int64()),
+                    ("answer", pa.string()),
+                    ("question", pa.string()),
+                ]
+            ),
+        ),
+    ]
+)
+
+
+class BadRowError(ValueError):
+    """A dataset row that does not fit the schema; the message names the file and row index."""
+
+
+class PromptTooLongError(ValueError):
+    """A prompt over `max_prompt_length` under the "fail" policy; names file, row and length."""
+
+
+# ---- GSM8K ----------------------------------------------------------------------------------
+def gsm8k_final_answer(text: str) -> str | None:
+    """The number after the last `#### ` in `text`, normalised (commas and `$` dropped), or None.
+
+    Accepts what models write: `#### 1,234`, `#### $5`, `#### -3`, `#### 2.5`. The same parser
+    reads the reference answers at preparation time and the responses at reward time, so a
+    reference always scores 1.0 against itself.
+    """
+    matches = _FINAL_ANSWER.findall(text)
+    if not matches:
+        return None
+    sign_before, sign_after, number = matches[-1]
+    negative = (sign_before == "-") != (sign_after == "-")
+    return ("-" if negative else "") + number.replace(",", "")
+
+
+def gsm8k_row(question: str, answer: str, ground_truth: str, split: str, index: int) -> dict:
+    """One verl-schema row of GSM8K (the layout of verl's gsm8k.py, field for field)."""
+    return {
+        "data_source": GSM8K_SOURCE,
+        "prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
+        "ability": "math",
+        "reward_model": {"style": "rule", "ground_truth": ground_truth},
+        "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
+    }
+
+
+def prepare_gsm8k(input_dir: str | Path, output_dir: str | Path) -> dict[str, int]:
+    """`{train,test}.jsonl` of the GSM8K release -> `{train,test}.parquet`; returns row counts.
+
+    Raises ValueError naming the file and 1-based line of the first malformed line (not JSON,
+    no string `question`/`answer`, or an answer without a final `#### N`).
+    """
+    input_dir, output_dir = Path(input_dir), Path(output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for split in ("train", "test"):
+        rows = [
+            gsm8k_row(q, a, gt, split, i)
+            for i, (q, a, gt) in enumerate(_read_gsm8k_jsonl(input_dir / f"{split}.jsonl"))
+        ]
+        table = pa.Table.from_pylist(rows, schema=_GSM8K_SCHEMA)
+        out = output_dir / f"{split}.parquet"
+        tmp = out.with_suffix(".parquet.tmp")
+        pq.write_table(table, tmp)
+        os.replace(tmp, out)
+        counts[split] = len(rows)
+    return counts
+
+
+def _read_gsm8k_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path}: no such file (expected the GSM8K {path.stem} split)")
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{lineno}: expected a JSON object")
+            question, answer = record.get("question"), record.get("answer")
+            if not isinstance(question, str) or not isinstance(answer, str):
+                raise ValueError(f"{path}:{lineno}: needs string fields 'question' and 'answer'")
+            ground_truth = gsm8k_final_answer(answer)
+            if ground_truth is None:
+                raise ValueError(f"{path}:{lineno}: answer has no final '#### N' line")
+            yield question, answer, ground_truth
+
+
+# ---- rows -----------------------------------------------------------------------------------
+def prompt_messages(prompt: Any) -> list[dict[str, str]]:
+    """A row's `prompt` as chat messages; a plain string is one user message.
+
+    Raises ValueError saying what is wrong (the caller adds file and row). Parquet readers hand
+    back numpy arrays where the writer had lists, so those are accepted too.
+    """
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    if prompt is None:
+        raise ValueError("missing 'prompt'")
+    if not isinstance(prompt, (list, tuple, np.ndarray)) or len(prompt) == 0:
+        raise ValueError(
+            f"'prompt' must be a string or a non-empty list of {{role, content}} messages, "
+            f"got {type(prompt).__name__}"
+        )
+    messages = []
+    for i, m in enumerate(prompt):
+        if not (isinstance(m, dict) and isinstance(m.get("role"), str)):
+            raise ValueError(f"prompt[{i}] must be a mapping with a string role")
+        if not isinstance(m.get("content"), str):
+            raise ValueError(f"prompt[{i}].content must be a string")
+        messages.append({"role": m["role"], "content": m["content"]})
+    return messages
+
+
+def validate_row(row: dict[str, Any], file: str, index: int) -> list[dict[str, str]]:
+    """Check one row against the schema; returns its prompt messages.
+
+    Raises BadRowError naming `file` and `index` for a missing or non-string `data_source`, a
+    missing or malformed `prompt`, or a `reward_model` without a `ground_truth`.
+    """
+    try:
+        if not isinstance(row.get("data_source"), str):
+            raise ValueError("missing or non-string 'data_source'")
+        messages = prompt_messages(row.get("prompt"))
+        reward_model = row.get("reward_model")
+        if not isinstance(reward_model, dict) or reward_model.get("ground_truth") is None:
+            raise ValueError("missing 'reward_model.ground_truth'")
+    except ValueError as e:
+        raise BadRowError(f"{file}: row {index}: {e}") from None
+    return messages
+
+
+def prompt_length(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase | None) -> int:
+    """Prompt size: tokens after the chat template (the ids the engine sees) with a tokenizer,
+    tokens of the joined contents for a tokenizer without a template, else characters."""
+    if tokenizer is None:
+        return sum(len(m["content"]) for m in messages)
+    if getattr(tokenizer, "chat_template", None):
+        from asyncrl.tiny_model import render_prompt_ids
+
+        return len(render_prompt_ids(tokenizer, messages))
+    return len(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
+
+
+# ---- inspect --------------------------------------------------------------------------------
+def inspect_parquet(
+    path: str | Path, tokenizer: PreTrainedTokenizerBase | None = None, num_rows: int = 3
+) -> str:
+    """What `asyncrl data inspect FILE` prints: row count, column types, rows per data_source,
+    the prompt-length distribution and the first `num_rows` prompts as the model will see them.
+    Malformed prompts are counted, not fatal: this is the tool to find them with."""
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    lines = [f"file: {path}", f"rows: {table.num_rows}", "columns:"]
+    lines += [f"  {field.name}: {field.type}" for field in table.schema]
+    sources = Counter(str(r.get("data_source")) for r in rows)
+    lines.append("data_source:")
+    lines += [f"  {name}: {n}" for name, n in sources.most_common()]
+    lengths, bad = [], 0
+    for r in rows:
+        try:
+            lengths.append(prompt_length(prompt_messages(r.get("prompt")), tokenizer))
+        except ValueError:
+            bad += 1
+    unit = "tokens" if tokenizer is not None else "characters"
+    if lengths:
+        p50, p90 = np.percentile(lengths, [50, 90])
+        lines.append(
+            f"prompt length ({unit}): min {min(lengths)}  p50 {p50:.0f}  p90 {p90:.0f}  "
+            f"max {max(lengths)}"
+        )
+    if bad:
+        lines.append(f"malformed prompts: {bad}")
+    for i, r in enumerate(rows[:num_rows]):
+        truth = (r.get("reward_model") or {}).get("ground_truth")
+        lines.append(f"--- row {i} (data_source={r.get('data_source')}, ground_truth={truth!r})")
+        lines.append(_render(r.get("prompt"), tokenizer))
+    return "\n".join(lines)
+
+
+def _render(prompt: Any, tokenizer: PreTrainedTokenizerBase | None) -> str:
+    try:
+        messages = prompt_messages(prompt)
+    except ValueError as e:
+        return f"<malformed prompt: {e}>"
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return str(
+            tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        )
+    return "\n".join(f"[{m['role']}] {m['content']}" for m in messages)
+
+
+# ---- reader ---------------------------------------------------------------------------------
+class PromptReader:
+    """An endless, seeded, resumable stream of validated rows from one or more parquet files.
+
+    Order: with `weights=None` the files are one dataset (verl's concatenation) and each epoch
+    is a fresh permutation of all its rows. With `weights`, each next row's file is drawn with
+    those probabilities, and each file runs its own epochs, each reshuffled from the seed.
+    `shuffle=False` keeps file order and row order in every epoch.
+
+    Bad rows raise `BadRowError` at construction, or with `skip_bad_rows` are skipped and
+    counted. With a tokenizer and `max_prompt_length`, longer prompts are dropped and counted
+    (`too_long="filter"`) or raise `PromptTooLongError` (`"fail"`). `counters` holds the tallies.
+    """
+
+    def __init__(
+        self,
+        files: Sequence[str | Path],
+        weights: Sequence[float] | None = None,
+        seed: int = 0,
+        shuffle: bool = True,
+        skip_bad_rows: bool = False,
+        tokenizer: PreTrainedTokenizerBase | None = None,
+        max_prompt_length: int | None = None,
+        too_long: Literal["filter", "fail"] = "filter",
+    ) -> None:
+        if not files:
+            raise ValueError("PromptReader needs at least one parquet file")
+        if too_long not in ("filter", "fail"):
+            raise ValueError(f"too_long must be 'filter' or 'fail', got {too_long!r}")
+        if max_prompt_length is not None and tokenizer is None:
+            raise ValueError("max_prompt_length needs a tokenizer to measure prompts in tokens")
+        self.files = [str(f) for f in files]
+        self.seed, self.shuffle = seed, shuffle
+        self.counters: Counter[str] = Counter()
+        self._tables: list[pa.Table] = []
+        valid: list[np.ndarray] = []
+        for f in self.files:
+            table = pq.read_table(f)
+            keep = self._scan(table, f, skip_bad_rows, tokenizer, max_prompt_length, too_long)
+            if len(keep) == 0:
+                raise ValueError(f"{f}: no usable rows (of {table.num_rows}; see counters)")
+            self._tables.append(table)
+            valid.append(keep)
+        if weights is None:
+            self._weights = None
+            self._pools = [
+                np.stack(
+                    [
+                        np.concatenate([np.full(len(v), i) for i, v in enumerate(valid)]),
+                        np.concatenate(valid),
+                    ],
+                    axis=1,
+                )
+            ]
+        else:
+            self._weights = _normalise_weights(weights, len(self.files))
+            self._pools = [np.stack([np.full(len(v), i), v], axis=1) for i, v in enumerate(valid)]
+        self._mix = np.random.default_rng(seed)
+        self._epochs = [0] * len(self._pools)
+        self._positions = [0] * len(self._pools)
+        self._orders = [self._order(p, 0) for p in range(len(self._pools))]
+        self._served = 0
+        log.info("prompt reader: %s", self.summary())
+
+    def _scan(
+        self,
+        table: pa.Table,
+        file: str,
+        skip_bad_rows: bool,
+        tokenizer: PreTrainedTokenizerBase | None,
+        max_prompt_length: int | None,
+        too_long: str,
+    ) -> np.ndarray:
+        keep, index = [], 0
+        for batch in table.to_batches(max_chunksize=4096):
+            for row in batch.to_pylist():
+                try:
+                    messages = validate_row(row, file, index)
+                except BadRowError as e:
+                    if not skip_bad_rows:
+                        raise
+                    self.counters["bad_rows"] += 1
+                    if self.counters["bad_rows"] <= 3:
+                        log.warning("skipping %s", e)
+                    index += 1
+                    continue
+                if max_prompt_length is not None:
+                    n = prompt_length(messages, tokenizer)
+                    if n > max_prompt_length:
+                        if too_long == "fail":
+                            raise PromptTooLongError(
+                                f"{file}: row {index}: prompt is {n} tokens, over "
+                                f"max_prompt_length={max_prompt_length}"
+                            )
+                        self.counters["too_long"] += 1
+                        index += 1
+                        continue
+                keep.append(index)
+                index += 1
+        self.counters["rows"] += len(keep)
+        return np.asarray(keep, dtype=np.int64)
+
+    def summary(self) -> str:
+        """One line for the log: usable rows, skipped bad rows, filtered long prompts."""
+        c = self.counters
+        return (
+            f"{c['rows']} rows from {len(self.files)} file(s), {c['bad_rows']} bad rows skipped, "
+            f"{c['too_long']} over max_prompt_length filtered"
+        )
+
+    def _order(self, pool: int, epoch: int) -> np.ndarray:
+        n = len(self._pools[pool])
+        if not self.shuffle:
+            return np.arange(n)
+        return np.random.default_rng([self.seed, pool, epoch]).permutation(n)
+
+    def __iter__(self) -> PromptReader:
+        return self
+
+    def __next__(self) -> dict[str, Any]:
+        pool = 0
+        if self._weights is not None:
+            pool = int(self._mix.choice(len(self._pools), p=self._weights))
+        if self._positions[pool] == len(self._pools[pool]):
+            self._epochs[pool] += 1
+            self._positions[pool] = 0
+            self._orders[pool] = self._order(pool, self._epochs[pool])
+        file_index, row_index = self._pools[pool][self._orders[pool][self._positions[pool]]]
+        self._positions[pool] += 1
+        self._served += 1
+        return self._tables[file_index].slice(int(row_index), 1).to_pylist()[0]
+
+    def state(self) -> dict[str, Any]:
+        """The position in the stream, JSON-serialisable (store it with a checkpoint)."""
+        return {
+            "files": [Path(f).name for f in self.files],
+            "pool_sizes": [len(p) for p in self._pools],
+            "epochs": list(self._epochs),
+            "positions": list(self._positions),
+            "mix_rng": self._mix.bit_generator.state,
+            "served": self._served,
+        }
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from `state`; the reader must be built from the same files and settings.
+
+        Raises ValueError when the files or their usable row counts differ: continuing a
+        different dataset from a saved position would silently repeat or skip prompts.
+        """
+        mine = {
+            "files": [Path(f).name for f in self.files],
+            "pool_sizes": self.state()["pool_sizes"],
+        }
+        for key, value in mine.items():
+            if list(state.get(key, [])) != value:
+                raise ValueError(
+                    f"prompt reader state does not fit these files: {key} was "
+                    f"{state.get(key)!r}, now {value!r}"
+                )
+        self._epochs = [int(e) for e in state["epochs"]]
+        self._positions = [int(p) for p in state["positions"]]
+        self._mix.bit_generator.state = state["mix_rng"]
+        self._served = int(state["served"])
+        self._orders = [self._order(p, e) for p, e in enumerate(self._epochs)]
+
+
+def _normalise_weights(weights: Sequence[float], num_files: int) -> np.ndarray:
+    w = np.asarray(weights, dtype=np.float64)
+    if w.shape != (num_files,):
+        raise ValueError(f"{len(weights)} weights for {num_files} files: give one per file")
+    if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
+        raise ValueError(f"weights must be finite, >= 0 and not all 0, got {list(weights)}")
+    return w / w.sum()

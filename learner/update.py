@@ -1,0 +1,309 @@
+"""Forward passes and the optimizer update of one learner step.
+
+Every tensor here is [B, T] aligned to *target* tokens: position t holds what concerns
+input_ids[:, t + 1] (its log-prob under the policy, its loss mask, its advantage, the value of
+the state before it). That is the layout of `logits[:, :-1]`.
+
+Invariants:
+- Loss normalisation is global: each mini-batch's denominator (tokens or sequences, per
+  `loss_agg_mode`) is computed over the whole mini-batch on every rank, so micro-batching and
+  the number of ranks do not change the loss (FSDP averages gradients, hence the x world).
+- Every rank runs the same number of forward/backward passes per mini-batch (padding rows
+  carry zero weight), so FSDP's collectives pair up.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.config import AlgorithmConfig
+from learner.batch import TrainBatch
+from learner.losses import (
+    aggregate_denominator,
+    aggregate_loss,
+    decoupled_ppo_token_loss,
+    entropy_from_logits,
+    gspo_token_loss,
+    kl_penalty,
+    mismatch_kl,
+    ppo_clip_token_loss,
+)
+
+
+def policy_forward(
+    model: torch.nn.Module, mb: TrainBatch, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p of each target token under softmax(logits / T), entropy or None), [B, T].
+    The same log-prob the engines report as behaviour log-probs."""
+    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    logits = logits[:, :-1].float() / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
+    return logp, (entropy_from_logits(logits) if with_entropy else None)
+
+
+def value_forward(critic: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
+    """V(state before each target token), [B, T]."""
+    out = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
+    return out[:, :-1, 0].float()
+
+
+def shard_rows(rows: torch.Tensor, world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's share of `rows` (equal-sized across ranks: padded with row 0 at weight 0).
+    Returns (row indices, weight 1.0 / 0.0 per index)."""
+    per_rank = math.ceil(len(rows) / world)
+    mine = torch.arange(rank * per_rank, (rank + 1) * per_rank)
+    valid = mine < len(rows)
+    return rows[mine.clamp(max=max(len(rows) - 1, 0))], valid.float()
+
+
+def micro_batches(
+    batch: TrainBatch, rows: torch.Tensor, weights: torch.Tensor, size: int
+) -> Iterator[tuple[torch.Tensor, TrainBatch, torch.Tensor]]:
+    """(row indices, rows of `batch`, row weights) in chunks of `size`."""
+    for start in range(0, len(rows), size):
+        idx = rows[start : start + size]
+        yield idx, batch.select(idx), weights[start : start + size]
+
+
+@torch.no_grad()
+def recompute(
+    model: torch.nn.Module,
+    batch: TrainBatch,
+    fn,
+    world: int,
+    rank: int,
+    micro_size: int,
+    device: torch.device,
+) -> torch.Tensor:
+    """Run `fn(model, micro_batch) -> [b, T]` over the whole batch, shared out over ranks and
+    all-gathered back, so every rank ends with the full [B, T] result."""
+    rows, weights = shard_rows(torch.arange(batch.size), world, rank)
+    out = torch.zeros(batch.size, batch.input_ids.shape[1] - 1, device=device)
+    for idx, mb, w in micro_batches(batch, rows, weights, micro_size):
+        vals = fn(model, mb)
+        out[idx[w > 0]] = vals[w > 0]
+    if world > 1:
+        dist.all_reduce(out)  # each row was computed by exactly one rank
+    return out
+
+
+@dataclass
+class UpdateInputs:
+    """What the optimizer step needs besides the batch, all [B, T] (None when not used)."""
+
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor  # behaviour log-probs (the engine's)
+    proximal: torch.Tensor | None  # recomputed before the update (decoupled PPO, IS, rejection)
+    is_weights: torch.Tensor | None  # behaviour -> proximal importance weights
+    keep: torch.Tensor | None  # rejection mask (1 keeps the token)
+    ref_logprobs: torch.Tensor | None  # frozen reference policy (KL loss)
+    returns: torch.Tensor | None  # gae value targets
+    old_values: torch.Tensor | None  # values before the update (value clipping)
+
+
+class Updater:
+    """Runs ppo_epochs x mini-batches x micro-batches of policy (and critic) updates."""
+
+    def __init__(
+        self,
+        model,
+        optimizer,
+        algo: AlgorithmConfig,
+        temperature: float,
+        grad_clip: float,
+        micro_size: int,
+        world: int,
+        rank: int,
+        device: torch.device,
+        critic=None,
+        critic_optimizer=None,
+    ):
+        self.model, self.optimizer, self.algo = model, optimizer, algo
+        self.critic, self.critic_optimizer = critic, critic_optimizer
+        self.temperature, self.grad_clip, self.micro_size = temperature, grad_clip, micro_size
+        self.world, self.rank, self.device = world, rank, device
+
+    def run(
+        self, batch: TrainBatch, inputs: UpdateInputs, epochs: int, groups_per_mini: int
+    ) -> dict[str, float]:
+        mask = batch.loss_mask[:, 1:]
+        if inputs.keep is not None:
+            mask = mask * inputs.keep
+        group_rows = _rows_by_group(batch.group_index)
+        per_mini = groups_per_mini or len(group_rows)
+        totals: dict[str, float] = {}
+        steps = 0
+        first: dict[str, float] = {}
+        for _ in range(epochs):
+            for start in range(0, len(group_rows), per_mini):
+                rows = torch.cat(group_rows[start : start + per_mini])
+                stats = self._mini_batch_step(batch, inputs, mask, rows)
+                first = first or stats
+                steps += 1
+                for k, v in stats.items():
+                    totals[k] = (
+                        max(totals.get(k, v), v) if k.endswith("_max") else totals.get(k, 0.0) + v
+                    )
+        out = {k: (v if k.endswith("_max") else v / steps) for k, v in totals.items()}
+        # k3 KL(behaviour || learner) before this batch's first optimizer step: the engine's
+        # numerical mismatch plus policy lag (with max_staleness=0, the mismatch alone)
+        out.pop("behaviour_kl")
+        out["mismatch_kl"] = first["behaviour_kl"]
+        return out
+
+    def _mini_batch_step(
+        self, batch: TrainBatch, inputs: UpdateInputs, mask: torch.Tensor, rows: torch.Tensor
+    ) -> dict[str, float]:
+        algo = self.algo
+        horizon = mask.shape[1]
+        denom = float(aggregate_denominator(mask[rows], algo.loss_agg_mode))
+        tokens = float(mask[rows].sum().clamp(min=1))
+        scale = self.world / max(denom, 1e-8)
+        my_rows, my_weights = shard_rows(rows, self.world, self.rank)
+        chunks = list(micro_batches(batch, my_rows, my_weights, self.micro_size))
+        sums = torch.zeros(9, device=self.device)
+        ratio_max = torch.zeros((), device=self.device)
+        for i, (idx, mb, w) in enumerate(chunks):
+            last = i == len(chunks) - 1
+            self.model.set_requires_gradient_sync(last)
+            m = mask[idx] * w[:, None]
+            logp, entropy = policy_forward(self.model, mb, self.temperature, with_entropy=True)
+            per_token, st = self._policy_loss(logp, idx, inputs, m)
+            num, _ = aggregate_loss(per_token, m, algo.loss_agg_mode, horizon)
+            loss = num
+            if algo.entropy_coeff > 0:
+                ent_num, _ = aggregate_loss(-entropy, m, algo.loss_agg_mode, horizon)
+                loss = loss + algo.entropy_coeff * ent_num
+            kl_tok = None
+            if inputs.ref_logprobs is not None:
+                kl_tok = kl_penalty(logp, inputs.ref_logprobs[idx], algo.kl_loss_type)
+                kl_num, _ = aggregate_loss(kl_tok, m, algo.loss_agg_mode, horizon)
+                loss = loss + algo.kl_loss_coef * kl_num
+            (loss * scale).backward()
+            with torch.no_grad():
+                ratio = torch.exp(
+                    logp
+                    - (inputs.proximal if inputs.proximal is not None else inputs.old_logprobs)[idx]
+                )
+                sums += torch.stack(
+                    [
+                        num.detach(),
+                        st["clipped_tokens"],
+                        (ratio * m).sum(),
+                        ((logp - inputs.old_logprobs[idx]).abs() * m).sum(),
+                        (entropy * m).sum(),
+                        (kl_tok * m).sum()
+                        if kl_tok is not None
+                        else torch.zeros((), device=self.device),
+                        st.get("dual_clipped_tokens", torch.zeros((), device=self.device)),
+                        m.sum(),
+                        mismatch_kl(logp, inputs.old_logprobs[idx], m) * m.sum(),
+                    ]
+                )
+                ratio_max = torch.maximum(ratio_max, (ratio * (m > 0)).max())
+        grad_norm = _clip_and_step(self.model, self.optimizer, self.grad_clip)
+        if self.world > 1:
+            dist.all_reduce(sums)
+            dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
+        stats = {
+            "loss": float(sums[0]) / max(denom, 1e-8),
+            "clip_frac": float(sums[1]) / tokens,
+            "ratio_mean": float(sums[2]) / tokens,
+            "ratio_max": float(ratio_max),
+            "logprob_abs_diff": float(sums[3]) / tokens,
+            "entropy": float(sums[4]) / tokens,
+            "dual_clip_frac": float(sums[6]) / tokens,
+            "grad_norm": grad_norm,
+            "behaviour_kl": float(sums[8]) / tokens,
+        }
+        if inputs.ref_logprobs is not None:
+            stats["kl_loss_ref"] = float(sums[5]) / tokens
+        if self.critic is not None:
+            stats.update(self._critic_step(batch, inputs, mask, rows, my_rows, my_weights, horizon))
+        return stats
+
+    def _policy_loss(self, logp, idx, inputs: UpdateInputs, m):
+        a = self.algo
+        adv = inputs.advantages[idx]
+        if a.policy_loss == "gspo":
+            old = inputs.proximal if inputs.proximal is not None else inputs.old_logprobs
+            loss, st = gspo_token_loss(logp, old[idx], adv, m, a.clip_ratio_low, a.clip_ratio_high)
+        elif a.decoupled:
+            weights = (
+                inputs.is_weights[idx] if inputs.is_weights is not None else torch.ones_like(logp)
+            )
+            loss, st = decoupled_ppo_token_loss(
+                logp,
+                inputs.proximal[idx],
+                inputs.old_logprobs[idx],
+                adv,
+                m,
+                a.clip_ratio_low,
+                a.clip_ratio_high,
+                a.clip_ratio_c,
+                weights,
+            )
+        else:
+            loss, st = ppo_clip_token_loss(
+                logp,
+                inputs.old_logprobs[idx],
+                adv,
+                m,
+                a.clip_ratio_low,
+                a.clip_ratio_high,
+                a.clip_ratio_c,
+            )
+            if inputs.is_weights is not None:
+                loss = loss * inputs.is_weights[idx]
+        return loss, st
+
+    def _critic_step(self, batch, inputs: UpdateInputs, mask, rows, my_rows, my_weights, horizon):
+        """Clipped value loss (PPO): 0.5 max((V - R)^2, (V_old + clip(V - V_old) - R)^2)."""
+        c = self.algo.value_clip
+        tokens = float(batch.loss_mask[:, 1:][rows].sum().clamp(min=1))
+        scale = self.world / tokens
+        chunks = list(micro_batches(batch, my_rows, my_weights, self.micro_size))
+        sums = torch.zeros(3, device=self.device)
+        for i, (idx, mb, w) in enumerate(chunks):
+            self.critic.set_requires_gradient_sync(i == len(chunks) - 1)
+            m = batch.loss_mask[:, 1:][idx] * w[:, None]
+            v = value_forward(self.critic, mb)
+            old, ret = inputs.old_values[idx], inputs.returns[idx]
+            clipped = old + (v - old).clamp(-c, c)
+            per_token = 0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2)
+            ((per_token * m).sum() * scale).backward()
+            with torch.no_grad():
+                sums += torch.stack(
+                    [
+                        (per_token * m).sum(),
+                        ((clipped - ret) ** 2 > (v - ret) ** 2).float().mul(m).sum(),
+                        (v * m).sum(),
+                    ]
+                )
+        grad_norm = _clip_and_step(self.critic, self.critic_optimizer, self.grad_clip)
+        if self.world > 1:
+            dist.all_reduce(sums)
+        return {
+            "value_loss": float(sums[0]) / tokens,
+            "value_clip_frac": float(sums[1]) / tokens,
+            "value_mean": float(sums[2]) / tokens,
+            "critic_grad_norm": grad_norm,
+        }
+
+
+def _rows_by_group(group_index: torch.Tensor) -> list[torch.Tensor]:
+    return [torch.nonzero(group_index == g).squeeze(-1) for g in range(int(group_index.max()) + 1)]
+
+
+def _clip_and_step(model, optimizer, max_norm: float) -> float:
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    if hasattr(norm, "full_tensor"):
+        norm = norm.full_tensor()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return float(norm)
