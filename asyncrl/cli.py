@@ -1,6 +1,11 @@
 """The `asyncrl` command line.
 
-    asyncrl launch [CONFIG] [section.key=value ...] [--dry-run]
+    asyncrl launch [CONFIG] [section.key=value ...] [--dry-run]   train
+    asyncrl serve  [CONFIG] [section.key=value ...]               rollout fleet only
+    asyncrl eval --data FILE [--address ADDR] [CONFIG] [overrides] evaluate a checkpoint
+    asyncrl data gsm8k --input DIR --output DIR                   GSM8K -> verl parquet
+    asyncrl data arith --output DIR                               embedded task -> parquet
+    asyncrl data inspect FILE [--tokenizer PATH]                  look at a parquet file
 
 CONFIG defaults to configs/default.yaml (the embedded default: a tiny model on a synthetic task,
 on CPU). Overrides are validated with the file before anything starts.
@@ -12,6 +17,8 @@ import argparse
 import shlex
 import signal
 import sys
+import time
+from pathlib import Path
 
 from asyncrl.config import ConfigError, config_to_yaml, load_config
 
@@ -27,11 +34,7 @@ def _interrupt(signum, frame) -> None:
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:
-    config_path, overrides = _split_config_and_overrides(ns.args)
-    bad = [o for o in overrides if "=" not in o]
-    if bad:
-        raise ConfigError(f"expected section.key=value overrides after the config file, got {bad}")
-    cfg = load_config(config_path, overrides)
+    cfg = _config(ns.args)
     if ns.dry_run:
         sys.stdout.write(config_to_yaml(cfg))
         return 0
@@ -50,15 +53,139 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _config(args: list[str]):
+    config_path, overrides = _split_config_and_overrides(args)
+    bad = [o for o in overrides if "=" not in o]
+    if bad:
+        raise ConfigError(f"expected section.key=value overrides after the config file, got {bad}")
+    return load_config(config_path, overrides)
+
+
+def cmd_serve(ns: argparse.Namespace) -> int:
+    from asyncrl.launcher import LaunchError, serve
+
+    cfg = _config(ns.args)
+    signal.signal(signal.SIGTERM, _interrupt)
+    fleet, run_dir = serve(cfg, command="asyncrl serve " + shlex.join(ns.args))
+    print(
+        f"asyncrl: serving {cfg.rollout.num_servers} rollout server(s) through the replay at "
+        f"{fleet.spec.replay_address}; logs in {run_dir / 'logs'}; Ctrl-C stops",
+        flush=True,
+    )
+    try:
+        while (dead := fleet.first_dead()) is None:
+            time.sleep(0.5)
+        print(f"asyncrl: serve failed: {LaunchError(dead.describe_exit())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("\nasyncrl: stopped", file=sys.stderr)
+        return 130
+    finally:
+        fleet.stop_all()
+
+
+def cmd_eval(ns: argparse.Namespace) -> int:
+    """Send a dataset through running servers (--address) or a fleet started for it."""
+    from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
+    from asyncrl.launcher import serve
+    from asyncrl.metrics import write_json_atomic
+    from asyncrl.replay_client import ReplayClient
+
+    cfg = _config(ns.args)
+    n = ns.n or cfg.data.val_n
+    temperature = cfg.data.val_temperature if ns.temperature is None else ns.temperature
+    rows = load_eval_rows(ns.data, cfg.data.task_max_operand, cfg.data.seed)
+    job = f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    prompts = eval_prompts(rows, n, temperature, job)
+    fleet = None
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        if ns.address:
+            address = ns.address
+        else:
+            fleet, _ = serve(cfg, command="asyncrl eval " + shlex.join(ns.args))
+            address = fleet.spec.replay_address
+        print(
+            f"asyncrl: evaluating {len(prompts)} prompts x {n} samples through {address}",
+            flush=True,
+        )
+        summary = run_eval_job(
+            ReplayClient(address), prompts, job, cfg.trainer.val_timeout_s, progress=_eval_progress
+        )
+    except KeyboardInterrupt:
+        print("\nasyncrl: interrupted", file=sys.stderr)
+        return 130
+    finally:
+        if fleet is not None:
+            fleet.stop_all()
+    print()
+    for key, value in summary.items():
+        print(f"  {key:40s} {value:.4f}")
+    out = Path(ns.output)
+    write_json_atomic(out, {"data": ns.data, "n": n, "temperature": temperature, **summary})
+    print(f"asyncrl: results written to {out}")
+    return 0
+
+
+def _eval_progress(done: int, expected: int) -> None:
+    print(f"\r  {done}/{expected} samples scored", end="", flush=True)
+
+
+def cmd_data(ns: argparse.Namespace) -> int:
+    from asyncrl import data
+
+    if ns.data_command == "gsm8k":
+        counts = data.prepare_gsm8k(ns.input, ns.output)
+        for split, rows in counts.items():
+            print(f"asyncrl: wrote {rows} {split} rows to {Path(ns.output) / (split + '.parquet')}")
+    elif ns.data_command == "arith":
+        from asyncrl.tasks import ArithmeticTask
+
+        path = data.write_rows(ArithmeticTask().val_rows(), Path(ns.output) / "val.parquet")
+        print(f"asyncrl: wrote the embedded task's questions to {path}")
+    else:
+        tokenizer = None
+        if ns.tokenizer:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(ns.tokenizer)
+        print(data.inspect_parquet(ns.file, tokenizer=tokenizer, num_rows=ns.rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
+    cfg_args = {"nargs": "*", "metavar": "[CONFIG] [section.key=value ...]"}
     p = sub.add_parser("launch", help="train: start the replay, rollout servers and learner")
-    p.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
+    p.add_argument("args", **cfg_args)
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.set_defaults(func=cmd_launch)
+    p = sub.add_parser("serve", help="start only the replay and rollout servers (no training)")
+    p.add_argument("args", **cfg_args)
+    p.set_defaults(func=cmd_serve)
+    p = sub.add_parser("eval", help="score a dataset with the rollout servers (mean, pass@k)")
+    p.add_argument("--data", nargs="+", required=True, help="parquet file(s) in the verl schema")
+    p.add_argument("--address", help="replay address of a running `asyncrl serve` / launch")
+    p.add_argument("--n", type=int, default=0, help="samples per prompt (default data.val_n)")
+    p.add_argument("--temperature", type=float, help="default data.val_temperature")
+    p.add_argument("--output", default="eval_results.json", help="where to save the summary")
+    p.add_argument("args", **cfg_args)
+    p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("data", help="prepare and inspect datasets")
+    dsub = p.add_subparsers(dest="data_command", required=True)
+    d = dsub.add_parser("gsm8k", help="GSM8K jsonl -> train/test parquet in the verl schema")
+    d.add_argument("--input", required=True)
+    d.add_argument("--output", required=True)
+    d = dsub.add_parser("arith", help="the embedded task's questions as a parquet file")
+    d.add_argument("--output", required=True)
+    d = dsub.add_parser("inspect", help="rows, columns, sources, prompt lengths, first rows")
+    d.add_argument("file")
+    d.add_argument("--tokenizer", help="model directory whose chat template renders prompts")
+    d.add_argument("--rows", type=int, default=3)
+    p.set_defaults(func=cmd_data)
     return parser
 
 

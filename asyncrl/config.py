@@ -1,6 +1,7 @@
 """The typed configuration tree shared by every fleet.
 
-One tree with seven sections (data, rollout, replay, learner, algorithm, trainer, launch) is
+One tree with eight sections (data, rollout, reward, replay, learner, algorithm, trainer,
+launch) is
 loaded from a YAML file and overridden from the command line as ``section.key=value``. Every
 field has a type, a default, a bound where one applies and a one-line docstring; unknown keys and
 invalid values fail at start-up, before any process starts, with a message that names the key
@@ -27,6 +28,22 @@ class _Section(BaseModel):
 class DataConfig(_Section):
     train_files: list[str] = []
     """Parquet files of training prompts (verl schema). Empty: the embedded arithmetic task."""
+    train_weights: list[float] | None = None
+    """Mixing weights of train_files (None: the files are one dataset)."""
+    val_files: list[str] = []
+    """Parquet files for validation and `asyncrl eval`. Empty: the embedded task's questions."""
+    shuffle: bool = True
+    """Shuffle training rows each epoch (seeded by data.seed)."""
+    max_prompt_length: int | None = Field(None, ge=1)
+    """Longest prompt in tokens (after the chat template); None: no limit."""
+    too_long: Literal["filter", "fail"] = "filter"
+    """Longer prompts are dropped and counted (`filter`) or stop the run naming the row."""
+    skip_bad_rows: bool = False
+    """Skip (and count) rows that do not fit the schema instead of failing on them."""
+    val_n: int = Field(1, ge=1)
+    """Samples per validation prompt (pass@k is reported up to this)."""
+    val_temperature: float = Field(0.0, ge=0.0)
+    """Sampling temperature of validation (0: greedy)."""
     train_batch_size: int = Field(16, ge=1)
     """Prompts (groups) per learner step; each prompt is sampled `rollout.n` times."""
     seed: int = 0
@@ -56,8 +73,46 @@ class RolloutConfig(_Section):
     """Most sequences the engine samples in one batched call."""
     ack_timeout_s: float = Field(10.0, gt=0)
     """A trajectory not acknowledged within this is sent again with the next attempt number."""
-    reward_timeout_s: float = Field(10.0, gt=0)
-    """A reward function that takes longer scores 0 and is counted."""
+    agent_loop: str = "single_turn"
+    """Default agent loop: a registered name (single_turn, tool_agent) or `pkg.module:Class`;
+    a row's agent_name may pick another registered loop."""
+    tool_config: str = ""
+    """YAML tool config (e.g. configs/tools/default_tools.yaml); empty: no tools."""
+    interaction_config: str = ""
+    """YAML interaction config; empty: every registered interaction with its defaults."""
+    max_assistant_turns: int = Field(5, ge=1)
+    """Tool agent: most engine calls per trajectory."""
+    max_user_turns: int = Field(3, ge=0)
+    """Tool agent: most interaction replies appended per trajectory."""
+    max_tool_calls: int = Field(8, ge=1)
+    """Tool agent: most tool calls executed per trajectory."""
+    max_parallel_calls: int = Field(4, ge=1)
+    """Tool agent: most calls run concurrently in one turn; extra calls get an error output."""
+    tool_timeout_s: float = Field(30.0, gt=0)
+    """Tool agent: a tool call running longer is cancelled and reported as timed out."""
+    max_response_tokens: int = Field(1024, ge=1)
+    """Tool agent: budget of response tokens, sampled plus tool/template tokens together."""
+
+
+class CustomRewardConfig(_Section):
+    path: str | None = None
+    """Python file with a verl-signature reward function
+    `compute_score(data_source, solution_str, ground_truth, extra_info=None)`; when set it
+    scores every data_source."""
+    name: str = "compute_score"
+    """Name of the function in that file."""
+
+
+class RewardConfig(_Section):
+    custom: CustomRewardConfig = CustomRewardConfig()
+    """A user's reward function loaded by path (verl's custom_reward_function)."""
+    timeout_s: float = Field(10.0, gt=0)
+    """A reward call that takes longer scores 0 and is counted; its worker is replaced."""
+    workers: int = Field(2, ge=1)
+    """Reward worker processes per rollout server."""
+    kwargs: dict[str, float | int | bool | str] = {}
+    """Options passed to reward functions that declare them (format_score, partial_credit,
+    case_timeout_s, ...)."""
 
 
 class ReplayConfig(_Section):
@@ -182,6 +237,16 @@ class TrainerConfig(_Section):
     """Save the final weights in Hugging Face format under run_dir/final."""
     log_samples: bool = False
     """Write every trained trajectory id and version to run_dir/samples.jsonl (audits, tests)."""
+    val_every: int = Field(0, ge=0)
+    """Validate every this many learner steps and after the last (0: never)."""
+    val_before_train: bool = False
+    """Validate the initial weights before the first step."""
+    val_only: bool = False
+    """Validate the initial weights and stop (no training)."""
+    val_timeout_s: float = Field(1800.0, gt=0)
+    """A validation that takes longer fails the run."""
+    logger: list[Literal["console", "jsonl", "wandb", "tensorboard"]] = ["console", "jsonl"]
+    """Where step metrics go; metrics.jsonl is always written. wandb runs offline."""
 
 
 class LaunchConfig(_Section):
@@ -206,6 +271,7 @@ class LaunchConfig(_Section):
 class Config(_Section):
     data: DataConfig = DataConfig()
     rollout: RolloutConfig = RolloutConfig()
+    reward: RewardConfig = RewardConfig()
     replay: ReplayConfig = ReplayConfig()
     learner: LearnerConfig = LearnerConfig()
     algorithm: AlgorithmConfig = AlgorithmConfig()
@@ -222,6 +288,9 @@ class Config(_Section):
                 f"launch.host={self.launch.host!r} is not loopback; set launch.allow_remote=true "
                 "to bind sockets beyond this machine"
             )
+        custom = self.reward.custom.path
+        if custom is not None and not Path(custom).is_file():
+            raise ValueError(f"reward.custom.path={custom!r} is not a file")
         if self.replay.capacity_groups < self.data.train_batch_size:
             raise ValueError(
                 f"replay.capacity_groups={self.replay.capacity_groups} is smaller than "

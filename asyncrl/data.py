@@ -5,7 +5,8 @@ verl's: `data_source` (picks the reward function), `prompt` (chat messages, or a
 `ability`, `reward_model` (`style`, `ground_truth`) and `extra_info`.
 
 - `prepare_gsm8k` turns the GSM8K jsonl release into that schema exactly as verl's
-  `examples/data_preprocess/gsm8k.py` does (same instruction, same ground-truth extraction).
+  `examples/data_preprocess/gsm8k.py` does (same instruction, same ground-truth extraction);
+  `write_rows` writes any list of such rows.
 - `inspect_parquet` is what `asyncrl data inspect` prints: a quick look before a long run.
 - `PromptReader` is the endless, seeded, resumable row stream the replay leases prompts from.
 
@@ -88,7 +89,9 @@ def gsm8k_final_answer(text: str) -> str | None:
     return ("-" if negative else "") + number.replace(",", "")
 
 
-def gsm8k_row(question: str, answer: str, ground_truth: str, split: str, index: int) -> dict:
+def gsm8k_row(
+    question: str, answer: str, ground_truth: str, split: str, index: int
+) -> dict[str, Any]:
     """One verl-schema row of GSM8K (the layout of verl's gsm8k.py, field for field)."""
     return {
         "data_source": GSM8K_SOURCE,
@@ -106,20 +109,31 @@ def prepare_gsm8k(input_dir: str | Path, output_dir: str | Path) -> dict[str, in
     no string `question`/`answer`, or an answer without a final `#### N`).
     """
     input_dir, output_dir = Path(input_dir), Path(output_dir)
-    output_dir.mkdir(parents=True, exist_ok=True)
     counts = {}
     for split in ("train", "test"):
         rows = [
             gsm8k_row(q, a, gt, split, i)
             for i, (q, a, gt) in enumerate(_read_gsm8k_jsonl(input_dir / f"{split}.jsonl"))
         ]
-        table = pa.Table.from_pylist(rows, schema=_GSM8K_SCHEMA)
-        out = output_dir / f"{split}.parquet"
-        tmp = out.with_suffix(".parquet.tmp")
-        pq.write_table(table, tmp)
-        os.replace(tmp, out)
+        write_rows(rows, output_dir / f"{split}.parquet", schema=_GSM8K_SCHEMA)
         counts[split] = len(rows)
     return counts
+
+
+def write_rows(
+    rows: Sequence[dict[str, Any]], path: str | Path, schema: pa.Schema | None = None
+) -> Path:
+    """Write verl-schema rows to a parquet file (types inferred unless `schema` is given).
+
+    The file appears complete or not at all (written beside it, then renamed), so a reader
+    never sees half a dataset. Returns the path written.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    pq.write_table(pa.Table.from_pylist(list(rows), schema=schema), tmp)
+    os.replace(tmp, path)
+    return path
 
 
 def _read_gsm8k_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
@@ -194,9 +208,12 @@ def prompt_length(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizer
     if tokenizer is None:
         return sum(len(m["content"]) for m in messages)
     if getattr(tokenizer, "chat_template", None):
-        from asyncrl.tiny_model import render_prompt_ids
-
-        return len(render_prompt_ids(tokenizer, messages))
+        # transformers 5 returns a BatchEncoding here, older versions a list (as in
+        # tiny_model.render_prompt_ids, which this module cannot import without torch)
+        ids: Any = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=True
+        )
+        return len(ids if isinstance(ids, list) else ids["input_ids"])
     return len(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
 
 
@@ -286,9 +303,14 @@ class PromptReader:
         valid: list[np.ndarray] = []
         for f in self.files:
             table = pq.read_table(f)
+            before = Counter(self.counters)
             keep = self._scan(table, f, skip_bad_rows, tokenizer, max_prompt_length, too_long)
             if len(keep) == 0:
-                raise ValueError(f"{f}: no usable rows (of {table.num_rows}; see counters)")
+                dropped = self.counters - before
+                raise ValueError(
+                    f"{f}: none of its {table.num_rows} rows is usable ({dropped['bad_rows']} "
+                    f"bad, {dropped['too_long']} over max_prompt_length={max_prompt_length})"
+                )
             self._tables.append(table)
             valid.append(keep)
         if weights is None:

@@ -133,15 +133,17 @@ def threads_per_process(cfg: Config) -> int:
     return max(1, (os.cpu_count() or 1) // compute)
 
 
-def start_fleets(cfg: Config, run_dir: Path, model_path: str) -> LocalFleet:
-    """Start the replay (and wait until it answers), the servers and the learner ranks."""
+def start_fleets(cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True
+                 ) -> LocalFleet:
+    """Start the replay (and wait until it answers), the servers and, when training, the
+    learner ranks. Without a learner the servers keep the weights they loaded."""
     host = cfg.launch.host
     spec = RunSpec(
         run_dir=str(run_dir),
         model_path=model_path,
         replay_address=tcp_address(host, cfg.launch.replay_port or free_port(host)),
         sync_host=host,
-        sync_port=cfg.launch.weight_sync_port or free_port(host),
+        sync_port=(cfg.launch.weight_sync_port or free_port(host)) if with_learner else 0,
         learner_master_port=free_port(host),
         threads=threads_per_process(cfg),
     )
@@ -159,7 +161,7 @@ def start_fleets(cfg: Config, run_dir: Path, model_path: str) -> LocalFleet:
     wait_for_replay(fleet, cfg.launch.startup_timeout_s)
     for i in range(cfg.rollout.num_servers):
         fleet.start(f"server_{i}", [*worker, "server", str(spec_path), "--index", str(i)], threads)
-    for rank in range(cfg.learner.world_size):
+    for rank in range(cfg.learner.world_size if with_learner else 0):
         env = {
             **threads,
             "RANK": str(rank),
@@ -202,6 +204,15 @@ def watch(fleet: LocalFleet, cfg: Config, progress: Progress) -> None:
             progress.update(read_jsonl(metrics), final=True)
             return
         time.sleep(0.25)
+
+
+def serve(cfg: Config, command: str = "asyncrl serve") -> tuple[LocalFleet, Path]:
+    """Start the replay and the rollout servers only, on trainer.model_path (any checkpoint
+    directory) or the embedded model; the caller stops the fleet."""
+    run_dir = prepare_run_dir(cfg, command)
+    model_path = prepare_model(cfg)
+    fleet = start_fleets(cfg, run_dir, model_path, with_learner=False)
+    return fleet, run_dir
 
 
 def launch(cfg: Config, command: str = "asyncrl launch") -> Path:

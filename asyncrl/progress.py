@@ -11,6 +11,11 @@ import time
 from typing import Any
 
 
+def training_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of learner steps (a validation before training has no reward_mean)."""
+    return [r for r in rows if "reward_mean" in r]
+
+
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
@@ -46,6 +51,7 @@ class Progress:
         )
 
     def update(self, rows: list[dict[str, Any]], final: bool = False) -> None:
+        rows = training_rows(rows)
         if self.mode == "none" or not rows:
             return
         if rows[-1]["step"] == self._shown_step and not (final and self.mode == "tty"):
@@ -62,11 +68,16 @@ class Progress:
 
     @staticmethod
     def summary(rows: list[dict[str, Any]]) -> str:
+        val = [r for r in rows if "val/mean_score" in r]
+        rows = training_rows(rows)
         if not rows:
             return "no learner steps were completed"
         first = _mean([r["reward_mean"] for r in rows[:5]])
         last = _mean([r["reward_mean"] for r in rows[-20:]])
-        return (
+        text = (
             f"{len(rows)} steps; mean reward first 5 steps {first:.3f}, "
             f"last 20 steps {last:.3f} (gain {last - first:+.3f})"
         )
+        if val:
+            text += f"; last validation (step {val[-1]['step']}) {val[-1]['val/mean_score']:.3f}"
+        return text

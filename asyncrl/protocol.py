@@ -7,6 +7,8 @@ Who sends what (replies echo the request's `request_id`):
     learner rank 0 -> replay   BatchRequest   -> Batch        (whole groups; may be empty)
     learner rank 0 -> replay   VersionUpdate  -> Ack
     anyone         -> replay   StatsRequest   -> Stats        (counters for progress and tests)
+    evaluator      -> replay   EvalSubmit     -> Ack          (prompts leased before training ones)
+    evaluator      -> replay   EvalPoll       -> EvalResults  (scores so far; done when complete)
     replay         -> anyone   Error                          (a message it could not decode)
 
 Token ids, masks, log-probs and versions always travel as raw array frames (see `codec`).
@@ -35,6 +37,11 @@ class PromptItem:
     messages: list[ChatMessage]  # the prompt as chat messages (rendered by the server's template)
     ground_truth: str  # reward_model.ground_truth of the row
     extra_info_json: str  # the row's extra_info, JSON-encoded (opaque to the wire)
+    agent_name: str = ""  # the row's agent loop ("": the config's default)
+    tools_kwargs_json: str = "{}"  # the row's tools_kwargs, JSON-encoded
+    interaction_kwargs_json: str = "{}"  # the row's interaction_kwargs, JSON-encoded
+    eval_job: str = ""  # "" for training; else the evaluation job this prompt belongs to
+    temperature: float = -1.0  # sampling temperature for this prompt; < 0: the server's default
 
 
 @message("lease_request")
@@ -124,6 +131,31 @@ class StatsRequest:
 class Stats:
     request_id: int  # the StatsRequest answered
     counters: dict[str, float]  # named counters and gauges of the replay
+
+
+@message("eval_submit")
+class EvalSubmit:
+    request_id: int  # echoed in the Ack
+    job_id: str  # unique name of the job (prompts carry it as eval_job)
+    prompts: list[PromptItem]  # each sampled prompt.n times; never trained on
+
+
+@message("eval_poll")
+class EvalPoll:
+    request_id: int  # echoed in the reply
+    job_id: str  # the job asked about
+
+
+@message("eval_results")
+class EvalResults:
+    request_id: int  # the EvalPoll answered
+    job_id: str  # the job
+    expected: int  # samples the job will produce in all
+    group_ids: list[str]  # [S] samples scored so far
+    data_sources: list[str]  # [S]
+    scores: Array("float32")  # [S] reward of each sample
+    response_lengths: Array("int32")  # [S] response tokens of each sample
+    versions: Array("int32")  # [S] oldest policy version of each sample
 
 
 @message("error")

@@ -15,7 +15,19 @@ from typing import Any
 
 import zmq
 
-from asyncrl.protocol import Ack, Batch, BatchRequest, Error, Stats, StatsRequest, VersionUpdate
+from asyncrl.protocol import (
+    Ack,
+    Batch,
+    BatchRequest,
+    Error,
+    EvalPoll,
+    EvalResults,
+    EvalSubmit,
+    PromptItem,
+    Stats,
+    StatsRequest,
+    VersionUpdate,
+)
 from asyncrl.transport import decode_frames, send_msg, setup_socket
 
 
@@ -61,6 +73,13 @@ class ReplayClient:
 
     def publish_version(self, version: int) -> None:
         self._request(lambda i: VersionUpdate(i, version), Ack)
+
+    def submit_eval(self, job_id: str, prompts: list[PromptItem]) -> None:
+        """Queue an evaluation job; servers sample its prompts before any training prompt."""
+        self._request(lambda i: EvalSubmit(i, job_id, prompts), Ack)
+
+    def poll_eval(self, job_id: str) -> EvalResults:
+        return self._request(lambda i: EvalPoll(i, job_id), EvalResults)
 
     def stats(self) -> dict[str, float]:
         return self._request(lambda i: StatsRequest(i), Stats).counters

@@ -46,6 +46,11 @@ class ArithmeticTask:
             yield self.row(a, b, index)
             index += 1
 
+    def val_rows(self) -> list[dict[str, Any]]:
+        """Every question of the task once (the embedded validation set), in a fixed order."""
+        pairs = [(a, b) for a in range(self.max_operand + 1) for b in range(self.max_operand + 1)]
+        return [self.row(a, b, i) for i, (a, b) in enumerate(pairs)]
+
     def demonstration(self, rng: random.Random, p_correct: float) -> tuple[str, str]:
         """(prompt text, answer text) for the warm-start; the answer is right w.p. p_correct."""
         a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)

@@ -24,6 +24,8 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import Config
+from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
+from asyncrl.loggers import setup_loggers
 from asyncrl.metrics import JsonlWriter, StageTimer, peak_rss_mb, write_json_atomic
 from asyncrl.replay_client import ReplayClient
 from asyncrl.run_spec import RunSpec
@@ -101,7 +103,9 @@ class Learner:
                 spec.sync_host, spec.sync_port, 0, 1 + cfg.rollout.num_servers, device
             )
             self.broadcaster = WeightBroadcaster(group, int(lc.bucket_mb * 2**20))
-            self.metrics = JsonlWriter(run_dir / "metrics.jsonl")
+            self.loggers = setup_loggers(cfg.trainer.logger, run_dir, cfg.model_dump(mode="json"))
+            dc = cfg.data
+            self.val_rows = load_eval_rows(dc.val_files, dc.task_max_operand, dc.seed)
             self.samples = (
                 JsonlWriter(run_dir / "samples.jsonl") if cfg.trainer.log_samples else None
             )
@@ -259,23 +263,43 @@ class Learner:
         self.weight_log.write({"version": version, "checksum": digest})
         return digest
 
+    def validate(self, version: int) -> dict[str, float]:
+        """Rank 0 sends the validation set through the rollout servers as an evaluation job
+        (leased before any training prompt, never trained on) and waits for every score."""
+        if self.rank != 0:
+            return {}
+        dc, job = self.cfg.data, f"val-{version}-{time.time_ns()}"
+        prompts = eval_prompts(self.val_rows, dc.val_n, dc.val_temperature, job)
+        summary = run_eval_job(self.replay, prompts, job, self.cfg.trainer.val_timeout_s)
+        log.info("validation at version %d: mean score %.4f", version, summary["mean_score"])
+        return {f"val/{k}": v for k, v in summary.items()}
+
+    def maybe_validate(self, version: int) -> dict[str, float]:
+        tc = self.cfg.trainer
+        due = tc.val_every and (version % tc.val_every == 0 or version == tc.total_steps)
+        return self.validate(version) if due else {}
+
     # ---- loop ---------------------------------------------------------------------------
     def run(self) -> None:
-        if self.cfg.learner.weight_checksum and self.rank == 0:
-            self.weight_log.write(
-                {"version": 0, "checksum": weights_checksum(iter_full_tensors(self.model))}
-            )
-        elif self.cfg.learner.weight_checksum:
-            for _ in iter_full_tensors(self.model):
-                pass
-        for version in range(self.cfg.trainer.total_steps):
-            if not self.train_step(version):
-                log.info("stop requested; leaving the loop at version %d", version)
-                break
-        if self.cfg.trainer.save_final:
-            self.save_final(Path(self.spec.run_dir) / "final")
+        tc = self.cfg.trainer
+        if self.cfg.learner.weight_checksum:
+            digest = weights_checksum(iter_full_tensors(self.model))  # a collective: all ranks
+            if self.rank == 0:
+                self.weight_log.write({"version": 0, "checksum": digest})
+        if tc.val_before_train or tc.val_only:
+            val = self.validate(0)
+            if self.rank == 0:
+                self.loggers.log({"step": 0, "version": 0, "time": time.time(), **val}, 0)
+        if not tc.val_only:
+            for version in range(tc.total_steps):
+                if not self.train_step(version):
+                    log.info("stop requested; leaving the loop at version %d", version)
+                    break
+            if tc.save_final:
+                self.save_final(Path(self.spec.run_dir) / "final")
         if self.rank == 0:
             self.broadcaster.shutdown()
+            self.loggers.close()
 
     def train_step(self, version: int) -> bool:
         timer = StageTimer()
@@ -294,6 +318,9 @@ class Learner:
         if self.rank == 0:
             with timer("publish_version"):
                 self.replay.publish_version(version + 1)
+        with timer("validate"):
+            stats.update(self.maybe_validate(version + 1))
+        if self.rank == 0:
             self.log_step(version, batch, info, stats, timer, checksum)
         return True
 
@@ -334,7 +361,7 @@ class Learner:
         }
         if checksum is not None:
             record["weights_checksum"] = checksum
-        self.metrics.write(record)
+        self.loggers.log(record, version + 1)
         if self.samples is not None:
             self.samples.write(
                 {

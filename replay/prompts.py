@@ -84,18 +84,17 @@ def setup_prompt_source(
         return EmbeddedPromptSource(
             ArithmeticTask(max_operand=data.task_max_operand, seed=data.seed)
         )
-    max_prompt_length = getattr(data, "max_prompt_length", None)
-    if max_prompt_length is not None and tokenizer is None:
+    if data.max_prompt_length is not None and tokenizer is None:
         tokenizer = _model_tokenizer(cfg)
     reader = PromptReader(
         data.train_files,
-        weights=getattr(data, "train_weights", None) or None,
+        weights=data.train_weights,
         seed=data.seed,
-        shuffle=getattr(data, "shuffle", True),
-        skip_bad_rows=getattr(data, "skip_bad_rows", False),
-        tokenizer=tokenizer if max_prompt_length is not None else None,
-        max_prompt_length=max_prompt_length,
-        too_long=getattr(data, "too_long", "filter"),
+        shuffle=data.shuffle,
+        skip_bad_rows=data.skip_bad_rows,
+        tokenizer=tokenizer if data.max_prompt_length is not None else None,
+        max_prompt_length=data.max_prompt_length,
+        too_long=data.too_long,
     )
     return ParquetPromptSource(reader)
 

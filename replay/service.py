@@ -41,6 +41,8 @@ from asyncrl.protocol import (
     Ack,
     BatchRequest,
     Error,
+    EvalPoll,
+    EvalSubmit,
     LeaseGrant,
     LeaseRequest,
     PromptItem,
@@ -53,6 +55,7 @@ from asyncrl.protocol import (
 from asyncrl.transport import decode_frames, send_msg, setup_socket
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer, MalformedTrajectory, to_batch
+from replay.eval_jobs import EvalJobs
 from replay.prompts import PromptSource, reissue, row_to_prompt_item, setup_prompt_source
 
 log = logging.getLogger("asyncrl.replay")
@@ -68,6 +71,9 @@ COUNTERS = (
     "leases_granted",
     "leases_reissued",
     "empty_grants",
+    "eval_jobs",
+    "eval_leases_granted",
+    "eval_samples",
     "expired",
     "accepted",
     "duplicates",
@@ -129,7 +135,10 @@ class ReplayService:
             BatchRequest: self._on_batch_request,
             VersionUpdate: self._on_version_update,
             StatsRequest: self._on_stats_request,
+            EvalSubmit: self._on_eval_submit,
+            EvalPoll: self._on_eval_poll,
         }
+        self.eval_jobs = EvalJobs()
         self._ctx = zmq.Context()
         self._sock = setup_socket(
             self._ctx, zmq.ROUTER, bind=address, allow_remote=cfg.launch.allow_remote
@@ -242,6 +251,11 @@ class ReplayService:
             self._hold(self._held_leases, identity, req)
 
     def _on_trajectory(self, identity: bytes, traj: Trajectory) -> None:
+        if self.eval_jobs.owns(traj.group_id):
+            status = self.eval_jobs.add(traj)
+            self.counters["eval_samples" if status == "accepted" else "duplicates"] += 1
+            send_msg(self._sock, Ack(request_id=0, traj_id=traj.traj_id, status=status), identity)
+            return
         try:
             status = self.buffer.add(traj)
         except MalformedTrajectory as e:
@@ -280,13 +294,36 @@ class ReplayService:
         self._changed = True
         send_msg(self._sock, Ack(request_id=msg.request_id, traj_id="", status="ok"), identity)
 
+    def _on_eval_submit(self, identity: bytes, msg: EvalSubmit) -> None:
+        try:
+            self.eval_jobs.submit(msg.job_id, msg.prompts)
+        except ValueError as e:
+            self._reject(identity, "rejected_malformed", str(e))
+            return
+        self.counters["eval_jobs"] += 1
+        self._changed = True  # held lease requests can now be answered with these prompts
+        send_msg(self._sock, Ack(request_id=msg.request_id, traj_id="", status="ok"), identity)
+
+    def _on_eval_poll(self, identity: bytes, msg: EvalPoll) -> None:
+        try:
+            send_msg(self._sock, self.eval_jobs.results(msg.request_id, msg.job_id), identity)
+        except KeyError:
+            self._reject(identity, "rejected_malformed", f"unknown evaluation job {msg.job_id!r}")
+
     def _on_stats_request(self, identity: bytes, msg: StatsRequest) -> None:
         send_msg(self._sock, Stats(request_id=msg.request_id, counters=self.stats()), identity)
 
     # ---- leases -----------------------------------------------------------------------------
     def _grant(self, req: LeaseRequest) -> list[PromptItem]:
+        evals = self.eval_jobs.take(req.max_groups)  # evaluation first, outside admission
+        self.counters["eval_leases_granted"] += len(evals)
+        return evals + self._grant_training(req, req.max_groups - len(evals))
+
+    def _grant_training(self, req: LeaseRequest, wanted: int) -> list[PromptItem]:
+        if wanted <= 0:
+            return []
         version = req.server_version
-        k = self.admission.grantable(version, req.max_groups, len(self.buffer))
+        k = self.admission.grantable(version, wanted, len(self.buffer))
         now = time.monotonic()
         prompts = [self._next_prompt() for _ in range(k)]
         for item in prompts:

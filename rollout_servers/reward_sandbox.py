@@ -180,6 +180,7 @@ def _run_cases(
     code: str, cases: dict[str, list[str]], limits: SandboxLimits, deadline: float
 ) -> Iterator[tuple[bool, bool]]:
     """(passed, timed out) per case, until the cases or the time budget run out."""
+    runs: list[tuple[str, str, str | None]]
     if "asserts" in cases:
         runs = [(f"{code}\n\n{statement}\n", "", None) for statement in cases["asserts"]]
     else:

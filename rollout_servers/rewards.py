@@ -12,16 +12,18 @@ keyword arguments, as verl calls it. Built-ins, by data_source:
 
 A user's function is loaded from a file with `load_custom_reward` and then scores every row.
 
-`RewardComputer` runs each call in a small pool of worker processes, never on the event loop:
-an exception, a timeout, a crashed worker or a score that is not a finite number scores 0.0 and
-is counted by kind in `failures`. A call past its timeout has its worker killed and replaced, so
-a hanging reward function costs one timeout, never the pool. A bad reward function never takes
-down a rollout server.
+`RewardComputer` runs each call in a small pool of worker processes, never on the event loop.
+Whatever goes wrong scores 0.0 and is counted in `failures` by kind: `exception`, `timeout`,
+`crash` (the worker died), `non_number`, `non_finite`, `unknown_data_source`, `not_importable`
+(a lambda in the registry), `closed`. A call past its timeout has its worker killed and
+replaced, so a hanging reward function costs one timeout, never the pool, and a bad reward
+function never takes down a rollout server.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib
 import importlib.util
 import inspect
@@ -222,10 +224,22 @@ def _plain_result(result: Any) -> tuple[float | None, dict[str, float]]:
     return (float(result) if isinstance(result, numbers.Real) else None), extras
 
 
+_BOOT_TIMEOUT_S = 60.0
+"""A worker that has not said "ready" by then (interpreter start plus imports) is broken."""
 _WORKER_BOOT = (
     "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
     "from rollout_servers.rewards import worker_main; worker_main(int(sys.argv[2]))"
 )
+
+
+def _send(conn: Connection, obj: Any) -> None:
+    """JSON frames only: nothing read from a socket is ever unpickled (DESIGN.md), and reward
+    arguments and results are JSON by nature (strings, numbers, JSON-decoded extra_info)."""
+    conn.send_bytes(json.dumps(obj, allow_nan=True).encode())
+
+
+def _recv(conn: Connection) -> Any:
+    return json.loads(conn.recv_bytes())
 
 
 def worker_main(fd: int) -> None:
@@ -235,18 +249,20 @@ def worker_main(fd: int) -> None:
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     conn = Connection(fd)
+    _send(conn, "ready")
     cache: dict[FnRef, RewardFn] = {}
     while True:
         try:
-            ref, kwargs = conn.recv()
+            ref, kwargs = _recv(conn)
+            ref = tuple(ref)
         except (EOFError, OSError):
             return
         try:
             if ref not in cache:
                 cache[ref] = _resolve(ref)
-            conn.send(("ok", *_plain_result(cache[ref](**kwargs))))
+            _send(conn, ("ok", *_plain_result(cache[ref](**kwargs))))
         except (Exception, SystemExit) as e:
-            conn.send(("exception", f"{type(e).__name__}: {e}", {}))
+            _send(conn, ("exception", f"{type(e).__name__}: {e}", {}))
 
 
 class _Worker:
@@ -262,6 +278,7 @@ class _Worker:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._conn: Connection | None = None
+        self._ready = False
         self._retired = False
 
     def start(self) -> bool:
@@ -285,6 +302,7 @@ class _Worker:
                         start_new_session=True,  # a terminal's Ctrl-C is the parent's to handle
                     )
                 self._conn = Connection(mine.detach())
+                self._ready = False
             return True
 
     def call(self, ref: FnRef, kwargs: dict[str, Any], timeout_s: float) -> tuple[Any, ...]:
@@ -294,7 +312,12 @@ class _Worker:
         conn, proc = self._conn, self._proc
         assert conn is not None and proc is not None
         try:
-            conn.send((ref, kwargs))  # pickling happens before any byte is written
+            if not self._ready:  # a fresh worker's boot never counts against the timeout
+                if not conn.poll(_BOOT_TIMEOUT_S) or _recv(conn) != "ready":
+                    self.stop()
+                    return ("crash", f"worker not up within {_BOOT_TIMEOUT_S}s", {})
+                self._ready = True
+            _send(conn, (ref, kwargs))  # encoding happens before any byte is written
         except (EOFError, OSError) as e:
             self.stop()
             return ("crash", f"worker unreachable ({type(e).__name__})", {})
@@ -304,7 +327,7 @@ class _Worker:
             if not conn.poll(timeout_s):
                 self.stop()
                 return ("timeout", f"no result within {timeout_s}s; worker replaced", {})
-            return conn.recv()
+            return tuple(_recv(conn))
         except (EOFError, OSError) as e:
             self.stop()
             return ("crash", f"worker died ({type(e).__name__}, exit code {proc.poll()})", {})
@@ -363,12 +386,17 @@ class RewardComputer:
         extra_info: dict[str, Any] | None,
     ) -> tuple[float, dict[str, float]]:
         """(score, extra metrics) of one response; 0.0 and a counted failure when anything
-        about the reward function goes wrong."""
-        picked = self._pick(data_source)
-        if picked is None:
+        about the reward function goes wrong. The timeout bounds the function's run in a
+        worker, not the wait for a free worker (that wait is back-pressure, not a failure)."""
+        fn = self._custom[0] if self._custom is not None else REWARD_FNS.get(data_source)
+        if fn is None:
             self._count("unknown_data_source", f"no reward function for {data_source!r}")
             return 0.0, {}
-        fn, ref = picked
+        try:
+            ref = self._custom[1] if self._custom is not None else _fn_ref(fn)
+        except ValueError as e:
+            self._count("not_importable", str(e))
+            return 0.0, {}
         kwargs = {
             "data_source": data_source,
             "solution_str": solution_str,
@@ -392,16 +420,13 @@ class RewardComputer:
             return 0.0, extras
         return score, extras
 
-    def _pick(self, data_source: str) -> tuple[RewardFn, FnRef] | None:
-        if self._custom is not None:
-            return self._custom
-        fn = REWARD_FNS.get(data_source)
-        return None if fn is None else (fn, _fn_ref(fn))
-
     def _options_for(self, fn: RewardFn) -> dict[str, Any]:
         """The `reward_kwargs` that `fn` declares (all of them when it takes **kwargs)."""
         if fn not in self._kwargs_cache:
-            params = inspect.signature(fn).parameters.values()
+            params: list[inspect.Parameter] = []
+            # no introspectable signature: pass no options
+            with contextlib.suppress(TypeError, ValueError):
+                params = list(inspect.signature(fn).parameters.values())
             if any(p.kind is p.VAR_KEYWORD for p in params):
                 wanted = dict(self._reward_kwargs)
             else:
