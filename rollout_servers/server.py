@@ -18,6 +18,7 @@ version at once), and each iteration it checks every background task and re-rais
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import signal
@@ -30,15 +31,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from asyncrl.config import Config
+from asyncrl.config import Config, RolloutConfig
 from asyncrl.metrics import JsonlWriter, peak_rss_mb, write_json_atomic
 from asyncrl.protocol import PromptItem, Trajectory
 from asyncrl.run_spec import RunSpec
 from asyncrl.weight_sync import SyncGroup, WeightReceiver, specs_of, weights_checksum
-from rollout_servers.agent_loop import AgentLoop, SingleTurnAgentLoop
+from rollout_servers.agent_loop import AgentLoop
+from rollout_servers.agent_registry import AgentLoopRouter
 from rollout_servers.engine import Engine, HFEngine, SamplingParams
+from rollout_servers.interactions import load_interaction_config
 from rollout_servers.replay_client import AsyncReplayClient
 from rollout_servers.rewards import RewardComputer
+from rollout_servers.tool_agent import ToolAgentLimits
+from rollout_servers.tools import load_tool_config
 
 log = logging.getLogger("asyncrl.rollout")
 
@@ -62,8 +67,8 @@ class RolloutServer:
             rewards,
         )
         self.counters: Counter[str] = Counter()
-        rc = cfg.rollout
-        self.greedy_params = SamplingParams(temperature=0.0, max_new_tokens=rc.max_new_tokens)
+        self.sampling_params = sampling_params(cfg.rollout)
+        self.greedy_params = dataclasses.replace(self.sampling_params, temperature=0.0, top_p=1.0)
         self.sync_times: list[float] = []
         self._wake = asyncio.Event()
         self._receiver_error: BaseException | None = None
@@ -75,7 +80,11 @@ class RolloutServer:
         )
 
     # ---- weight sync (a thread: the broadcast is a blocking collective) -----------------
-    def start_weight_receiver(self, loop: asyncio.AbstractEventLoop) -> threading.Thread:
+    def start_weight_receiver(self, loop: asyncio.AbstractEventLoop) -> threading.Thread | None:
+        """Join the learner's broadcast group (none when serving without a learner)."""
+        if self.spec.sync_port == 0:
+            log.info("no learner: serving the weights of %s as they are", self.spec.model_path)
+            return None
         if self._weight_log is not None:
             self._weight_log.write(
                 {
@@ -137,7 +146,10 @@ class RolloutServer:
         return await self.rewards.score(prompt.data_source, text, prompt.ground_truth, extra)
 
     async def run_sample(self, prompt: PromptItem, index: int, baseline: asyncio.Future) -> None:
-        result = await self.agent_loop.run(prompt)
+        params = None
+        if prompt.temperature >= 0:  # evaluation prompts may set their own temperature
+            params = dataclasses.replace(self.sampling_params, temperature=prompt.temperature)
+        result = await self.agent_loop.run(prompt, params)
         reward, extras = await self._score(prompt, result.response_text)
         traj = Trajectory(
             traj_id=uuid.uuid4().hex,
@@ -225,6 +237,23 @@ class RolloutServer:
         }
 
 
+def setup_rewards(cfg: Config) -> RewardComputer:
+    r = cfg.reward
+    return RewardComputer(
+        r.timeout_s,
+        num_workers=r.workers,
+        custom_path=r.custom.path,
+        custom_name=r.custom.name,
+        reward_kwargs=r.kwargs,
+    )
+
+
+def sampling_params(rc: RolloutConfig) -> SamplingParams:
+    return SamplingParams(
+        temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens
+    )
+
+
 def _uses_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
@@ -241,14 +270,26 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
         max_batch_size=rc.max_batch_size,
         seed=cfg.trainer.seed + 1000 * (server_id + 1),
     )
-    params = SamplingParams(
-        temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens
+    tools = load_tool_config(rc.tool_config) if rc.tool_config else None
+    limits = ToolAgentLimits(
+        rc.max_assistant_turns,
+        rc.max_user_turns,
+        rc.max_tool_calls,
+        rc.max_parallel_calls,
+        rc.tool_timeout_s,
+        rc.max_response_tokens,
     )
-    agent = SingleTurnAgentLoop(engine, tokenizer, params)
+    agent = AgentLoopRouter(
+        rc.agent_loop,
+        engine=engine,
+        tokenizer=tokenizer,
+        params=sampling_params(rc),
+        tools=tools,
+        interactions=load_interaction_config(rc.interaction_config or None),
+        limits=limits,
+    )
     client = AsyncReplayClient(spec.replay_address, ack_timeout_s=rc.ack_timeout_s)
-    return RolloutServer(
-        cfg, spec, server_id, engine, agent, client, RewardComputer(rc.reward_timeout_s)
-    )
+    return RolloutServer(cfg, spec, server_id, engine, agent, client, setup_rewards(cfg))
 
 
 def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:

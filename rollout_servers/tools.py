@@ -1,0 +1,402 @@
+"""Tools an agent loop can call, declared in a YAML tool config with OpenAI function schemas.
+
+A `Tool` is one server-wide object; per-trajectory state lives under an `instance_id`: the loop
+calls `create(instance_id, **create_kwargs)` before a trajectory's first call of the tool,
+`execute` for each call, `calc_reward` once at the end and `release` always (also when the
+trajectory fails), so a tool never leaks state between trajectories.
+
+A tool config (`load_tool_config`) lists tools in verl's layout:
+
+    tools:
+      - class_name: calculator          # a registered name, or package.module:ClassName
+        config: {max_result_digits: 100}  # keyword arguments of the class
+        tool_schema:                    # the OpenAI function schema the model sees
+          type: function
+          function: {name: calculator, description: ..., parameters: {type: object, ...}}
+
+Arguments are checked against the schema's `parameters` before `execute` runs, by a light
+validator (`validate_arguments`: type, properties, required, enum, items,
+additionalProperties: false), so a tool only ever sees arguments of the declared shape.
+
+Built-ins: `calculator` (arithmetic without eval; see `evaluate_expression`) and `python` (runs
+code in the sandbox of `rollout_servers.sandbox`).
+"""
+
+from __future__ import annotations
+
+import ast
+import math
+import operator
+import re
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+
+import yaml
+
+from rollout_servers.agent_registry import resolve_registered
+
+if TYPE_CHECKING:
+    from rollout_servers.sandbox import Sandbox
+
+
+@dataclass
+class ToolResponse:
+    text: str
+    """What the model reads as the tool message."""
+    reward: float | None = None
+    """Step reward of this call, if the tool gives one (summed into the `tool_reward` metric)."""
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Per-call numbers, summed per trajectory as `tool_<name>_<key>`."""
+
+
+class Tool(ABC):
+    """One tool the model can call; state of a trajectory is keyed by its instance id."""
+
+    def __init__(self, schema: Mapping[str, Any]):
+        check_tool_schema(schema)
+        self.schema: dict[str, Any] = dict(schema)
+
+    @property
+    def name(self) -> str:
+        return self.schema["function"]["name"]
+
+    @property
+    def parameters(self) -> dict[str, Any]:
+        return self.schema["function"].get("parameters", {"type": "object"})
+
+    def create(self, instance_id: str, **create_kwargs: Any) -> None:  # noqa: B027 (optional)
+        """Set up the state of one trajectory (the row's `tools_kwargs[name].create_kwargs`)."""
+
+    @abstractmethod
+    async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResponse:
+        """Run one call; `arguments` already match the schema. A failure the model should see
+        is returned as text; an exception is reported to the model as a tool error."""
+
+    def calc_reward(self, instance_id: str) -> float | None:
+        """Trajectory-level reward of this tool (added to `tool_reward`), if it gives one."""
+        return None
+
+    def release(self, instance_id: str) -> None:  # noqa: B027 (optional)
+        """Drop the state of one trajectory."""
+
+    def close(self) -> None:  # noqa: B027 (optional)
+        """Release server-wide resources (a sandbox's claimed uids) at shutdown."""
+
+
+# ---- schemas and arguments -------------------------------------------------------------------
+_TOOL_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_JSON_TYPES: dict[str, type | tuple[type, ...]] = {
+    "string": str,
+    "integer": int,
+    "number": (int, float),
+    "boolean": bool,
+    "object": dict,
+    "array": list,
+    "null": type(None),
+}
+
+
+def check_tool_schema(schema: Mapping[str, Any]) -> None:
+    """Raise ValueError unless `schema` is an OpenAI function schema this module can validate."""
+    is_function = isinstance(schema, Mapping) and schema.get("type") == "function"
+    fn = schema.get("function") if is_function else None
+    if not isinstance(fn, Mapping):
+        raise ValueError(f"tool schema must be {{type: function, function: {{...}}}}: {schema}")
+    name = fn.get("name")
+    if not isinstance(name, str) or not _TOOL_NAME.match(name):
+        raise ValueError(f"tool schema needs a name of letters, digits, _ or -: {name!r}")
+    params = fn.get("parameters", {"type": "object"})
+    if not isinstance(params, Mapping) or params.get("type") != "object":
+        raise ValueError(f"tool {name!r}: parameters must be a JSON schema of type object")
+    properties = params.get("properties", {})
+    required = params.get("required", [])
+    if not isinstance(properties, Mapping) or not isinstance(required, list):
+        raise ValueError(f"tool {name!r}: properties must be a mapping and required a list")
+    missing = [key for key in required if key not in properties]
+    if missing:
+        raise ValueError(f"tool {name!r}: required {missing} are not among the properties")
+    for key, prop in properties.items():
+        types = prop.get("type", []) if isinstance(prop, Mapping) else None
+        types = [types] if isinstance(types, str) else types
+        if types is None or any(t not in _JSON_TYPES for t in types):
+            raise ValueError(f"tool {name!r}: property {key!r} has an unsupported type {prop}")
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    return next((t for t, py in _JSON_TYPES.items() if isinstance(value, py)), "unknown")
+
+
+def _has_type(type_name: str, value: Any) -> bool:
+    if isinstance(value, bool) and type_name in ("number", "integer"):
+        return False
+    return isinstance(value, _JSON_TYPES[type_name])
+
+
+def validate_arguments(
+    schema: Mapping[str, Any], value: Any, path: str = "arguments"
+) -> str | None:
+    """Why `value` does not match `schema`, or None when it does (the JSON-schema subset:
+    type, properties, required, enum, items, additionalProperties: false)."""
+    types = schema.get("type", [])
+    types = [types] if isinstance(types, str) else types
+    if types and not any(_has_type(t, value) for t in types):
+        return f"{path} must be {' or '.join(types)}, got {_json_type(value)}"
+    if "enum" in schema and value not in schema["enum"]:
+        return f"{path} must be one of {schema['enum']}, got {value!r}"
+    if isinstance(value, dict):
+        properties = schema.get("properties", {})
+        for key in schema.get("required", []):
+            if key not in value:
+                return f"{path} is missing the required property {key!r}"
+        for key, item in value.items():
+            if key in properties:
+                error = validate_arguments(properties[key], item, f"{path}.{key}")
+                if error:
+                    return error
+            elif schema.get("additionalProperties") is False:
+                return f"{path} has an unexpected property {key!r}"
+    if isinstance(value, list) and isinstance(schema.get("items"), Mapping):
+        for i, item in enumerate(value):
+            error = validate_arguments(schema["items"], item, f"{path}[{i}]")
+            if error:
+                return error
+    return None
+
+
+class ToolSet:
+    """The tools of one server by name, with their schemas for the chat template."""
+
+    def __init__(self, tools: Iterable[Tool]):
+        self.tools: dict[str, Tool] = {}
+        for tool in tools:
+            if tool.name in self.tools:
+                raise ValueError(f"two tools are named {tool.name!r}")
+            self.tools[tool.name] = tool
+
+    @property
+    def schemas(self) -> list[dict[str, Any]]:
+        """The OpenAI function schemas, in config order (the template's `tools` argument)."""
+        return [tool.schema for tool in self.tools.values()]
+
+    def close(self) -> None:
+        """Close every tool (call once, at server shutdown)."""
+        for tool in self.tools.values():
+            tool.close()
+
+    def check_call(self, name: str, arguments: Any) -> str | None:
+        """Why a call cannot run (unknown tool, arguments not matching the schema), or None."""
+        tool = self.tools.get(name)
+        if tool is None:
+            return f"unknown tool {name!r}; available tools: {sorted(self.tools)}"
+        error = validate_arguments(tool.parameters, arguments)
+        return f"invalid arguments for {name!r}: {error}" if error else None
+
+
+# ---- the registry and the config file --------------------------------------------------------
+TOOL_CLASSES: dict[str, type[Tool] | str] = {
+    "calculator": "rollout_servers.tools:CalculatorTool",
+    "python": "rollout_servers.tools:PythonTool",
+}
+"""Registered tool classes: name -> class, or -> import path of a built-in."""
+
+ToolT = TypeVar("ToolT", bound=type[Tool])
+
+
+def register_tool(name: str) -> Callable[[ToolT], ToolT]:
+    """Decorator: `@register_tool("my_tool")` over a Tool subclass, usable as class_name."""
+
+    def wrap(cls: ToolT) -> ToolT:
+        TOOL_CLASSES[name] = cls
+        return cls
+
+    return wrap
+
+
+def load_tool_config(path: str | Path) -> ToolSet:
+    """The tools listed in the YAML file at `path` (layout in the module docstring); a bad
+    entry raises ValueError naming the entry."""
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    entries = raw.get("tools") if isinstance(raw, dict) else None
+    if not isinstance(entries, list):
+        raise ValueError(f"{path}: expected a top-level `tools:` list")
+    tools = []
+    for i, entry in enumerate(entries):
+        where = f"{path}: tools[{i}]"
+        if not isinstance(entry, dict) or set(entry) - {"class_name", "config", "tool_schema"}:
+            raise ValueError(f"{where}: expected only keys class_name, config, tool_schema")
+        if "class_name" not in entry or "tool_schema" not in entry:
+            raise ValueError(f"{where}: class_name and tool_schema are required")
+        cls = resolve_registered("tool", TOOL_CLASSES, entry["class_name"])
+        if not (isinstance(cls, type) and issubclass(cls, Tool)):
+            raise ValueError(f"{where}: {entry['class_name']!r} is not a Tool subclass")
+        try:
+            tools.append(cls(entry["tool_schema"], **(entry.get("config") or {})))
+        except (TypeError, ValueError) as e:
+            raise ValueError(f"{where}: {e}") from e
+    return ToolSet(tools)
+
+
+# ---- calculator --------------------------------------------------------------------------------
+class CalculatorError(ValueError):
+    """An expression the calculator refuses or cannot evaluate (the message is for the model)."""
+
+
+_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
+    ast.Add: operator.add,
+    ast.Sub: operator.sub,
+    ast.Mult: operator.mul,
+    ast.Div: operator.truediv,
+    ast.FloorDiv: operator.floordiv,
+    ast.Mod: operator.mod,
+    ast.Pow: operator.pow,
+}
+_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {
+    ast.USub: operator.neg,
+    ast.UAdd: operator.pos,
+}
+
+
+def evaluate_expression(text: str, max_chars: int = 200, max_digits: int = 100) -> int | float:
+    """The value of an arithmetic expression: ints and floats, + - * / // % **, parentheses,
+    unary minus and plus, with Python's precedence.
+
+    Parsed by `ast` and walked by hand; only the node types above are evaluated, so names,
+    calls, attributes, subscripts and the like are refused, never run (no eval or exec). Every
+    intermediate value must stay below 10**max_digits in magnitude, and a power is refused
+    before it is computed when its result would not, so no input can make it burn CPU or
+    memory. Raises CalculatorError.
+    """
+    if len(text) > max_chars:
+        raise CalculatorError(f"expression longer than {max_chars} characters")
+    try:
+        tree = ast.parse(text.strip(), mode="eval")
+    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
+        raise CalculatorError(f"not an arithmetic expression: {e}") from None
+    try:
+        return _evaluate(tree.body, max_digits)
+    except RecursionError:
+        raise CalculatorError("expression nested too deeply") from None
+
+
+def _evaluate(node: ast.AST, max_digits: int) -> int | float:
+    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
+        return _bounded(node.value, max_digits)
+    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
+        return _UNARY[type(node.op)](_evaluate(node.operand, max_digits))
+    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
+        left, right = _evaluate(node.left, max_digits), _evaluate(node.right, max_digits)
+        power = isinstance(node.op, ast.Pow) and left != 0
+        if power and float(right) * math.log10(abs(left)) > max_digits:
+            raise CalculatorError(f"result would exceed 10**{max_digits}")
+        try:
+            return _bounded(_BINARY[type(node.op)](left, right), max_digits)
+        except ZeroDivisionError:
+            raise CalculatorError("division by zero") from None
+        except OverflowError:
+            raise CalculatorError(f"result would exceed 10**{max_digits}") from None
+    if isinstance(node, ast.Constant):
+        what = repr(node.value)
+    elif isinstance(node, (ast.BinOp, ast.UnaryOp)):
+        what = f"operator {type(node.op).__name__}"
+    else:
+        what = type(node).__name__
+    raise CalculatorError(f"unsupported element {what}: only numbers and + - * / // % ** ( )")
+
+
+def _bounded(value: Any, max_digits: int) -> int | float:
+    if not isinstance(value, (int, float)):  # e.g. (-8) ** 0.5 is complex
+        raise CalculatorError("result is not a real number")
+    if isinstance(value, float) and math.isnan(value):
+        raise CalculatorError("result is not a number")
+    if abs(value) >= 10**max_digits:
+        raise CalculatorError(f"result would exceed 10**{max_digits}")
+    return value
+
+
+class CalculatorTool(Tool):
+    """Evaluates `arguments["expression"]` with `evaluate_expression`; refusals come back as
+    `Error: ...` text, counted in the `error` metric."""
+
+    def __init__(self, schema: Mapping[str, Any], max_chars: int = 200, max_digits: int = 100):
+        super().__init__(schema)
+        self.max_chars, self.max_digits = max_chars, max_digits
+
+    async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResponse:
+        try:
+            value = evaluate_expression(arguments["expression"], self.max_chars, self.max_digits)
+        except CalculatorError as e:
+            return ToolResponse(f"Error: {e}", metrics={"error": 1.0})
+        return ToolResponse(repr(value))
+
+
+# ---- python -----------------------------------------------------------------------------------
+class CodeRunResult(Protocol):
+    """What a sandbox run returns (`rollout_servers.sandbox.SandboxResult` has this shape)."""
+
+    status: str  # "ok" | "error" | "timeout" | "oom" | "killed"
+    stdout: str
+    stderr: str
+    exit_code: int | None
+    wall_s: float
+
+
+class CodeRunner(Protocol):
+    """Runs untrusted code in isolation (`rollout_servers.sandbox.Sandbox`)."""
+
+    async def run(self, code: str, stdin: str = "") -> CodeRunResult: ...
+
+
+def truncate_middle(text: str, max_chars: int) -> str:
+    """`text` if short enough, else its head and tail around a marker that says how much was
+    cut (a traceback's last line, usually the useful one, survives)."""
+    if len(text) <= max_chars:
+        return text
+    head, tail = max_chars // 2, max_chars - max_chars // 2
+    return f"{text[:head]}\n...[{len(text) - max_chars} characters cut]...\n{text[-tail:]}"
+
+
+class PythonTool(Tool):
+    """Runs `arguments["code"]` (with optional `arguments["stdin"]`) in the sandbox and returns
+    the sandbox status, exit code, and stdout and stderr each cut to `max_output_chars`.
+
+    The sandbox is built from `sandbox_config` (SandboxConfig's fields) unless one is given;
+    one sandbox serves every trajectory of the server. Building it probes the isolation
+    backends (a blocking sub-second check), so the server loads tool configs in its setup step.
+    """
+
+    def __init__(
+        self,
+        schema: Mapping[str, Any],
+        max_output_chars: int = 2000,
+        sandbox_config: Mapping[str, Any] | None = None,
+        sandbox: CodeRunner | None = None,
+    ):
+        super().__init__(schema)
+        if max_output_chars < 1:
+            raise ValueError(f"max_output_chars must be >= 1, got {max_output_chars}")
+        self.max_output_chars = max_output_chars
+        self._owned: Sandbox | None = None
+        if sandbox is None:
+            from rollout_servers.sandbox import Sandbox, SandboxConfig
+
+            sandbox = self._owned = Sandbox(SandboxConfig(**(sandbox_config or {})))
+        self.sandbox = sandbox
+
+    async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResponse:
+        result = await self.sandbox.run(arguments["code"], arguments.get("stdin", ""))
+        parts = [f"status: {result.status}, exit code: {result.exit_code}"]
+        for label, stream in (("stdout", result.stdout), ("stderr", result.stderr)):
+            if stream.rstrip("\n"):
+                text = truncate_middle(stream.rstrip("\n"), self.max_output_chars)
+                parts.append(f"{label}:\n{text}")
+        metrics = {f"status_{result.status}": 1.0, "wall_s": float(result.wall_s)}
+        return ToolResponse("\n".join(parts), metrics=metrics)
+
+    def close(self) -> None:
+        if self._owned is not None:
+            self._owned.close()
