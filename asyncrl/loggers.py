@@ -8,6 +8,7 @@ otherwise: no account or network is needed, and the run lands in `run_dir/wandb/
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 from pathlib import Path
@@ -57,7 +58,7 @@ class ConsoleLogger:
 
 class WandbLogger:
     def __init__(self, run_dir: Path, project: str, name: str, config: dict[str, Any]):
-        import wandb
+        wandb = _require("wandb")
 
         os.environ.setdefault("WANDB_MODE", "offline")
         os.environ.setdefault("WANDB_SILENT", "true")
@@ -72,6 +73,7 @@ class WandbLogger:
 
 class TensorboardLogger:
     def __init__(self, run_dir: Path):
+        _require("tensorboard")
         from torch.utils.tensorboard import SummaryWriter
 
         self._writer = SummaryWriter(str(run_dir / "tensorboard"))
@@ -84,6 +86,16 @@ class TensorboardLogger:
 
     def close(self) -> None:
         self._writer.close()
+
+
+def _require(package: str) -> Any:
+    try:
+        return importlib.import_module(package)
+    except ImportError:
+        raise RuntimeError(
+            f"trainer.logger includes {package} but it is not installed: "
+            "pip install -e '.[loggers]'"
+        ) from None
 
 
 class MultiLogger:
