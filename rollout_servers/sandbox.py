@@ -631,7 +631,12 @@ def _bwrap_prefix(bwrap: str, cfg: SandboxConfig, root: bool, dirs: list[str]) -
             argv += ["--ro-bind", path, path]
     for path in _ETC_FILES:
         argv += ["--ro-bind-try", path, path]
-    made = set()
+    argv += ["--proc", "/proc", "--dev", "/dev"]
+    for mount in ("/tmp", "/dev/shm"):
+        argv += ["--perms", "1777", "--size", str(cfg.tmp_size_mb * _MIB), "--tmpfs", mount]
+    # the interpreter after the private mounts: a virtualenv under /tmp (CI makes one) must be
+    # bound on top of the fresh tmpfs, not hidden by it
+    made = {"/tmp", "/dev", "/dev/shm", "/proc"}
     for path in dirs:
         if _is_under(path, "/usr"):
             continue
@@ -642,9 +647,6 @@ def _bwrap_prefix(bwrap: str, cfg: SandboxConfig, root: bool, dirs: list[str]) -
                 made.add(parent)
                 argv += ["--perms", "0755", "--dir", parent]
         argv += ["--ro-bind", path, path]
-    argv += ["--proc", "/proc", "--dev", "/dev"]
-    for mount in ("/tmp", "/dev/shm"):
-        argv += ["--perms", "1777", "--size", str(cfg.tmp_size_mb * _MIB), "--tmpfs", mount]
     argv += ["--chdir", "/tmp", "--clearenv"]
     for key, value in _sandbox_env("/tmp").items():
         argv += ["--setenv", key, value]
