@@ -50,6 +50,10 @@ class DataConfig(_Section):
     """Seed for prompt order and the embedded task."""
     task_max_operand: int = Field(9, ge=1, le=999)
     """Embedded task only: operands are drawn from 0..task_max_operand."""
+    task: Literal["arith", "arith_tool"] = "arith"
+    """Embedded task: single-digit addition (`arith`), or two-digit times one-digit
+    multiplication that the calculator tool solves (`arith_tool`, for `rollout.agent_loop=
+    tool_agent`; task_max_operand does not apply)."""
 
 
 class RolloutConfig(_Section):
@@ -235,6 +239,10 @@ class TrainerConfig(_Section):
     """Seed for learner, engine sampling and the warm-start."""
     save_final: bool = True
     """Save the final weights in Hugging Face format under run_dir/final."""
+    save_every: int = Field(0, ge=0)
+    """Checkpoint (weights, optimizer, data position) every this many steps (0: never)."""
+    resume_from: str | None = None
+    """A checkpoint directory (run_dir/checkpoints/step_N) to continue training from."""
     log_samples: bool = False
     """Write every trained trajectory id and version to run_dir/samples.jsonl (audits, tests)."""
     val_every: int = Field(0, ge=0)
@@ -287,6 +295,11 @@ class Config(_Section):
             raise ValueError(
                 f"launch.host={self.launch.host!r} is not loopback; set launch.allow_remote=true "
                 "to bind sockets beyond this machine"
+            )
+        resume = self.trainer.resume_from
+        if resume is not None and not (Path(resume) / "trainer.json").is_file():
+            raise ValueError(
+                f"trainer.resume_from={resume!r} is not a checkpoint (no trainer.json)"
             )
         custom = self.reward.custom.path
         if custom is not None and not Path(custom).is_file():

@@ -9,6 +9,7 @@ Who sends what (replies echo the request's `request_id`):
     anyone         -> replay   StatsRequest   -> Stats        (counters for progress and tests)
     evaluator      -> replay   EvalSubmit     -> Ack          (prompts leased before training ones)
     evaluator      -> replay   EvalPoll       -> EvalResults  (scores so far; done when complete)
+    learner rank 0 -> replay   CheckpointRequest -> Ack       (replay saves its data position)
     replay         -> anyone   Error                          (a message it could not decode)
 
 Token ids, masks, log-probs and versions always travel as raw array frames (see `codec`).
@@ -156,6 +157,13 @@ class EvalResults:
     scores: Array("float32")  # [S] reward of each sample
     response_lengths: Array("int32")  # [S] response tokens of each sample
     versions: Array("int32")  # [S] oldest policy version of each sample
+
+
+@message("checkpoint_request")
+class CheckpointRequest:
+    request_id: int  # echoed in the Ack
+    path: str  # JSON file the replay writes its data position to
+    version: int  # the learner version the checkpoint is taken at
 
 
 @message("error")

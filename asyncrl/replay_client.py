@@ -19,6 +19,7 @@ from asyncrl.protocol import (
     Ack,
     Batch,
     BatchRequest,
+    CheckpointRequest,
     Error,
     EvalPoll,
     EvalResults,
@@ -80,6 +81,10 @@ class ReplayClient:
 
     def poll_eval(self, job_id: str) -> EvalResults:
         return self._request(lambda i: EvalPoll(i, job_id), EvalResults)
+
+    def checkpoint(self, path: str, version: int) -> None:
+        """Ask the replay to save its data position (for a learner checkpoint) to `path`."""
+        self._request(lambda i: CheckpointRequest(i, path, version), Ack)
 
     def stats(self) -> dict[str, float]:
         return self._request(lambda i: StatsRequest(i), Stats).counters

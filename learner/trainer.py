@@ -14,6 +14,7 @@ publish_version.
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import time
@@ -22,6 +23,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from asyncrl.config import Config
 from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
@@ -128,6 +131,7 @@ class Learner:
                 batch = from_message(msg, self.pad_id)
                 info = {
                     "traj_ids": msg.traj_ids,
+                    "group_ids": msg.group_ids,
                     "stale_dropped": msg.stale_dropped,
                     "response_lengths": [
                         int(x) for x in msg.response_offsets[1:] - msg.response_offsets[:-1]
@@ -280,6 +284,48 @@ class Learner:
         return self.validate(version) if due else {}
 
     # ---- loop ---------------------------------------------------------------------------
+    def save_checkpoint(self, version: int) -> None:
+        """Weights and optimizer (sharded, torch.distributed.checkpoint), the trainer state, and
+        the replay's data position, under run_dir/checkpoints/step_<version>."""
+        path = Path(self.spec.run_dir) / "checkpoints" / f"step_{version}"
+        dcp.save(self._checkpoint_state(), checkpoint_id=str(path / "dcp"))
+        if self.rank == 0:
+            self.replay.checkpoint(str(path / "replay.json"), version)
+            write_json_atomic(
+                path / "trainer.json", {"version": version, "kl_coef": self.kl_ctrl.value}
+            )
+            log.info("checkpoint at version %d written to %s", version, path)
+
+    def load_checkpoint(self, path: Path) -> int:
+        """Restore a `save_checkpoint` directory; returns its version."""
+        state = self._checkpoint_state()
+        dcp.load(state, checkpoint_id=str(path / "dcp"))
+        set_state_dict(
+            self.model,
+            self.optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optim"],
+        )
+        if self.critic is not None:
+            set_state_dict(
+                self.critic,
+                self.critic_optimizer,
+                model_state_dict=state["critic"],
+                optim_state_dict=state["critic_optim"],
+            )
+        trainer = json.loads((path / "trainer.json").read_text())
+        self.kl_ctrl.value = trainer["kl_coef"]
+        return int(trainer["version"])
+
+    def _checkpoint_state(self) -> dict:
+        model, optim = get_state_dict(self.model, self.optimizer)
+        state = {"model": model, "optim": optim}
+        if self.critic is not None:
+            state["critic"], state["critic_optim"] = get_state_dict(
+                self.critic, self.critic_optimizer
+            )
+        return state
+
     def run(self) -> None:
         tc = self.cfg.trainer
         if self.cfg.learner.weight_checksum:
@@ -290,11 +336,18 @@ class Learner:
             val = self.validate(0)
             if self.rank == 0:
                 self.loggers.log({"step": 0, "version": 0, "time": time.time(), **val}, 0)
+        start = 0
+        if tc.resume_from is not None:
+            start = self.load_checkpoint(Path(tc.resume_from))
+            self.broadcast_weights(start)  # servers loaded the base model: bring them to `start`
+            log.info("resumed from %s at version %d", tc.resume_from, start)
         if not tc.val_only:
-            for version in range(tc.total_steps):
+            for version in range(start, tc.total_steps):
                 if not self.train_step(version):
                     log.info("stop requested; leaving the loop at version %d", version)
                     break
+                if tc.save_every and (version + 1) % tc.save_every == 0:
+                    self.save_checkpoint(version + 1)
             if tc.save_final:
                 self.save_final(Path(self.spec.run_dir) / "final")
         if self.rank == 0:
@@ -368,6 +421,7 @@ class Learner:
                     "step": version + 1,
                     "learner_version": version,
                     "traj_ids": info["traj_ids"],
+                    "group_ids": sorted(set(info["group_ids"])),
                     "oldest_versions": [int(v) for v in oldest],
                 }
             )

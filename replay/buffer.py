@@ -81,6 +81,10 @@ class GroupBuffer:
     def num_in_flight(self) -> int:
         return len(self._groups) - self._ready
 
+    def held_items(self) -> list[PromptItem]:
+        """The prompt of every group held (in flight or ready), oldest lease first."""
+        return [g.item for g in self._groups.values()]
+
     def open_group(self, item: PromptItem, now: float, lease_version: int) -> None:
         if item.group_id in self._groups:
             raise ValueError(f"group {item.group_id!r} is already open")

@@ -24,28 +24,48 @@ import numpy as np
 from asyncrl.config import Config
 from asyncrl.data import PromptReader, prompt_messages
 from asyncrl.protocol import ChatMessage, PromptItem
-from asyncrl.tasks import ArithmeticTask
+from asyncrl.tasks import ArithmeticTask, ToolArithmeticTask, setup_embedded_task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 
 class PromptSource(Protocol):
-    """An endless stream of verl-schema rows."""
+    """An endless stream of verl-schema rows whose position can be saved and restored."""
 
     def next_row(self) -> dict[str, Any]:
         """The next row to lease (a dict with at least `data_source`, `prompt`, `reward_model`)."""
+        ...
+
+    def state(self) -> dict[str, Any]:
+        """The position in the stream, JSON-serialisable."""
+        ...
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue from a position saved by `state`."""
         ...
 
 
 class EmbeddedPromptSource:
     """Rows of the embedded arithmetic task, in the task's seeded order."""
 
-    def __init__(self, task: ArithmeticTask) -> None:
+    def __init__(self, task: ArithmeticTask | ToolArithmeticTask) -> None:
+        self._task = task
         self._rows: Iterator[dict[str, Any]] = task.rows()
+        self._drawn = 0
 
     def next_row(self) -> dict[str, Any]:
+        self._drawn += 1
         return next(self._rows)
+
+    def state(self) -> dict[str, Any]:
+        return {"drawn": self._drawn}
+
+    def load_state(self, state: dict[str, Any]) -> None:
+        """Continue the seeded stream where the saved one stopped."""
+        self._rows, self._drawn = self._task.rows(), 0
+        for _ in range(int(state["drawn"])):
+            self.next_row()
 
 
 class ParquetPromptSource:
@@ -74,7 +94,7 @@ def setup_prompt_source(
     cfg: Config, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> PromptSource:
     """The prompt source the config asks for: parquet files when `data.train_files` is set,
-    else the embedded arithmetic task.
+    else the embedded task `data.task`.
 
     `tokenizer` measures prompts for `data.max_prompt_length`; when none is given and a length
     is set, the model's tokenizer is loaded (`trainer.model_path`, or the embedded model's).
@@ -82,7 +102,7 @@ def setup_prompt_source(
     data = cfg.data
     if not data.train_files:
         return EmbeddedPromptSource(
-            ArithmeticTask(max_operand=data.task_max_operand, seed=data.seed)
+            setup_embedded_task(data.task, data.task_max_operand, data.seed)
         )
     if data.max_prompt_length is not None and tokenizer is None:
         tokenizer = _model_tokenizer(cfg)

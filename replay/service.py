@@ -22,6 +22,8 @@ answered with `Error` and counted; the loop keeps serving.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import signal
@@ -30,6 +32,7 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -40,6 +43,8 @@ from asyncrl.metrics import peak_rss_mb, write_json_atomic
 from asyncrl.protocol import (
     Ack,
     BatchRequest,
+    ChatMessage,
+    CheckpointRequest,
     Error,
     EvalPoll,
     EvalSubmit,
@@ -137,6 +142,7 @@ class ReplayService:
             StatsRequest: self._on_stats_request,
             EvalSubmit: self._on_eval_submit,
             EvalPoll: self._on_eval_poll,
+            CheckpointRequest: self._on_checkpoint,
         }
         self.eval_jobs = EvalJobs()
         self._ctx = zmq.Context()
@@ -310,6 +316,37 @@ class ReplayService:
         except KeyError:
             self._reject(identity, "rejected_malformed", f"unknown evaluation job {msg.job_id!r}")
 
+    def _on_checkpoint(self, identity: bytes, msg: CheckpointRequest) -> None:
+        write_json_atomic(msg.path, self.data_state(msg.version))
+        send_msg(self._sock, Ack(request_id=msg.request_id, traj_id="", status="ok"), identity)
+
+    def data_state(self, version: int) -> dict[str, Any]:
+        """What a resumed run needs to neither repeat nor skip a prompt: the source's position
+        and every prompt leased but not yet trained (re-issued first on resume)."""
+        pending = [*self.buffer.held_items(), *self._retry]
+        return {
+            "version": version,
+            "rows_drawn": self._rows_drawn,
+            "prompt_source": self.prompts.state(),
+            "pending": [dataclasses.asdict(p) for p in pending],
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """Resume from `data_state`: groups before `version` count as trained for admission."""
+        self.prompts.load_state(state["prompt_source"])
+        self._rows_drawn = int(state["rows_drawn"])
+        for p in state["pending"]:
+            messages = [ChatMessage(**m) for m in p["messages"]]
+            self._retry.append(PromptItem(**{**p, "messages": messages}))
+        self.learner_version = int(state["version"])
+        self.admission.issued = self.learner_version * self.cfg.data.train_batch_size
+        log.info(
+            "resumed at version %d: %d rows drawn, %d prompts to re-issue first",
+            self.learner_version,
+            self._rows_drawn,
+            len(self._retry),
+        )
+
     def _on_stats_request(self, identity: bytes, msg: StatsRequest) -> None:
         send_msg(self._sock, Stats(request_id=msg.request_id, counters=self.stats()), identity)
 
@@ -423,6 +460,8 @@ def run_replay(cfg: Config, address: str, stats_path: str | None) -> None:
     """Entry point of the replay process: serve until SIGTERM/SIGINT, then write the final
     counters to `stats_path` (atomically) and log a one-line summary."""
     service = ReplayService(cfg, address, setup_prompt_source(cfg))
+    if cfg.trainer.resume_from is not None:
+        service.restore(json.loads((Path(cfg.trainer.resume_from) / "replay.json").read_text()))
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _STOP_SIGNALS}
     try:
