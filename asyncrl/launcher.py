@@ -115,10 +115,10 @@ def prepare_model(cfg: Config, log=print) -> str:
         if not (Path(cfg.trainer.model_path) / "config.json").is_file():
             raise LaunchError(f"trainer.model_path={cfg.trainer.model_path!r} has no config.json")
         return cfg.trainer.model_path
-    from asyncrl.tasks import ArithmeticTask
+    from asyncrl.tasks import setup_embedded_task
     from asyncrl.tiny_model import prepare_embedded_model
 
-    task = ArithmeticTask(max_operand=cfg.data.task_max_operand, seed=cfg.data.seed)
+    task = setup_embedded_task(cfg.data.task, cfg.data.task_max_operand, cfg.data.seed)
     return str(
         prepare_embedded_model(
             cfg.trainer.cache_dir, task, cfg.trainer.warmstart_steps, cfg.trainer.seed, log=log
@@ -133,8 +133,9 @@ def threads_per_process(cfg: Config) -> int:
     return max(1, (os.cpu_count() or 1) // compute)
 
 
-def start_fleets(cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True
-                 ) -> LocalFleet:
+def start_fleets(
+    cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True
+) -> LocalFleet:
     """Start the replay (and wait until it answers), the servers and, when training, the
     learner ranks. Without a learner the servers keep the weights they loaded."""
     host = cfg.launch.host

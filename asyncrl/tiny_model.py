@@ -37,7 +37,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from asyncrl.tasks import ArithmeticTask
+from asyncrl.tasks import ArithmeticTask, ToolArithmeticTask
 
 FORMAT_VERSION = 1
 """Bump when the tokenizer, template, model or warm-start recipe changes: old caches go stale."""
@@ -141,9 +141,45 @@ def build_tiny_model(
     return model
 
 
+def render_conversation(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
+) -> tuple[list[int], list[int]]:
+    """(ids, loss_mask) of a whole conversation: the chat template's ids, mask 1 exactly on
+    each assistant message's ids (its content and end token), 0 elsewhere.
+
+    Each assistant message's ids are the rendering of the conversation up to and including it,
+    minus the rendering of what precedes it with the generation prompt; every other span is
+    template ids. This is the token layout the tool agent loop produces (sampled assistant
+    turns, template ids for tool turns), so a warm-start on it trains what the loop will see.
+    """
+    ids: list[int] = []
+    mask: list[int] = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        before = render_prompt_ids(tokenizer, messages[:i])
+        through = _render_ids(tokenizer, messages[: i + 1])
+        if before[: len(ids)] != ids or through[: len(before)] != before:
+            raise ValueError("the chat template is not prefix-stable for this conversation")
+        ids, mask = (
+            through,
+            [*mask, *[0] * (len(before) - len(ids)), *[1] * (len(through) - len(before))],
+        )
+    if len(ids) != len(_render_ids(tokenizer, messages)):
+        raise ValueError("a conversation for the warm-start must end with an assistant message")
+    return ids, mask
+
+
+def _render_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]) -> list[int]:
+    rendered: Any = tokenizer.apply_chat_template(messages, tokenize=True)
+    if not isinstance(rendered, list):
+        rendered = rendered["input_ids"]
+    return [int(t) for t in rendered]
+
+
 def prepare_embedded_model(
     cache_dir: str | Path,
-    task: ArithmeticTask,
+    task: ArithmeticTask | ToolArithmeticTask,
     warmstart_steps: int,
     seed: int,
     spec: TinyModelSpec = TinyModelSpec(),  # noqa: B008 (frozen, so a shared default is safe)
@@ -166,6 +202,8 @@ def prepare_embedded_model(
         "seed": seed,
         "p_correct": p_correct,
     }
+    if isinstance(task, ToolArithmeticTask):  # absent for ArithmeticTask: its keys are unchanged
+        key["task_kind"] = "arith_tool"
     digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     final = cache_dir / f"tiny-llama-{digest}"
     if final.is_dir():
@@ -192,7 +230,7 @@ def prepare_embedded_model(
 def warm_start(
     model: LlamaForCausalLM,
     tokenizer: PreTrainedTokenizerBase,
-    task: ArithmeticTask,
+    task: ArithmeticTask | ToolArithmeticTask,
     steps: int,
     seed: int,
     p_correct: float,
@@ -205,13 +243,16 @@ def warm_start(
 
     Each sequence is the rendered prompt, the answer and `</s>`; the loss covers only the answer
     tokens and the final `</s>`, so the model learns to answer (and to stop) but is never
-    trained to predict prompts. The learning rate warms up linearly, then decays by a cosine to
+    trained to predict prompts. A `ToolArithmeticTask` demonstration is a whole conversation
+    rendered by `render_conversation`: the loss covers its assistant turns only, never the tool
+    outputs. The learning rate warms up linearly, then decays by a cosine to
     a tenth of its peak.
     """
     if steps <= 0:
         return
     rng = random.Random(seed)
     prompt_cache: dict[str, list[int]] = {}
+    conversation_cache: dict[str, tuple[list[int], list[int]]] = {}
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
 
     def lr_factor(step: int) -> float:
@@ -226,12 +267,21 @@ def warm_start(
     for step in range(steps):
         rows: list[tuple[list[int], list[int]]] = []
         for _ in range(batch_size):
+            if isinstance(task, ToolArithmeticTask):
+                messages = task.demonstration(rng, p_correct)
+                key = json.dumps(messages)
+                if key not in conversation_cache:
+                    conversation_cache[key] = render_conversation(tokenizer, messages)
+                rows.append(conversation_cache[key])
+                continue
             prompt, answer = task.demonstration(rng, p_correct)
             if prompt not in prompt_cache:
                 messages = [{"role": "user", "content": prompt}]
                 prompt_cache[prompt] = render_prompt_ids(tokenizer, messages)
-            target = tokenizer.encode(answer, add_special_tokens=False)
-            rows.append((prompt_cache[prompt], [*target, tokenizer.eos_token_id]))
+            target = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+            rows.append(
+                (prompt_cache[prompt] + target, [0] * len(prompt_cache[prompt]) + [1] * len(target))
+            )
         input_ids, loss_mask = _right_padded(rows, tokenizer.pad_token_id)
         attention_mask = (loss_mask >= 0).long()
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
@@ -254,14 +304,12 @@ def warm_start(
 def _right_padded(
     rows: list[tuple[list[int], list[int]]], pad_id: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(input_ids, loss_mask) for (prompt, target) rows: mask 0 on prompt, 1 on target, -1 on
-    padding (so one tensor also gives the attention mask)."""
-    length = max(len(p) + len(t) for p, t in rows)
+    """(input_ids, loss_mask) for (ids, mask) rows: the row's mask (1 where trained, 0
+    elsewhere), -1 on padding (so one tensor also gives the attention mask)."""
+    length = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((len(rows), length), pad_id, dtype=torch.long)
     loss_mask = torch.full((len(rows), length), -1, dtype=torch.long)
-    for i, (prompt, target) in enumerate(rows):
-        seq = prompt + target
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        loss_mask[i, : len(prompt)] = 0
-        loss_mask[i, len(prompt) : len(seq)] = 1
+    for i, (ids, mask) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        loss_mask[i, : len(mask)] = torch.tensor(mask)
     return input_ids, loss_mask

@@ -47,7 +47,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.data import gsm8k_final_answer
-from asyncrl.tasks import ARITH_SOURCE, arith_reward_fn
+from asyncrl.tasks import ARITH_SOURCE, ARITH_TOOL_SOURCE, arith_reward_fn
 from rollout_servers.reward_sandbox import code_reward_fn, die_with_parent
 
 log = logging.getLogger("asyncrl.rewards")
@@ -141,6 +141,7 @@ def math_reward_fn(
 
 REWARD_FNS: dict[str, RewardFn] = {
     ARITH_SOURCE: arith_score,
+    ARITH_TOOL_SOURCE: arith_score,  # exact match of the last assistant turn (the final answer)
     **dict.fromkeys(("openai/gsm8k", "gsm8k"), gsm8k_reward_fn),
     **dict.fromkeys(
         (

@@ -12,29 +12,60 @@ from asyncrl.metrics import read_jsonl
 pytestmark = pytest.mark.integration
 
 CASES = {
-    "gae_two_ranks": (["algorithm.adv_estimator=gae", "learner.world_size=2"],
-                      ["value_loss", "value_mean", "critic_grad_norm"]),
+    "gae_two_ranks": (
+        ["algorithm.adv_estimator=gae", "learner.world_size=2"],
+        ["value_loss", "value_mean", "critic_grad_norm"],
+    ),
     "rloo": (["algorithm.adv_estimator=rloo"], []),
     "rpp": (["algorithm.adv_estimator=reinforce_plus_plus", "algorithm.gamma=0.99"], []),
     "rpp_baseline": (["algorithm.adv_estimator=reinforce_plus_plus_baseline"], []),
     "remax": (["algorithm.adv_estimator=remax"], []),
     "decoupled_tis_reject": (
-        ["algorithm.decoupled=true", "algorithm.is_level=sequence", "algorithm.is_cap=2.0",
-         "algorithm.reject_level=token", "algorithm.reject_metric=k3",
-         "algorithm.reject_high=5.0", "replay.max_staleness=4"],
-        ["is_weight_mean", "is_weight_max", "masked_token_frac", "proximal_behaviour_kl"]),
-    "gspo_seq_mean": (["algorithm.policy_loss=gspo", "algorithm.clip_ratio_low=0.0003",
-                       "algorithm.clip_ratio_high=0.0004",
-                       "algorithm.loss_agg_mode=seq-mean-token-mean"], []),
+        [
+            "algorithm.decoupled=true",
+            "algorithm.is_level=sequence",
+            "algorithm.is_cap=2.0",
+            "algorithm.reject_level=token",
+            "algorithm.reject_metric=k3",
+            "algorithm.reject_high=5.0",
+            "replay.max_staleness=4",
+        ],
+        ["is_weight_mean", "is_weight_max", "masked_token_frac", "proximal_behaviour_kl"],
+    ),
+    "gspo_seq_mean": (
+        [
+            "algorithm.policy_loss=gspo",
+            "algorithm.clip_ratio_low=0.0003",
+            "algorithm.clip_ratio_high=0.0004",
+            "algorithm.loss_agg_mode=seq-mean-token-mean",
+        ],
+        [],
+    ),
     "kl_everywhere_epochs": (
-        ["algorithm.use_kl_in_reward=true", "algorithm.kl_ctrl=adaptive",
-         "algorithm.use_kl_loss=true", "algorithm.entropy_coeff=0.01",
-         "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
-         "learner.ppo_epochs=2", "learner.ppo_mini_batch_size=2"],
-        ["kl_in_reward", "kl_coef", "kl_loss_ref"]),
+        [
+            "algorithm.use_kl_in_reward=true",
+            "algorithm.kl_ctrl=adaptive",
+            "algorithm.use_kl_loss=true",
+            "algorithm.entropy_coeff=0.01",
+            "algorithm.loss_agg_mode=seq-mean-token-sum-norm",
+            "learner.ppo_epochs=2",
+            "learner.ppo_mini_batch_size=2",
+        ],
+        ["kl_in_reward", "kl_coef", "kl_loss_ref"],
+    ),
 }
-COMMON = ["mismatch_kl", "clip_frac", "ratio_mean", "ratio_max", "entropy", "grad_norm",
-          "adv_mean", "adv_std", "loss", "reward_mean"]
+COMMON = [
+    "mismatch_kl",
+    "clip_frac",
+    "ratio_mean",
+    "ratio_max",
+    "entropy",
+    "grad_norm",
+    "adv_mean",
+    "adv_std",
+    "loss",
+    "reward_mean",
+]
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +76,20 @@ def model_cache(tmp_path_factory):
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_algorithm_runs_end_to_end(case, tmp_path, model_cache):
     overrides, extra_metrics = CASES[case]
-    cfg = load_config(overrides=[
-        f"trainer.run_dir={tmp_path / 'run'}", f"trainer.cache_dir={model_cache}",
-        "trainer.warmstart_steps=100", "trainer.total_steps=3", "trainer.save_final=false",
-        "data.train_batch_size=4", "rollout.n=4", "learner.micro_batch_size=8",
-        "launch.progress=none", *overrides,
-    ])
+    cfg = load_config(
+        overrides=[
+            f"trainer.run_dir={tmp_path / 'run'}",
+            f"trainer.cache_dir={model_cache}",
+            "trainer.warmstart_steps=100",
+            "trainer.total_steps=3",
+            "trainer.save_final=false",
+            "data.train_batch_size=4",
+            "rollout.n=4",
+            "learner.micro_batch_size=8",
+            "launch.progress=none",
+            *overrides,
+        ]
+    )
     rows = read_jsonl(launch(cfg) / "metrics.jsonl")
     assert [r["version"] for r in rows] == [1, 2, 3]
     for r in rows:

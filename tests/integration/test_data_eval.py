@@ -28,30 +28,39 @@ def _verl_style_parquet(path: Path, data_source: str) -> Path:
     data_source / prompt / ability / reward_model / extra_info columns, saved with pyarrow."""
     rows = []
     for i, (a, b) in enumerate((a, b) for a in range(10) for b in range(10)):
-        rows.append({
-            "data_source": data_source,
-            "prompt": [{"role": "user", "content": f"{a}+{b}="}],
-            "ability": "math",
-            "reward_model": {"style": "rule", "ground_truth": str(a + b)},
-            "extra_info": {"split": "train", "index": i},
-        })
+        rows.append(
+            {
+                "data_source": data_source,
+                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "ability": "math",
+                "reward_model": {"style": "rule", "ground_truth": str(a + b)},
+                "extra_info": {"split": "train", "index": i},
+            }
+        )
     pq.write_table(pa.Table.from_pylist(rows), path)
     return path
 
 
 def _run(tmp_path, cache, *overrides):
-    cfg = load_config(overrides=[
-        f"trainer.run_dir={tmp_path / 'run'}", f"trainer.cache_dir={cache}",
-        "trainer.warmstart_steps=200", "data.train_batch_size=4", "rollout.n=4",
-        "launch.progress=none", *overrides,
-    ])
+    cfg = load_config(
+        overrides=[
+            f"trainer.run_dir={tmp_path / 'run'}",
+            f"trainer.cache_dir={cache}",
+            "trainer.warmstart_steps=200",
+            "data.train_batch_size=4",
+            "rollout.n=4",
+            "launch.progress=none",
+            *overrides,
+        ]
+    )
     return launch(cfg)
 
 
 def test_verl_parquet_and_a_misbehaving_custom_reward(tmp_path, model_cache):
     data = _verl_style_parquet(tmp_path / "train.parquet", "my_source")
     reward = tmp_path / "my_reward.py"
-    reward.write_text(textwrap.dedent('''
+    reward.write_text(
+        textwrap.dedent("""
         import time
 
         def compute_score(data_source, solution_str, ground_truth, extra_info=None):
@@ -63,9 +72,17 @@ def test_verl_parquet_and_a_misbehaving_custom_reward(tmp_path, model_cache):
             if a == 2:
                 return float("nan")
             return {"score": float(solution_str.strip() == ground_truth), "a": float(a)}
-    '''))
-    run_dir = _run(tmp_path, model_cache, f"data.train_files=[{data}]", "trainer.total_steps=6",
-                   f"reward.custom.path={reward}", "reward.timeout_s=1.0", "trainer.save_final=false")
+    """)
+    )
+    run_dir = _run(
+        tmp_path,
+        model_cache,
+        f"data.train_files=[{data}]",
+        "trainer.total_steps=6",
+        f"reward.custom.path={reward}",
+        "reward.timeout_s=1.0",
+        "trainer.save_final=false",
+    )
     rows = read_jsonl(run_dir / "metrics.jsonl")
     assert [r["step"] for r in rows] == list(range(1, 7))  # the run went on
     assert 0 < max(r["reward_mean"] for r in rows) <= 1
@@ -75,8 +92,13 @@ def test_verl_parquet_and_a_misbehaving_custom_reward(tmp_path, model_cache):
 
 
 def test_validation_then_eval_of_the_final_checkpoint(tmp_path, model_cache):
-    run_dir = _run(tmp_path, model_cache, "trainer.total_steps=20", "trainer.val_every=10",
-                   "trainer.logger=[console,jsonl,wandb]")
+    run_dir = _run(
+        tmp_path,
+        model_cache,
+        "trainer.total_steps=20",
+        "trainer.val_every=10",
+        "trainer.logger=[console,jsonl,wandb]",
+    )
     val = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "val/mean_score" in r]
     assert [r["step"] for r in val] == [10, 20]
     assert val[-1]["val/num_prompts"] == 100
@@ -84,14 +106,25 @@ def test_validation_then_eval_of_the_final_checkpoint(tmp_path, model_cache):
     assert offline and offline[0].stat().st_size > 0
 
     data = tmp_path / "data"
-    subprocess.run([sys.executable, "-m", "asyncrl.cli", "data", "arith", "--output", str(data)],
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "asyncrl.cli", "data", "arith", "--output", str(data)], check=True
+    )
     out = tmp_path / "eval.json"
     subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "eval", "--data", str(data / "val.parquet"),
-         "--output", str(out), f"trainer.model_path={run_dir / 'final'}",
-         f"trainer.run_dir={tmp_path / 'eval_run'}"],
-        check=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "asyncrl.cli",
+            "eval",
+            "--data",
+            str(data / "val.parquet"),
+            "--output",
+            str(out),
+            f"trainer.model_path={run_dir / 'final'}",
+            f"trainer.run_dir={tmp_path / 'eval_run'}",
+        ],
+        check=True,
+        timeout=300,
     )
     result = json.loads(out.read_text())
     # greedy on the same 100 questions and the same weights: equal up to batch numerics

@@ -14,9 +14,17 @@ pytestmark = pytest.mark.integration
 
 def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
-    argv = [sys.executable, "-m", "asyncrl.cli", "launch", "trainer.total_steps=100000",
-            "trainer.warmstart_steps=10", f"trainer.cache_dir={tmp_path / 'cache'}",
-            f"trainer.run_dir={run_dir}", "launch.progress=line"]
+    argv = [
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "launch",
+        "trainer.total_steps=100000",
+        "trainer.warmstart_steps=10",
+        f"trainer.cache_dir={tmp_path / 'cache'}",
+        f"trainer.run_dir={run_dir}",
+        "launch.progress=line",
+    ]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 180
     while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
