@@ -33,7 +33,10 @@ class AsyncReplayClient:
         self._waiting: dict[int, asyncio.Future] = {}
         self.outbox: dict[str, tuple[Trajectory, float]] = {}  # traj_id -> (message, sent at)
         self.ack_timeout_s, self.reply_timeout_s = ack_timeout_s, reply_timeout_s
-        self.counters: Counter[str] = Counter()
+        # every counter present from the start: a server that never got a lease still reports 0
+        self.counters: Counter[str] = Counter(
+            dict.fromkeys(["sent", "acked", "resent", "ack_accepted", "errors"], 0)
+        )
         self._tasks: list[asyncio.Task] = []
 
     def start(self) -> list[asyncio.Task]:

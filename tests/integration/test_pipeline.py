@@ -81,6 +81,7 @@ def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness):
     assert sum(s.get("client_ack_accepted", 0) for s in servers) == stats["accepted"]
     assert sum(s["client_sent"] for s in servers) == stats["accepted"] + stats.get("late", 0)
     assert all(s["unacked_at_exit"] == 0 for s in servers)
+    # (with max_staleness=0 one server may get every lease: the other then reports zeros)
     assert stats["accepted"] >= len(used)
 
     # the final weights are an ordinary Hugging Face model
