@@ -94,7 +94,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     cfg = _config(ns.args)
     n = ns.n or cfg.data.val_n
     temperature = cfg.data.val_temperature if ns.temperature is None else ns.temperature
-    rows = load_eval_rows(ns.data, cfg.data.task_max_operand, cfg.data.seed)
+    rows = load_eval_rows(ns.data, cfg.data)
     job = f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
     prompts = eval_prompts(rows, n, temperature, job)
     fleet = None

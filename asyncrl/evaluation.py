@@ -13,6 +13,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
+from asyncrl.config import DataConfig
 from asyncrl.protocol import PromptItem
 from asyncrl.replay_client import ReplayClient
 
@@ -107,13 +108,13 @@ def run_eval_job(
     return summary
 
 
-def load_eval_rows(files: list[str], max_operand: int = 9, seed: int = 0) -> list[dict[str, Any]]:
-    """Every row of the given parquet files once, in file order; no files: the embedded
-    task's questions (`ArithmeticTask.val_rows`)."""
+def load_eval_rows(files: list[str], data: DataConfig) -> list[dict[str, Any]]:
+    """Every row of the given parquet files once, in file order; no files: the questions of
+    the embedded task `data.task` (its `val_rows`)."""
     if not files:
-        from asyncrl.tasks import ArithmeticTask
+        from asyncrl.tasks import setup_embedded_task
 
-        return ArithmeticTask(max_operand=max_operand, seed=seed).val_rows()
+        return setup_embedded_task(data.task, data.task_max_operand, data.seed).val_rows()
     import pyarrow.parquet as pq
 
     return [row for f in files for row in pq.read_table(f).to_pylist()]

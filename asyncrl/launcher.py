@@ -193,7 +193,7 @@ def wait_for_replay(fleet: LocalFleet, timeout_s: float) -> None:
         client.close()
 
 
-def watch(fleet: LocalFleet, cfg: Config, progress: Progress) -> None:
+def watch(fleet: LocalFleet, progress: Progress) -> None:
     """Until every learner rank has exited 0; raise LaunchError if any process dies first."""
     learners = [p for p in fleet.procs if p.name.startswith("learner_")]
     metrics = Path(fleet.spec.run_dir) / "metrics.jsonl"
@@ -232,7 +232,7 @@ def launch(cfg: Config, command: str = "asyncrl launch") -> Path:
         cfg.trainer.total_steps, cfg.replay.max_staleness, cfg.launch.progress, started
     )
     try:
-        watch(fleet, cfg, progress)
+        watch(fleet, progress)
     finally:
         fleet.stop_all()
     summary = progress.summary(read_jsonl(run_dir / "metrics.jsonl"))

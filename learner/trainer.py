@@ -108,7 +108,7 @@ class Learner:
             self.broadcaster = WeightBroadcaster(group, int(lc.bucket_mb * 2**20))
             self.loggers = setup_loggers(cfg.trainer.logger, run_dir, cfg.model_dump(mode="json"))
             dc = cfg.data
-            self.val_rows = load_eval_rows(dc.val_files, dc.task_max_operand, dc.seed)
+            self.val_rows = load_eval_rows(dc.val_files, dc)
             self.samples = (
                 JsonlWriter(run_dir / "samples.jsonl") if cfg.trainer.log_samples else None
             )
