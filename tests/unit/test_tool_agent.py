@@ -77,7 +77,7 @@ class ScriptedEngine(Engine):
         )
 
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        raise NotImplementedError("scripted engines have no weights")
+        raise RuntimeError("a scripted engine has no weights to update")
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(())
