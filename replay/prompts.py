@@ -160,6 +160,9 @@ def row_to_prompt_item(row: dict[str, Any], row_index: int, n: int) -> PromptIte
         messages=_messages(row["prompt"], row_index),
         ground_truth=str(reward_model["ground_truth"]),
         extra_info_json=json.dumps(row.get("extra_info") or {}, default=_plain),
+        agent_name=str(row.get("agent_name") or ""),
+        tools_kwargs_json=json.dumps(row.get("tools_kwargs") or {}, default=_plain),
+        interaction_kwargs_json=json.dumps(row.get("interaction_kwargs") or {}, default=_plain),
     )
 
 

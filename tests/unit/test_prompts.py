@@ -118,3 +118,28 @@ def test_row_to_prompt_item_names_the_row_of_a_bad_prompt():
     row = {**_verl_docs_rows(1)[0], "prompt": [{"role": "user", "content": 3}]}
     with pytest.raises(ValueError, match=r"row 9: prompt\[0\]\.content must be a string"):
         row_to_prompt_item(row, row_index=9, n=2)
+
+
+def test_agent_columns_travel_with_the_prompt():
+    import json
+
+    from replay.prompts import row_to_prompt_item
+
+    row = {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "reward_model": {"ground_truth": "4"},
+        "agent_name": "tool_agent",
+        "tools_kwargs": {"calculator": {"create_kwargs": {"x": 1}}},
+        "interaction_kwargs": {"name": "gsm8k_retry"},
+    }
+    item = row_to_prompt_item(row, 0, 2)
+    assert item.agent_name == "tool_agent"
+    assert json.loads(item.tools_kwargs_json) == {"calculator": {"create_kwargs": {"x": 1}}}
+    assert json.loads(item.interaction_kwargs_json) == {"name": "gsm8k_retry"}
+    plain = row_to_prompt_item({k: row[k] for k in ("data_source", "prompt", "reward_model")}, 1, 2)
+    assert (plain.agent_name, plain.tools_kwargs_json, plain.interaction_kwargs_json) == (
+        "",
+        "{}",
+        "{}",
+    )
