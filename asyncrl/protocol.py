@@ -114,6 +114,8 @@ class Batch:
     loss_mask: Array("uint8")  # [sum R]
     behaviour_logprobs: Array("float32")  # [sum R]
     versions: Array("int32")  # [sum R]
+    metric_names: list[str]  # [K] union of the samples' Trajectory.metrics keys
+    metric_values: Array("float32")  # [B * K] row-major; NaN where a sample lacks a metric
     stale_dropped: int  # groups dropped as too stale while assembling this batch
 
 
@@ -189,5 +191,7 @@ def empty_batch(request_id: int, stale_dropped: int = 0) -> Batch:
         loss_mask=np.zeros(0, np.uint8),
         behaviour_logprobs=np.zeros(0, np.float32),
         versions=z32,
+        metric_names=[],
+        metric_values=np.zeros(0, np.float32),
         stale_dropped=stale_dropped,
     )

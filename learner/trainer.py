@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -30,6 +31,7 @@ from asyncrl.config import Config
 from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
 from asyncrl.loggers import setup_loggers
 from asyncrl.metrics import JsonlWriter, StageTimer, peak_rss_mb, write_json_atomic
+from asyncrl.protocol import Batch
 from asyncrl.replay_client import ReplayClient
 from asyncrl.run_spec import RunSpec
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, weights_checksum
@@ -133,6 +135,7 @@ class Learner:
                     "traj_ids": msg.traj_ids,
                     "group_ids": msg.group_ids,
                     "stale_dropped": msg.stale_dropped,
+                    "traj_metrics": trajectory_metric_means(msg),
                     "response_lengths": [
                         int(x) for x in msg.response_offsets[1:] - msg.response_offsets[:-1]
                     ],
@@ -404,6 +407,7 @@ class Learner:
             "staleness_mean": float(staleness.mean()),
             "staleness_max": float(staleness.max()),
             "stale_dropped": info["stale_dropped"],
+            **info["traj_metrics"],
             **stats,
             "step_time_s": step_time,
             "samples_per_s": batch.size / step_time,
@@ -438,6 +442,21 @@ class Learner:
         plain.save_pretrained(out, safe_serialization=True)
         AutoTokenizer.from_pretrained(self.spec.model_path).save_pretrained(out)
         log.info("final weights written to %s", out)
+
+
+def trajectory_metric_means(msg: Batch) -> dict[str, float]:
+    """Per-step means of the samples' own metrics (tool calls, turns, reward parts), as
+    `traj/<name>`; a sample without a metric does not count toward its mean."""
+    if not msg.metric_names:
+        return {}
+    values = msg.metric_values.reshape(len(msg.traj_ids), len(msg.metric_names))
+    out = {}
+    for k, name in enumerate(msg.metric_names):
+        column = values[:, k]
+        column = column[np.isfinite(column)]
+        if len(column):
+            out[f"traj/{name}"] = float(column.mean())
+    return out
 
 
 def _keep_mask(result) -> torch.Tensor:

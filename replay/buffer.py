@@ -215,6 +215,8 @@ def to_batch(request_id: int, groups: list[Group], stale_dropped: int) -> Batch:
             group_ids.append(g.item.group_id)
             data_sources.append(g.item.data_source)
 
+    names = sorted({k for s in samples for k in s.metrics})
+
     def offsets(arrays: list[np.ndarray]) -> np.ndarray:
         return np.concatenate([[0], np.cumsum([len(a) for a in arrays])]).astype(np.int64)
 
@@ -236,5 +238,9 @@ def to_batch(request_id: int, groups: list[Group], stale_dropped: int) -> Batch:
         loss_mask=cat([s.loss_mask for s in samples], np.uint8),
         behaviour_logprobs=cat([s.behaviour_logprobs for s in samples], np.float32),
         versions=cat([s.versions for s in samples], np.int32),
+        metric_names=names,
+        metric_values=np.array(
+            [s.metrics.get(k, np.nan) for s in samples for k in names], np.float32
+        ),
         stale_dropped=stale_dropped,
     )

@@ -35,6 +35,9 @@ def test_tool_demo_runs_and_logs_tool_metrics_per_trajectory(tmp_path: Path) -> 
 
     steps = read_jsonl(run_dir / "metrics.jsonl")
     assert len(steps) == STEPS
+    for step in steps:  # the samples' agent metrics reach the learner's metrics, per step
+        assert {"traj/turns", "traj/tool_calls", "traj/tool_errors"} <= step.keys()
+        assert 1.0 <= step["traj/turns"] <= 2.0
     trajectories = read_jsonl(run_dir / "rollout_metrics.jsonl")
     assert len(trajectories) >= STEPS * 4 * 4
     for t in trajectories:

@@ -272,3 +272,16 @@ def test_random_schedule_keeps_the_invariants(max_staleness):
     # synchronous RL: admission alone leaves nothing to drop; otherwise the check must bite
     assert dropped == 0 if max_staleness == 0 else dropped > 0
     assert len(returned) == len(set(returned))
+
+
+def test_batch_carries_sample_metrics_with_nan_where_missing():
+    buf = GroupBuffer()
+    buf.open_group(_item("g", 2), now=0.0, lease_version=0)
+    buf.add(_traj("g", 0, metrics={"turns": 2.0, "tool_calls": 1.0}))
+    buf.add(_traj("g", 1, metrics={"turns": 1.0}))
+    groups, _ = buf.pop_batch(learner_version=3, num_groups=1, max_staleness=2)
+    batch = to_batch(7, groups, 0)
+    assert batch.metric_names == ["tool_calls", "turns"]
+    values = batch.metric_values.reshape(2, 2)
+    assert values[0].tolist() == [1.0, 2.0]
+    assert np.isnan(values[1, 0]) and values[1, 1] == 1.0
