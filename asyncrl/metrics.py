@@ -14,14 +14,17 @@ class StageTimer:
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = {}
+        self.spans: list[tuple[str, float, float]] = []  # (stage, unix start, seconds)
 
     @contextmanager
     def __call__(self, name: str):
-        start = time.perf_counter()
+        wall, start = time.time(), time.perf_counter()
         try:
             yield
         finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            took = time.perf_counter() - start
+            self.seconds[name] = self.seconds.get(name, 0.0) + took
+            self.spans.append((name, wall, took))
 
 
 class JsonlWriter:

@@ -51,6 +51,9 @@ class LeaseRequest:
     server_id: int  # which rollout server asks
     server_version: int  # policy version the server's engine holds now
     max_groups: int  # most prompts the server can take now
+    engine_busy_s: float = 0.0  # cumulative seconds the engine spent sampling
+    weight_apply_s: float = 0.0  # cumulative seconds generation was paused applying weights
+    uptime_s: float = 0.0  # seconds since the server's main loop started
 
 
 @message("lease_grant")
@@ -116,6 +119,7 @@ class Batch:
     versions: Array("int32")  # [sum R]
     metric_names: list[str]  # [K] union of the samples' Trajectory.metrics keys
     metric_values: Array("float32")  # [B * K] row-major; NaN where a sample lacks a metric
+    fleet: dict[str, float]  # replay occupancy, servers' idle ratio and pause, sample latency
     stale_dropped: int  # groups dropped as too stale while assembling this batch
 
 
@@ -193,5 +197,6 @@ def empty_batch(request_id: int, stale_dropped: int = 0) -> Batch:
         versions=z32,
         metric_names=[],
         metric_values=np.zeros(0, np.float32),
+        fleet={},
         stale_dropped=stale_dropped,
     )

@@ -34,6 +34,7 @@ from asyncrl.metrics import JsonlWriter, StageTimer, peak_rss_mb, write_json_ato
 from asyncrl.protocol import Batch
 from asyncrl.replay_client import ReplayClient
 from asyncrl.run_spec import RunSpec
+from asyncrl.trace import SpanWriter
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, weights_checksum
 from learner.advantages import compute_advantages, outcome_token_rewards
 from learner.batch import TrainBatch, broadcast_batch, from_message
@@ -108,6 +109,7 @@ class Learner:
                 spec.sync_host, spec.sync_port, 0, 1 + cfg.rollout.num_servers, device
             )
             self.broadcaster = WeightBroadcaster(group, int(lc.bucket_mb * 2**20))
+            self.trace = SpanWriter(run_dir / "trace" / "learner_0.jsonl")
             self.loggers = setup_loggers(cfg.trainer.logger, run_dir, cfg.model_dump(mode="json"))
             dc = cfg.data
             self.val_rows = load_eval_rows(dc.val_files, dc)
@@ -136,6 +138,7 @@ class Learner:
                     "group_ids": msg.group_ids,
                     "stale_dropped": msg.stale_dropped,
                     "traj_metrics": trajectory_metric_means(msg),
+                    "fleet": dict(msg.fleet),
                     "response_lengths": [
                         int(x) for x in msg.response_offsets[1:] - msg.response_offsets[:-1]
                     ],
@@ -356,6 +359,7 @@ class Learner:
         if self.rank == 0:
             self.broadcaster.shutdown()
             self.loggers.close()
+            self.trace.flush()
 
     def train_step(self, version: int) -> bool:
         timer = StageTimer()
@@ -408,6 +412,14 @@ class Learner:
             "staleness_max": float(staleness.max()),
             "stale_dropped": info["stale_dropped"],
             **info["traj_metrics"],
+            **info["fleet"],
+            "staleness_hist": np.bincount(
+                staleness.long().numpy(), minlength=self.cfg.replay.max_staleness + 1
+            ).tolist(),
+            "response_len_p50": float(np.percentile(lengths, 50)),
+            "response_len_max": float(max(lengths)),
+            "train_tokens_per_s": float(batch.attention_mask.sum()) / timer.seconds["update"],
+            "weight_sync_s": timer.seconds["broadcast_weights"],
             **stats,
             "step_time_s": step_time,
             "samples_per_s": batch.size / step_time,
@@ -419,6 +431,8 @@ class Learner:
         if checksum is not None:
             record["weights_checksum"] = checksum
         self.loggers.log(record, version + 1)
+        for name, start, took in timer.spans:
+            self.trace.record(name, "learner", start, took, step=version + 1)
         if self.samples is not None:
             self.samples.write(
                 {

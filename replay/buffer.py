@@ -21,6 +21,7 @@ Invariants (tested):
 from __future__ import annotations
 
 import math
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Literal
@@ -52,6 +53,7 @@ class Group:
     samples: list[Trajectory | None]  # by sample_index; None until it arrives
     traj_ids: set[str] = field(default_factory=set)
     filled: int = 0
+    latencies: list[float] = field(default_factory=list)  # lease grant -> sample arrival, s
     version: int | None = None  # oldest sample version so far (None: no sample yet)
 
     @property
@@ -113,6 +115,7 @@ class GroupBuffer:
         group.samples[traj.sample_index] = traj
         group.traj_ids.add(traj.traj_id)
         group.filled += 1
+        group.latencies.append(time.monotonic() - group.opened_at)
         v = sample_version(traj, group.lease_version)
         group.version = v if group.version is None else min(group.version, v)
         if group.ready:
@@ -239,6 +242,7 @@ def to_batch(request_id: int, groups: list[Group], stale_dropped: int) -> Batch:
         behaviour_logprobs=cat([s.behaviour_logprobs for s in samples], np.float32),
         versions=cat([s.versions for s in samples], np.int32),
         metric_names=names,
+        fleet={},
         metric_values=np.array(
             [s.metrics.get(k, np.nan) for s in samples for k in names], np.float32
         ),

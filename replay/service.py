@@ -35,6 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 
 from asyncrl.codec import ProtocolError
@@ -145,6 +146,9 @@ class ReplayService:
             CheckpointRequest: self._on_checkpoint,
         }
         self.eval_jobs = EvalJobs()
+        # per server: (engine busy s, weight-apply pause s, uptime s), latest and at last batch
+        self._servers: dict[int, tuple[float, float, float]] = {}
+        self._servers_at_last_batch: dict[int, tuple[float, float, float]] = {}
         self._ctx = zmq.Context()
         self._sock = setup_socket(
             self._ctx, zmq.ROUTER, bind=address, allow_remote=cfg.launch.allow_remote
@@ -248,6 +252,7 @@ class ReplayService:
             self._reject(identity, "rejected_malformed", f"max_groups {req.max_groups} < 0")
             return
         self.counters["lease_requests"] += 1
+        self._servers[req.server_id] = (req.engine_busy_s, req.weight_apply_s, req.uptime_s)
         # a newer request from the same server carries its current version and free slots
         self._held_leases = self._supersede(self._held_leases, identity)
         prompts = self._grant(req)
@@ -405,13 +410,38 @@ class ReplayService:
             self._changed = True  # capacity and admission slots were freed
         if not groups:
             return False
-        batch = to_batch(req.request_id, groups, held.stale_dropped)
+        batch = dataclasses.replace(
+            to_batch(req.request_id, groups, held.stale_dropped), fleet=self._fleet_stats(groups)
+        )
         self.counters["batches_served"] += 1
         self.counters["groups_served"] += len(groups)
         self.counters["samples_served"] += len(batch.traj_ids)
         self._changed = True  # capacity was freed
         send_msg(self._sock, batch, held.identity)
         return True
+
+    def _fleet_stats(self, groups: list) -> dict[str, float]:
+        """What the learner logs about the rest of the pipeline for this step: occupancy, the
+        servers' idle ratio and generation pause since the previous batch, sample latency."""
+        latencies = np.array([x for g in groups for x in g.latencies])
+        stats = {
+            "replay_groups_ready": float(self.buffer.num_ready),
+            "replay_groups_in_flight": float(self.buffer.num_in_flight),
+            "traj_latency_p50_s": float(np.percentile(latencies, 50)) if len(latencies) else 0.0,
+            "traj_latency_p99_s": float(np.percentile(latencies, 99)) if len(latencies) else 0.0,
+        }
+        idle, pause = [], 0.0
+        for server, now in self._servers.items():
+            before = self._servers_at_last_batch.get(server, (0.0, 0.0, 0.0))
+            span = now[2] - before[2]
+            if span > 0:
+                idle.append(1.0 - min(1.0, (now[0] - before[0]) / span))
+            pause += now[1] - before[1]
+        if idle:
+            stats["server_idle_ratio"] = sum(idle) / len(idle)
+            stats["generation_pause_s"] = pause
+        self._servers_at_last_batch = dict(self._servers)
+        return stats
 
     # ---- held requests ----------------------------------------------------------------------
     def _hold(self, queue: list[_Held], identity: bytes, req: LeaseRequest) -> None:

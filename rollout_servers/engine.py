@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,11 @@ class GenerationOutput:
 
 class Engine(ABC):
     """Samples responses for many concurrent callers and swaps in new weights atomically."""
+
+    busy_s: float = 0.0
+    """Cumulative seconds spent sampling (engines add to it; the server reports idle time)."""
+    on_batch: Callable[[float, float, int, int], None] | None = None
+    """Called after each sampling batch with (unix start, seconds, sequences, version)."""
 
     @property
     @abstractmethod
@@ -177,9 +183,14 @@ class HFEngine(Engine):
         """Sample every request of `batch` together (worker thread; holds the weight lock)."""
         with self._lock, torch.inference_mode():
             self.batches_run += 1
+            wall, start = time.time(), time.perf_counter()
             tokens, logprobs, reasons = _sample(
                 self.model, batch, self._eos_ids, self._pad_id, self._generator, self.device
             )
+            took = time.perf_counter() - start
+            self.busy_s += took
+            if self.on_batch is not None:
+                self.on_batch(wall, took, len(batch), self._version)
             return [
                 GenerationOutput(t, lp, self._version, reason)
                 for t, lp, reason in zip(tokens, logprobs, reasons, strict=True)

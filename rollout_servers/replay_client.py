@@ -47,12 +47,24 @@ class AsyncReplayClient:
         ]
         return self._tasks
 
-    async def lease(self, server_id: int, version: int, max_groups: int) -> list[PromptItem]:
-        """Ask for up to max_groups prompts (the replay may hold the request, then answer)."""
+    async def lease(
+        self,
+        server_id: int,
+        version: int,
+        max_groups: int,
+        busy_s: float = 0.0,
+        apply_s: float = 0.0,
+        uptime_s: float = 0.0,
+    ) -> list[PromptItem]:
+        """Ask for up to max_groups prompts (the replay may hold the request, then answer).
+        The cumulative engine-busy, weight-apply and uptime seconds ride along for metrics."""
         request_id = next(self._ids)
         fut = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = fut
-        await send_msg(self._sock, LeaseRequest(request_id, server_id, version, max_groups))
+        request = LeaseRequest(
+            request_id, server_id, version, max_groups, busy_s, apply_s, uptime_s
+        )
+        await send_msg(self._sock, request)
         try:
             grant: LeaseGrant = await asyncio.wait_for(fut, self.reply_timeout_s)
         except asyncio.TimeoutError:

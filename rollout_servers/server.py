@@ -35,6 +35,7 @@ from asyncrl.config import Config, RolloutConfig
 from asyncrl.metrics import JsonlWriter, peak_rss_mb, write_json_atomic
 from asyncrl.protocol import PromptItem, Trajectory
 from asyncrl.run_spec import RunSpec
+from asyncrl.trace import SpanWriter
 from asyncrl.weight_sync import SyncGroup, WeightReceiver, specs_of, weights_checksum
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.agent_registry import AgentLoopRouter
@@ -70,6 +71,10 @@ class RolloutServer:
         self.sampling_params = sampling_params(cfg.rollout)
         self.greedy_params = dataclasses.replace(self.sampling_params, temperature=0.0, top_p=1.0)
         self.sync_times: list[float] = []
+        self.trace = SpanWriter(Path(spec.run_dir) / "trace" / f"server_{server_id}.jsonl")
+        engine.on_batch = lambda start, dur, n, v: self.trace.record(
+            "generate", "rollout", start, dur, batch=n, version=v
+        )
         self._wake = asyncio.Event()
         self._receiver_error: BaseException | None = None
         run_dir = Path(spec.run_dir)
@@ -111,9 +116,12 @@ class RolloutServer:
             )
             receiver = WeightReceiver(group, specs_of(self.engine.named_weights()))
             while (got := receiver.receive()) is not None:
-                start = time.perf_counter()
+                wall, start = time.time(), time.perf_counter()
                 self.engine.update_weights(got.weights, got.version)
                 self.sync_times.append(time.perf_counter() - start)
+                self.trace.record(
+                    "apply_weights", "sync", wall, self.sync_times[-1], version=got.version
+                )
                 if self._weight_log is not None:
                     self._weight_log.write(
                         {
@@ -177,6 +185,7 @@ class RolloutServer:
         loop = asyncio.get_running_loop()
         background = self.client.start()
         self.start_weight_receiver(loop)
+        started = time.monotonic()
         groups: set[asyncio.Task] = set()
         leases: set[asyncio.Task] = set()  # outstanding lease requests; every grant is used
         asked_at_version = -1
@@ -196,7 +205,18 @@ class RolloutServer:
             # ask again at once when the engine moved on: admission control judges by version
             if free > 0 and (not leases or asked_at_version != self.engine.version):
                 asked_at_version = self.engine.version
-                leases.add(self._spawn(self.client.lease(self.server_id, asked_at_version, free)))
+                leases.add(
+                    self._spawn(
+                        self.client.lease(
+                            self.server_id,
+                            asked_at_version,
+                            free,
+                            self.engine.busy_s,
+                            sum(self.sync_times),
+                            time.monotonic() - started,
+                        )
+                    )
+                )
             self.trajectory_log.maybe_flush()
             await self._sleep_until_woken(stop, timeout_s=0.5)
         self.trajectory_log.flush()
@@ -364,5 +384,6 @@ def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
             )
             server.client.close()
             server.rewards.close()
+            server.trace.flush()
 
     asyncio.run(main())

@@ -52,6 +52,29 @@ def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness):
     # versions advance, one metrics line per step
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     assert [m["version"] for m in metrics] == list(range(1, STEPS + 1))
+    # what the pipeline is doing, every step: fleet, replay, latency, staleness histogram
+    for m in metrics[1:]:
+        for key in (
+            "server_idle_ratio",
+            "generation_pause_s",
+            "replay_groups_ready",
+            "replay_groups_in_flight",
+            "traj_latency_p50_s",
+            "traj_latency_p99_s",
+            "train_tokens_per_s",
+            "weight_sync_s",
+            "response_len_p50",
+        ):
+            assert key in m, f"metric {key} missing"
+        assert 0.0 <= m["server_idle_ratio"] <= 1.0
+        assert m["traj_latency_p50_s"] <= m["traj_latency_p99_s"]
+        assert sum(m["staleness_hist"]) == m["samples"]
+        assert len(m["staleness_hist"]) <= max_staleness + 1
+    spans = {p.stem: read_jsonl(p) for p in (run_dir / "trace").glob("*.jsonl")}
+    assert {"learner_0", "server_0", "server_1"} <= spans.keys()
+    assert {"fetch_batch", "update", "broadcast_weights"} <= {s["name"] for s in spans["learner_0"]}
+    assert any(s["name"] == "generate" for s in spans["server_0"] + spans["server_1"])
+    assert any(s["name"] == "apply_weights" for s in spans["server_0"])
 
     # after each sync every server's weights equal the learner's (and the initial ones did too)
     learner = {r["version"]: r["checksum"] for r in read_jsonl(run_dir / "weights_learner.jsonl")}
