@@ -6,6 +6,7 @@
     asyncrl data gsm8k --input DIR --output DIR                   GSM8K -> verl parquet
     asyncrl data arith --output DIR                               embedded task -> parquet
     asyncrl data inspect FILE [--tokenizer PATH]                  look at a parquet file
+    asyncrl plot RUN_DIR [--out DIR] [--window A:B]               figures + Chrome trace
 
 CONFIG defaults to configs/default.yaml (the embedded default: a tiny model on a synthetic task,
 on CPU). Overrides are validated with the file before anything starts.
@@ -131,6 +132,12 @@ def _eval_progress(done: int, expected: int) -> None:
     print(f"\r  {done}/{expected} samples scored", end="", flush=True)
 
 
+def cmd_plot(ns: argparse.Namespace) -> int:
+    from asyncrl.plot import main as plot_main
+
+    return plot_main(ns.args)
+
+
 def cmd_data(ns: argparse.Namespace) -> int:
     from asyncrl import data
 
@@ -174,6 +181,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output", default="eval_results.json", help="where to save the summary")
     p.add_argument("args", **cfg_args)
     p.set_defaults(func=cmd_eval)
+    p = sub.add_parser(
+        "plot", help="PNG figures and a Chrome trace of a run directory", add_help=False
+    )
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_plot)
     p = sub.add_parser("data", help="prepare and inspect datasets")
     dsub = p.add_subparsers(dest="data_command", required=True)
     d = dsub.add_parser("gsm8k", help="GSM8K jsonl -> train/test parquet in the verl schema")
