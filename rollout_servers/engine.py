@@ -1,8 +1,11 @@
 """Inference engines behind one small interface, and the transformers engine that runs anywhere.
 
 An `Engine` turns prompt token ids into sampled token ids with the behaviour log-probability
-and policy version of every sampled token, and accepts new weights from the learner. Agent
-loops only ever `await engine.generate(...)`; the weight receiver only calls `update_weights`.
+and policy version of every sampled token, and follows the learner's weight versions. Agent
+loops only ever `await engine.generate(...)`; the server's weight-receiver thread only iterates
+`engine.follow_learner(...)`, which joins the learner's weight-sync group and applies each
+version as it comes. Engines: `HFEngine` here (transformers, in-process) and `VLLMEngine` in
+`vllm_engine.py` (vLLM's async engine; its worker process joins the sync group itself).
 
 Invariants every engine keeps:
 - The behaviour log-prob of a sampled token is log_softmax(logits / T)[token] (T = 1 when
@@ -26,6 +29,8 @@ from typing import Literal
 
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
+
+from asyncrl.weight_sync import SyncGroup, WeightReceiver, specs_of, weights_checksum
 
 ATTN_IMPLEMENTATION = "sdpa"
 """Attention kernel of the HF engine; its log-probs match a right-padded sdpa or eager forward
@@ -64,6 +69,27 @@ class GenerationOutput:
     """"stop": EOS or a stop id was sampled; "length": max_new_tokens was reached."""
 
 
+@dataclass(frozen=True)
+class SyncTarget:
+    """Where an engine joins the learner's weight-sync group (`asyncrl.weight_sync`)."""
+
+    host: str
+    port: int
+    rank: int
+    """This server's rank in the group (learner rank 0 is rank 0)."""
+    world_size: int
+    device: torch.device
+    """cuda: NCCL; cpu: gloo."""
+    timeout_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class AppliedVersion:
+    version: int
+    apply_s: float
+    """Seconds new generation was held back to apply this version (drain + load)."""
+
+
 class Engine(ABC):
     """Samples responses for many concurrent callers and swaps in new weights atomically."""
 
@@ -82,16 +108,18 @@ class Engine(ABC):
         """Sample one response to `prompt_ids`; concurrent calls are batched together."""
 
     @abstractmethod
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
-        """Apply a whole weight version (thread-safe); raises ValueError and applies nothing
-        when a name, shape or dtype does not match the model."""
+    def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
+        """Join the learner's weight-sync group and apply every version it broadcasts, each
+        entirely or not at all, yielding after each; returns when the learner closes the group.
+        Blocking: the server runs it in a thread of its own."""
 
-    @abstractmethod
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        """The engine's weights in state-dict order (to plan broadcasts and checksum them)."""
+    def weights_checksum(self) -> str | None:
+        """`asyncrl.weight_sync.weights_checksum` of the live weights in the learner's naming,
+        or None where the engine cannot read them back (vLLM repacks them)."""
+        return None
 
     async def close(self) -> None:  # noqa: B027 (optional hook; engines without resources keep it)
-        """Finish queued work and release threads and devices."""
+        """Finish queued work and release threads, processes and devices."""
 
 
 @dataclass
@@ -196,7 +224,27 @@ class HFEngine(Engine):
                 for t, lp, reason in zip(tokens, logprobs, reasons, strict=True)
             ]
 
+    def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
+        group = SyncGroup(
+            target.host,
+            target.port,
+            target.rank,
+            target.world_size,
+            target.device,
+            target.timeout_s,
+        )
+        receiver = WeightReceiver(group, specs_of(self.named_weights()))
+        while (got := receiver.receive()) is not None:
+            start = time.perf_counter()
+            self.update_weights(got.weights, got.version)
+            yield AppliedVersion(got.version, time.perf_counter() - start)
+
+    def weights_checksum(self) -> str | None:
+        return weights_checksum(self.named_weights())
+
     def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+        """Apply a whole weight version (thread-safe); raises ValueError and applies nothing
+        when a name, shape or dtype does not match the model."""
         staged = list(weights)
         seen: set[str] = set()
         for name, tensor in staged:

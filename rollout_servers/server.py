@@ -36,10 +36,9 @@ from asyncrl.metrics import JsonlWriter, peak_rss_mb, write_json_atomic
 from asyncrl.protocol import PromptItem, Trajectory
 from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
-from asyncrl.weight_sync import SyncGroup, WeightReceiver, specs_of, weights_checksum
 from rollout_servers.agent_loop import AgentLoop
 from rollout_servers.agent_registry import AgentLoopRouter
-from rollout_servers.engine import Engine, HFEngine, SamplingParams
+from rollout_servers.engine import Engine, HFEngine, SamplingParams, SyncTarget
 from rollout_servers.interactions import load_interaction_config
 from rollout_servers.replay_client import AsyncReplayClient
 from rollout_servers.rewards import RewardComputer
@@ -93,10 +92,7 @@ class RolloutServer:
             return None
         if self._weight_log is not None:
             self._weight_log.write(
-                {
-                    "version": self.engine.version,
-                    "checksum": weights_checksum(self.engine.named_weights()),
-                }
+                {"version": self.engine.version, "checksum": self.engine.weights_checksum()}
             )
         thread = threading.Thread(
             target=self._receive_weights, args=(loop,), daemon=True, name="weight-receiver"
@@ -106,28 +102,25 @@ class RolloutServer:
 
     def _receive_weights(self, loop: asyncio.AbstractEventLoop) -> None:
         try:
-            device = torch.device("cuda" if _uses_cuda(self.cfg.rollout.device) else "cpu")
-            group = SyncGroup(
+            target = SyncTarget(
                 self.spec.sync_host,
                 self.spec.sync_port,
                 1 + self.server_id,
                 1 + self.cfg.rollout.num_servers,
-                device,
+                torch.device("cuda" if _uses_cuda(self.cfg.rollout.device) else "cpu"),
             )
-            receiver = WeightReceiver(group, specs_of(self.engine.named_weights()))
-            while (got := receiver.receive()) is not None:
-                wall, start = time.time(), time.perf_counter()
-                self.engine.update_weights(got.weights, got.version)
-                self.sync_times.append(time.perf_counter() - start)
+            for applied in self.engine.follow_learner(target):
+                self.sync_times.append(applied.apply_s)
                 self.trace.record(
-                    "apply_weights", "sync", wall, self.sync_times[-1], version=got.version
+                    "apply_weights",
+                    "sync",
+                    time.time() - applied.apply_s,
+                    applied.apply_s,
+                    version=applied.version,
                 )
                 if self._weight_log is not None:
                     self._weight_log.write(
-                        {
-                            "version": got.version,
-                            "checksum": weights_checksum(self.engine.named_weights()),
-                        }
+                        {"version": applied.version, "checksum": self.engine.weights_checksum()}
                     )
                 loop.call_soon_threadsafe(self._wake.set)
             log.info("learner closed the weight-sync group")
@@ -332,18 +325,23 @@ def _uses_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
+def setup_engine(rc: RolloutConfig, model_path: str, seed: int) -> Engine:
+    """The configured inference engine on the model at `model_path` (version 0)."""
+    device = "cuda" if _uses_cuda(rc.device) else "cpu"
+    if rc.engine == "vllm":
+        from rollout_servers.vllm_engine import VLLMEngine
+
+        return VLLMEngine(model_path, rc.vllm, device=device, seed=seed)
+    return HFEngine(model_path, device=device, max_batch_size=rc.max_batch_size, seed=seed)
+
+
 def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutServer:
     """Build the engine, agent loop, replay client and reward computer of one server."""
     from transformers import AutoTokenizer
 
     rc = cfg.rollout
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
-    engine = HFEngine(
-        spec.model_path,
-        device="cuda" if _uses_cuda(rc.device) else "cpu",
-        max_batch_size=rc.max_batch_size,
-        seed=cfg.trainer.seed + 1000 * (server_id + 1),
-    )
+    engine = setup_engine(rc, spec.model_path, seed=cfg.trainer.seed + 1000 * (server_id + 1))
     tools = load_tool_config(rc.tool_config) if rc.tool_config else None
     limits = ToolAgentLimits(
         rc.max_assistant_turns,
@@ -385,5 +383,6 @@ def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
             server.client.close()
             server.rewards.close()
             server.trace.flush()
+            await server.engine.close()
 
     asyncio.run(main())

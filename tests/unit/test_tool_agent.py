@@ -7,11 +7,10 @@ import asyncio
 import dataclasses
 import json
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import Any, Literal
 
 import pytest
-import torch
 
 from asyncrl.protocol import ChatMessage, PromptItem
 from asyncrl.tiny_model import CHAT_TEMPLATE, build_tokenizer
@@ -23,7 +22,13 @@ from rollout_servers.agent_registry import (
     register_agent_loop,
     resolve_agent_loop,
 )
-from rollout_servers.engine import Engine, GenerationOutput, SamplingParams
+from rollout_servers.engine import (
+    AppliedVersion,
+    Engine,
+    GenerationOutput,
+    SamplingParams,
+    SyncTarget,
+)
 from rollout_servers.interactions import (
     Gsm8kRetryInteraction,
     final_number,
@@ -76,11 +81,8 @@ class ScriptedEngine(Engine):
             cut, [-(k + 1 + j / 1000) for j in range(len(cut))], VERSION, reason
         )
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
         raise RuntimeError("a scripted engine has no weights to update")
-
-    def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
-        return iter(())
 
 
 class SleepTool(Tool):

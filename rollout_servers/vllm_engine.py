@@ -1,0 +1,255 @@
+"""`rollout.engine=vllm`: vLLM's async engine inside the rollout server, behind `Engine`.
+
+Components:
+- an `AsyncLLM` (continuous batching; vLLM runs its scheduler and model in processes of its
+  own) driven from a private event loop on a thread of this engine, so the server's event loop
+  only awaits futures and never runs vLLM's output processing;
+- a gate in front of it: `generate` enters only while no weight version is being applied, and
+  counts requests in flight;
+- the worker extension (`vllm_worker.WeightSyncExtension`): vLLM's worker process joins the
+  learner's weight-sync group itself and stages each version; `follow_learner` waits for its
+  `staged` notices (ZeroMQ PULL) and applies each version through the gate.
+
+Invariants (those of `Engine`, and how they are kept here):
+- Behaviour log-probs are log_softmax(logits / T) of the sampled token: vLLM's
+  `processed_logprobs` mode, which is exactly that while top-p is 1 (with top-p < 1 vLLM would
+  return the truncated distribution's log-probs, so the config refuses it), and the T = 1
+  softmax for greedy requests.
+- A version is applied atomically: the gate closes, requests in flight finish on the old
+  version, the worker loads the staged version bucket by bucket (`load_weights`), the prefix
+  cache is reset, then the version number moves and the gate opens. Every output carries the
+  version it was admitted under, which is the version of every one of its tokens. If a load
+  fails the gate stays closed: no token is ever sampled from half-applied weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+import threading
+import time
+import uuid
+from collections.abc import Coroutine, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgpack
+import torch
+import zmq
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+
+from asyncrl.config import VLLMConfig
+from asyncrl.weight_sync import ParamSpec, specs_of
+from rollout_servers.engine import (
+    AppliedVersion,
+    Engine,
+    GenerationOutput,
+    SamplingParams,
+    SyncTarget,
+)
+
+WORKER_EXTENSION = "rollout_servers.vllm_worker.WeightSyncExtension"
+T = TypeVar("T")
+
+
+def learner_weight_specs(model_path: str | Path) -> list[ParamSpec]:
+    """The learner's view of the weights (names, full shapes, float32) in state-dict order,
+    from the config alone: the layout the learner broadcasts and vLLM's `load_weights` reads."""
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    return specs_of(model.state_dict().items())
+
+
+def _eos_ids(model_path: str | Path) -> frozenset[int]:
+    config = AutoConfig.from_pretrained(model_path)
+    eos = config.eos_token_id
+    if (Path(model_path) / "generation_config.json").is_file():
+        generation = GenerationConfig.from_pretrained(model_path)
+        eos = generation.eos_token_id if generation.eos_token_id is not None else eos
+    return frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+
+class VLLMEngine(Engine):
+    """vLLM's AsyncLLM with asyncrl's version gate and weight sync."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        options: VLLMConfig,
+        device: str = "cpu",
+        seed: int = 0,
+        version: int = 0,
+    ):
+        from vllm import AsyncEngineArgs
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        if device == "cpu":
+            os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.cpu_kvcache_space_gib))
+        self.model_path = str(model_path)
+        self._specs = learner_weight_specs(model_path)
+        self._eos_ids = _eos_ids(model_path)
+        self._version = version
+        self._inflight = 0
+        self._busy_since = 0.0
+        self._period_requests = 0
+        self._closed = False
+
+        args = AsyncEngineArgs(
+            model=self.model_path,
+            dtype=options.dtype,
+            seed=seed,
+            skip_tokenizer_init=True,  # token ids in, token ids out
+            logprobs_mode="processed_logprobs",
+            enforce_eager=options.enforce_eager,
+            enable_prefix_caching=options.enable_prefix_caching,
+            max_num_seqs=options.max_num_seqs,
+            max_model_len=options.max_model_len or None,
+            gpu_memory_utilization=options.gpu_memory_utilization,
+            worker_extension_cls=WORKER_EXTENSION,
+        )
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="vllm-engine-loop"
+        )
+        self._thread.start()
+
+        async def build() -> Any:
+            self._open = asyncio.Event()
+            self._open.set()
+            self._drained = asyncio.Event()
+            self._drained.set()
+            return AsyncLLM.from_engine_args(args)
+
+        self.llm = self._call(build())
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the engine's loop from any other thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    # ---- generation -------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        future = asyncio.run_coroutine_threadsafe(
+            self._generate(list(prompt_ids), params), self._loop
+        )
+        return await asyncio.wrap_future(future)
+
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        """On the engine loop: pass the gate, count the request, run it in vLLM."""
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm import TokensPrompt
+
+        while not self._open.is_set():
+            await self._open.wait()
+        version = self._version
+        self._enter()
+        try:
+            request = VLLMSamplingParams(
+                n=1,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                max_tokens=params.max_new_tokens,
+                logprobs=0,  # the sampled token's own log-prob
+                stop_token_ids=sorted(self._eos_ids | set(params.stop_token_ids)),
+                detokenize=False,
+            )
+            final = None
+            async for out in self.llm.generate(
+                TokensPrompt(prompt_token_ids=prompt_ids), request, request_id=uuid.uuid4().hex
+            ):
+                final = out
+        finally:
+            self._leave(version)
+        if final is None:
+            raise RuntimeError("vLLM returned no output")
+        sample = final.outputs[0]
+        if sample.finish_reason not in ("stop", "length"):
+            raise RuntimeError(f"vLLM finished a request with reason {sample.finish_reason!r}")
+        token_ids = list(sample.token_ids)
+        logprobs = [
+            step[token].logprob for step, token in zip(sample.logprobs, token_ids, strict=True)
+        ]
+        return GenerationOutput(token_ids, logprobs, version, sample.finish_reason)
+
+    def _enter(self) -> None:
+        if self._inflight == 0:
+            self._busy_since = time.time()
+            self._period_requests = 0
+            self._drained.clear()
+        self._inflight += 1
+        self._period_requests += 1
+
+    def _leave(self, version: int) -> None:
+        """A busy period (from the first request in flight to none) is this engine's "batch":
+        vLLM batches continuously, so busy time and trace spans are measured per period."""
+        self._inflight -= 1
+        if self._inflight == 0:
+            took = time.time() - self._busy_since
+            self.busy_s += took
+            if self.on_batch is not None:
+                self.on_batch(self._busy_since, took, self._period_requests, version)
+            self._drained.set()
+
+    # ---- weights ----------------------------------------------------------------------------
+    def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
+        ctx = zmq.Context.instance()
+        notices = ctx.socket(zmq.PULL)
+        address = f"ipc://{tempfile.gettempdir()}/asyncrl-vllm-{uuid.uuid4().hex[:12]}"
+        notices.bind(address)
+        try:
+            specs = [(s.name, list(s.shape), str(s.dtype)) for s in self._specs]
+            self._call(
+                self.llm.collective_rpc(
+                    "asyncrl_join_sync_group",
+                    args=(
+                        target.host,
+                        target.port,
+                        target.rank,
+                        target.world_size,
+                        specs,
+                        address,
+                        target.timeout_s,
+                    ),
+                )
+            )
+            while not self._closed:
+                if not notices.poll(500):
+                    continue
+                notice = msgpack.unpackb(notices.recv())
+                if notice["event"] == "closed":
+                    return
+                if notice["event"] == "error":
+                    raise RuntimeError(f"vLLM worker's weight receiver failed: {notice['message']}")
+                version = int(notice["version"])
+                yield AppliedVersion(version, self._call(self._apply(version)))
+        finally:
+            notices.close(linger=0)
+            Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+
+    async def _apply(self, version: int) -> float:
+        """On the engine loop: close the gate, drain, load, reset the prefix cache, reopen."""
+        start = time.perf_counter()
+        self._open.clear()
+        await self._drained.wait()
+        await self.llm.collective_rpc("asyncrl_apply", args=(version,))
+        await self.llm.reset_prefix_cache()
+        self._version = version
+        self._open.set()  # not reached when loading failed: the gate stays closed
+        return time.perf_counter() - start
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.llm.shutdown()
+        del self.llm  # now, while the interpreter is whole (vLLM's __del__ shuts down again)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)

@@ -1,0 +1,121 @@
+"""The part of the vLLM engine that runs inside vLLM's worker process (a worker extension).
+
+vLLM mixes `WeightSyncExtension` into its worker class (`worker_extension_cls`); the rollout
+server calls its methods with `collective_rpc`. Weights never travel through that RPC: the
+worker itself joins the learner's weight-sync group (`asyncrl.weight_sync`, gloo on CPU, NCCL
+on CUDA) as the server's rank, so a broadcast lands directly in the process that holds the model.
+
+One version, step by step:
+1. a receiver thread here blocks in the broadcast while the engine keeps generating, and stages
+   the whole version (every bucket) in memory;
+2. it tells the server over a ZeroMQ PUSH socket (`staged`, with the version number), then waits;
+3. the server stops admitting requests, lets in-flight ones finish on the old version, and calls
+   `asyncrl_apply`: each bucket goes through the model's `load_weights` inside vLLM's layerwise
+   reload (which restores checkpoint-format parameters and re-runs each layer's post-load
+   processing, e.g. the CPU backend's weight prepacking);
+4. the server resets the prefix cache, tags new requests with the new version and resumes; the
+   receiver thread goes back to step 1.
+A version is staged entirely before any of it is applied, so a failed or partial broadcast
+never reaches the model.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import traceback
+
+import msgpack
+import torch
+import zmq
+
+from asyncrl.weight_sync import ParamSpec, ReceivedVersion, SyncGroup, WeightReceiver
+
+
+class WeightSyncExtension:
+    """Methods vLLM adds to its worker; `self` is the worker (model_runner, device, vllm_config)."""
+
+    def asyncrl_join_sync_group(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        specs: list[tuple[str, list[int], str]],
+        notify_address: str,
+        timeout_s: float,
+    ) -> None:
+        """Start the receiver thread: it joins the group as `rank` and stages each version."""
+        self._asyncrl_specs = [
+            ParamSpec(name, tuple(shape), getattr(torch, dtype.removeprefix("torch.")))
+            for name, shape, dtype in specs
+        ]
+        self._asyncrl_staged: ReceivedVersion | None = None
+        self._asyncrl_applied = threading.Event()
+        self._asyncrl_thread = threading.Thread(
+            target=self._asyncrl_receive_loop,
+            args=(host, port, rank, world_size, notify_address, timeout_s),
+            daemon=True,
+            name="asyncrl-weight-receiver",
+        )
+        self._asyncrl_thread.start()
+
+    def _asyncrl_receive_loop(
+        self,
+        host: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        notify_address: str,
+        timeout_s: float,
+    ) -> None:
+        ctx = zmq.Context.instance()
+        notify = ctx.socket(zmq.PUSH)
+        notify.setsockopt(zmq.LINGER, 2000)
+        notify.connect(notify_address)
+
+        def send(event: str, **fields) -> None:
+            notify.send(msgpack.packb({"event": event, **fields}))
+
+        try:
+            device = self.device if self.device.type == "cuda" else torch.device("cpu")
+            group = SyncGroup(host, port, rank, world_size, device, timeout_s)
+            receiver = WeightReceiver(group, self._asyncrl_specs)
+            while True:
+                start = time.perf_counter()
+                got = receiver.receive()
+                if got is None:
+                    send("closed")
+                    return
+                self._asyncrl_staged = got
+                self._asyncrl_applied.clear()
+                send("staged", version=got.version, receive_s=time.perf_counter() - start)
+                self._asyncrl_applied.wait()  # the learner's next broadcast waits for this one
+        except BaseException as e:  # the server surfaces it and stops
+            send("error", message=f"{e!r}\n{traceback.format_exc()}")
+        finally:
+            notify.close()
+
+    def asyncrl_apply(self, version: int) -> float:
+        """Load the staged version into the model, bucket by bucket; returns seconds taken.
+        Called only while no request is in flight (the server drains first)."""
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
+
+        staged = self._asyncrl_staged
+        if staged is None or staged.version != version:
+            have = None if staged is None else staged.version
+            raise RuntimeError(f"asyncrl_apply({version}): the staged version is {have}")
+        start = time.perf_counter()
+        model = self.model_runner.model
+        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+            initialize_layerwise_reload(model)
+            for bucket in staged.buckets:
+                model.load_weights(bucket)
+            finalize_layerwise_reload(model, self.model_runner.model_config)
+        self._asyncrl_staged = None
+        self._asyncrl_applied.set()
+        return time.perf_counter() - start
