@@ -345,6 +345,16 @@ class Config(_Section):
             raise ValueError(
                 f"trainer.resume_from={resume!r} is not a checkpoint (no trainer.json)"
             )
+        ray = self.launch.ray
+        for who, cpus, gpus in (
+            ("server", ray.server_num_cpus, ray.server_num_gpus),
+            ("learner", ray.learner_num_cpus, ray.learner_num_gpus),
+        ):
+            if self.launch.backend == "ray" and cpus == 0 and gpus == 0:
+                raise ValueError(
+                    f"launch.ray.{who}_num_cpus and launch.ray.{who}_num_gpus are both 0: a "
+                    "placement-group bundle must reserve something"
+                )
         if self.rollout.engine == "vllm" and self.rollout.top_p < 1:
             raise ValueError(
                 f"rollout.top_p={self.rollout.top_p} with rollout.engine=vllm: vLLM returns "

@@ -1,9 +1,15 @@
-"""The local launcher: replay, M rollout servers and an N-rank learner as processes here.
+"""The launchers: replay, M rollout servers and an N-rank learner, started as processes here
+(`launch.backend=local`, this module) or as Ray actors (`launch.backend=ray`,
+`asyncrl.ray_launcher`).
 
-`launch` prepares the run directory and the model, starts the fleets, shows live progress, and
-stops everything at the end, on Ctrl-C, or as soon as any process dies, naming it and why.
-Children run in their own sessions (so a terminal's Ctrl-C reaches only the launcher, which
-then stops them in order) and die with the launcher even if it is killed outright (Linux
+`launch` prepares the run directory and the model, starts the fleets with the configured
+backend, shows live progress, and stops everything at the end, on Ctrl-C, or as soon as any
+process dies, naming it and why. Both backends hand the same small `Fleet` to the one watch
+loop here, and both run the same role functions (`asyncrl.worker.run_process`), so the data
+plane (ZeroMQ, torch.distributed) does not depend on the backend.
+
+Local children run in their own sessions (so a terminal's Ctrl-C reaches only the launcher,
+which then stops them in order) and die with the launcher even if it is killed outright (Linux
 parent-death signal), so no process outlives a run.
 """
 
@@ -16,8 +22,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from asyncrl.config import Config, config_to_yaml
 from asyncrl.metrics import read_jsonl
@@ -31,9 +39,45 @@ class LaunchError(RuntimeError):
     """A fleet failed; the message names the process and why."""
 
 
+class FleetMember(Protocol):
+    @property
+    def name(self) -> str:
+        """replay, server_<i>, learner_<rank>"""
+        ...
+
+    def describe_exit(self) -> str:
+        """How it ended and the last lines of its log."""
+        ...
+
+
+class Fleet(Protocol):
+    """A started run, whatever started it: what `launch`, `serve` and `eval` need."""
+
+    spec: RunSpec
+
+    def first_dead(self) -> FleetMember | None:
+        """The first member that failed, or ended while the run still needed it."""
+        ...
+
+    def learners_finished(self) -> bool:
+        """Every learner rank has ended successfully (the end of a training run)."""
+        ...
+
+    def stop_all(self) -> None:
+        """Stop every member (gracefully, then by force) and release what the run holds."""
+        ...
+
+
 def _die_with_parent() -> None:
     with contextlib.suppress(OSError):  # not Linux: no parent-death signal, stop_all still runs
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a process's log ('' when there is none)."""
+    if not path.is_file():
+        return ""
+    return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
 
 
 @dataclass
@@ -50,8 +94,9 @@ class Proc:
             if rc < 0
             else f"exited with code {rc}"
         )
-        tail = "".join(self.log_path.read_text(errors="replace").splitlines(keepends=True)[-15:])
-        return f"process {self.name} {how}; last lines of {self.log_path}:\n{tail}"
+        return (
+            f"process {self.name} {how}; last lines of {self.log_path}:\n{log_tail(self.log_path)}"
+        )
 
 
 @dataclass
@@ -80,6 +125,10 @@ class LocalFleet:
             if p.popen.poll() is not None and (p.popen.returncode != 0 or p.essential_until_end):
                 return p
         return None
+
+    def learners_finished(self) -> bool:
+        learners = [p for p in self.procs if p.name.startswith("learner_")]
+        return all(p.popen.poll() == 0 for p in learners)
 
     def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group, then SIGKILL whatever is left after the grace period."""
@@ -133,11 +182,52 @@ def threads_per_process(cfg: Config) -> int:
     return max(1, (os.cpu_count() or 1) // compute)
 
 
-def start_fleets(
+def process_env(spec: RunSpec, name: str) -> dict[str, str]:
+    """What every fleet process has in its environment, whichever backend starts it: its
+    thread counts, and its name and run (so `ps e` or a test can tell whose process it is)."""
+    return {
+        "OMP_NUM_THREADS": str(spec.threads),
+        "MKL_NUM_THREADS": str(spec.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "ASYNCRL_PROCESS": name,
+        "ASYNCRL_RUN_DIR": spec.run_dir,
+    }
+
+
+def learner_env(
+    rank: int, world_size: int, master_addr: str, master_port: int, local_rank: int
+) -> dict[str, str]:
+    """The torchrun-style variables `learner.fsdp.setup_distributed` reads."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+
+
+def start_fleets(cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True) -> Fleet:
+    """Start the replay (and wait until it answers), the servers and, when training, the
+    learner ranks, with the configured backend. Without a learner the servers keep the weights
+    they loaded."""
+    if cfg.launch.backend == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise LaunchError(
+                'launch.backend=ray needs Ray: pip install -e ".[ray]" (or pip install ray)'
+            ) from None
+        from asyncrl.ray_launcher import start_ray_fleets
+
+        return start_ray_fleets(cfg, run_dir, model_path, with_learner)
+    return start_local_fleets(cfg, run_dir, model_path, with_learner)
+
+
+def start_local_fleets(
     cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True
 ) -> LocalFleet:
-    """Start the replay (and wait until it answers), the servers and, when training, the
-    learner ranks. Without a learner the servers keep the weights they loaded."""
     host = cfg.launch.host
     spec = RunSpec(
         run_dir=str(run_dir),
@@ -152,62 +242,66 @@ def start_fleets(
     spec.save(spec_path)
     fleet = LocalFleet(spec)
     worker = [sys.executable, "-m", "asyncrl.worker"]
-    threads = {
-        "OMP_NUM_THREADS": str(spec.threads),
-        "MKL_NUM_THREADS": str(spec.threads),
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-    }
-    fleet.start("replay", [*worker, "replay", str(spec_path)], threads)
-    wait_for_replay(fleet, cfg.launch.startup_timeout_s)
-    for i in range(cfg.rollout.num_servers):
-        fleet.start(f"server_{i}", [*worker, "server", str(spec_path), "--index", str(i)], threads)
-    for rank in range(cfg.learner.world_size if with_learner else 0):
-        env = {
-            **threads,
-            "RANK": str(rank),
-            "LOCAL_RANK": str(rank),
-            "WORLD_SIZE": str(cfg.learner.world_size),
-            "MASTER_ADDR": host,
-            "MASTER_PORT": str(spec.learner_master_port),
-        }
-        proc = fleet.start(f"learner_{rank}", [*worker, "learner", str(spec_path)], env)
-        proc.essential_until_end = False  # learner ranks finishing (code 0) is the end of the run
+    try:
+        fleet.start("replay", [*worker, "replay", str(spec_path)], process_env(spec, "replay"))
+        wait_for_replay(
+            fleet, lambda: replay_answers(spec.replay_address), cfg.launch.startup_timeout_s
+        )
+        for i in range(cfg.rollout.num_servers):
+            name = f"server_{i}"
+            argv = [*worker, "server", str(spec_path), "--index", str(i)]
+            fleet.start(name, argv, process_env(spec, name))
+        world = cfg.learner.world_size
+        for rank in range(world if with_learner else 0):
+            name = f"learner_{rank}"
+            env = process_env(spec, name) | learner_env(
+                rank, world, host, spec.learner_master_port, local_rank=rank
+            )
+            proc = fleet.start(name, [*worker, "learner", str(spec_path)], env)
+            proc.essential_until_end = False  # learner ranks finishing (code 0) ends the run
+    except BaseException:
+        fleet.stop_all()
+        raise
     return fleet
 
 
-def wait_for_replay(fleet: LocalFleet, timeout_s: float) -> None:
-    client = ReplayClient(fleet.spec.replay_address, reply_timeout_s=0.5)
-    deadline = time.monotonic() + timeout_s
+def replay_answers(address: str) -> bool:
+    """Whether the replay at `address` answers a stats request within half a second."""
+    client = ReplayClient(address, reply_timeout_s=0.5)
     try:
-        while time.monotonic() < deadline:
-            if (dead := fleet.first_dead()) is not None:
-                raise LaunchError(dead.describe_exit())
-            try:
-                client.stats()
-                return
-            except ReplayUnavailable:
-                continue
-        raise LaunchError(f"replay did not start within {timeout_s:.0f}s")
+        client.stats()
+        return True
+    except ReplayUnavailable:
+        return False
     finally:
         client.close()
 
 
-def watch(fleet: LocalFleet, progress: Progress) -> None:
-    """Until every learner rank has exited 0; raise LaunchError if any process dies first."""
-    learners = [p for p in fleet.procs if p.name.startswith("learner_")]
+def wait_for_replay(fleet: Fleet, answers: Callable[[], bool], timeout_s: float) -> None:
+    """Until `answers()` (the replay is up); LaunchError if a member dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (dead := fleet.first_dead()) is not None:
+            raise LaunchError(dead.describe_exit())
+        if answers():
+            return
+    raise LaunchError(f"replay did not start within {timeout_s:.0f}s")
+
+
+def watch(fleet: Fleet, progress: Progress) -> None:
+    """Until every learner rank has finished; raise LaunchError if any member dies first."""
     metrics = Path(fleet.spec.run_dir) / "metrics.jsonl"
     while True:
         progress.update(read_jsonl(metrics))
         if (dead := fleet.first_dead()) is not None:
             raise LaunchError(dead.describe_exit())
-        if all(p.popen.poll() == 0 for p in learners):
+        if fleet.learners_finished():
             progress.update(read_jsonl(metrics), final=True)
             return
         time.sleep(0.25)
 
 
-def serve(cfg: Config, command: str = "asyncrl serve") -> tuple[LocalFleet, Path]:
+def serve(cfg: Config, command: str = "asyncrl serve") -> tuple[Fleet, Path]:
     """Start the replay and the rollout servers only, on trainer.model_path (any checkpoint
     directory) or the embedded model; the caller stops the fleet."""
     run_dir = prepare_run_dir(cfg, command)

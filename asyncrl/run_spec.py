@@ -1,7 +1,10 @@
-"""What a launcher tells every process of a run: where things are (written once, read by all).
+"""What a launcher tells every process of a run: where things are (decided once, read by all).
 
-The launcher resolves addresses and the model directory, writes them to `run_dir/launch.json`,
-and starts each process with the path. No process ever guesses a port or a path.
+The launcher resolves addresses and the model directory before it starts any role. The local
+launcher writes the spec to `run_dir/launch.json` and starts each process with the path; the
+Ray launcher hands it to each actor by value (a run directory need not be shared between
+nodes) and writes `launch.json` too, for people and tools. No process ever guesses a port or a
+path.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ class RunSpec:
     model_path: str  # Hugging Face model directory every fleet loads at version 0
     replay_address: str  # ZeroMQ address of the replay service
     sync_host: str  # rendezvous host of the weight-sync group (learner rank 0)
-    sync_port: int  # rendezvous port of the weight-sync group
+    sync_port: int  # rendezvous port of the weight-sync group; 0: no learner (serving only)
     learner_master_port: int  # rendezvous port of the learner's FSDP process group
     threads: int  # torch intra-op threads per compute process
 

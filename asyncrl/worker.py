@@ -1,7 +1,9 @@
 """Entry point of every fleet process: `python -m asyncrl.worker ROLE SPEC [--index I]`.
 
-The launcher starts one of these per process; errors become a clear message and exit code 1
-here, at the process boundary, and the launcher names the process that died.
+The local launcher starts one of these per process; the Ray launcher's actors call
+`run_process` directly with the spec and config they were handed. Either way errors become a
+clear message and exit code 1 here, at the process boundary, and the launcher names the
+process that died.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import os
 import sys
 from pathlib import Path
 
-from asyncrl.config import load_config
+from asyncrl.config import Config, load_config
 from asyncrl.run_spec import RunSpec
+
+ROLES = ("replay", "server", "learner")
 
 
 def setup_logging(name: str) -> None:
@@ -21,43 +25,61 @@ def setup_logging(name: str) -> None:
         level=logging.INFO,
         stream=sys.stderr,
         format=f"%(asctime)s {name} %(levelname)s %(name)s: %(message)s",
+        force=True,  # a Ray worker may have configured the root logger already
     )
+
+
+def process_name(role: str, index: int = 0) -> str:
+    """replay, server_<index>, learner (a learner rank's launcher calls it learner_<rank>)."""
+    return f"{role}_{index}" if role == "server" else role
+
+
+def run_role(role: str, spec: RunSpec, cfg: Config, index: int = 0) -> None:
+    """Run one role to its end in this process (until stopped, for the replay and servers)."""
+    if role == "replay":
+        from replay.service import run_replay
+
+        run_replay(cfg, spec.replay_address, str(Path(spec.run_dir) / "stats" / "replay.json"))
+    elif role == "server":
+        from rollout_servers.server import run_server
+
+        run_server(spec, cfg, index)
+    elif role == "learner":
+        from learner.trainer import run_learner
+
+        run_learner(spec, cfg)
+    else:
+        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+
+
+def run_process(role: str, spec: RunSpec, cfg: Config, index: int = 0) -> int:
+    """`run_role` with logging set up; an exception is logged with its traceback and becomes
+    code 1. Returns the process's exit code."""
+    name = process_name(role, index)
+    setup_logging(name)
+    try:
+        run_role(role, spec, cfg, index)
+    except Exception:
+        logging.getLogger("asyncrl.worker").exception("%s failed", name)
+        return 1
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m asyncrl.worker")
-    parser.add_argument("role", choices=["replay", "server", "learner"])
+    parser.add_argument("role", choices=ROLES)
     parser.add_argument("spec", help="run_dir/launch.json written by the launcher")
     parser.add_argument("--index", type=int, default=0, help="server index")
     args = parser.parse_args(argv)
     spec = RunSpec.load(args.spec)
-    cfg = load_config(spec.config_path)
-    name = f"{args.role}_{args.index}" if args.role == "server" else args.role
-    setup_logging(name)
-    log = logging.getLogger("asyncrl.worker")
-    try:
-        if args.role == "replay":
-            from replay.service import run_replay
-
-            run_replay(cfg, spec.replay_address, str(Path(spec.run_dir) / "stats" / "replay.json"))
-        elif args.role == "server":
-            from rollout_servers.server import run_server
-
-            run_server(spec, cfg, args.index)
-        else:
-            from learner.trainer import run_learner
-
-            run_learner(spec, cfg)
-    except Exception:
-        log.exception("%s failed", name)
-        return 1
-    return 0
+    return run_process(args.role, spec, load_config(spec.config_path), args.index)
 
 
 def exit_now(code: int) -> None:
     """Flush and leave without interpreter teardown: the process-group objects of torch
     (gloo/NCCL, TCPStore) own C++ threads whose destruction order at finalisation is not
-    defined and can abort a process that already finished its work cleanly."""
+    defined and can abort a process that already finished its work cleanly. (Ray actors end
+    the same way: the Ray launcher ends them with `ray.kill`, never by a clean exit.)"""
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()

@@ -1,0 +1,516 @@
+"""The Ray launcher (`launch.backend=ray`): the local launcher's fleets as Ray actors.
+
+Ray schedules; it carries neither trajectories nor weights. Every fleet process becomes one
+`FleetProcess` actor that runs the same role function as a local process
+(`asyncrl.worker.run_process`) on its main thread, so the data plane is ZeroMQ and
+torch.distributed exactly as under `launch.backend=local`.
+
+Placement (what `start_ray_fleets` asks Ray for):
+- `launch.allow_remote=false` (the default, loopback sockets): one STRICT_PACK placement group
+  with a bundle per rollout server (`launch.ray.server_num_cpus/gpus`) and per learner rank
+  (`launch.ray.learner_num_cpus/gpus`): the whole fleet on one node, every address
+  `launch.host`.
+- `launch.allow_remote=true`: the learner ranks in one placement group
+  (`launch.ray.learner_strategy`), the servers in another (PACK), and every service bound to
+  the IP address of its node as Ray reports it.
+The replay needs no reserved resources: it runs with 0 CPUs next to the first bundle (learner
+rank 0's when training, else server 0's).
+
+`start_ray_fleets` runs as stages: `plan_seats` (who reserves what), `connect` (an existing
+cluster, or a local one for the run), `place` (placement groups), `create_actor` and
+`locate_actors`, `discover_spec`, `run_roles`. Addresses are discovered, not configured: the
+replay's actor picks a free port on its node, learner rank 0's actor picks the FSDP rendezvous
+and weight-sync ports on its node, and the launcher builds the `RunSpec` from them and hands
+it, with the config, to every actor by value (a run directory need not be shared for that).
+
+Stopping (at the end, on Ctrl-C, on a failure): SIGTERM to each running actor's process (by a
+zero-CPU task pinned to its node), so roles stop as they do locally and write their stats;
+after a grace period `ray.kill` for every actor (no interpreter teardown, see
+`asyncrl.worker.exit_now`); the placement groups are removed; a local cluster started for the
+run is shut down.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.exceptions import GetTimeoutError, RayError
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import (
+    NodeAffinitySchedulingStrategy,
+    PlacementGroupSchedulingStrategy,
+)
+
+from asyncrl.config import Config, RayLaunchConfig
+from asyncrl.launcher import (
+    LaunchError,
+    learner_env,
+    log_tail,
+    process_env,
+    replay_answers,
+    wait_for_replay,
+)
+from asyncrl.run_spec import RunSpec
+from asyncrl.transport import tcp_address
+from asyncrl.worker import run_process
+
+
+@dataclass(frozen=True)
+class Location:
+    node_ip: str  # the node's address as Ray knows it
+    node_id: str  # Ray's node id (to pin a task next to the actor)
+    pid: int  # the actor's process on that node
+
+
+def redirect_output(log_path: Path) -> None:
+    """Send this process's stdout and stderr (file descriptors, so C++ output too) to its log
+    file, as the local launcher does, instead of Ray's worker logs."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream in (1, 2):
+        os.dup2(fd, stream)
+    os.close(fd)
+
+
+@ray.remote(max_restarts=0)
+class FleetProcess:
+    """One fleet process. A plain (one-call-at-a-time) actor runs its calls on the process's
+    main thread, which the roles need for their SIGTERM handlers."""
+
+    def __init__(self, log_path: str, cwd: str):
+        self.log_path = Path(log_path)
+        redirect_output(self.log_path)
+        with contextlib.suppress(OSError):  # relative config paths mean the launcher's cwd
+            os.chdir(cwd)
+
+    def locate(self) -> Location:
+        context = ray.get_runtime_context()
+        return Location(ray.util.get_node_ip_address(), context.get_node_id(), os.getpid())
+
+    def free_ports(self, host: str, count: int) -> list[int]:
+        """`count` distinct ports free on this node now (held together while picked)."""
+        import socket
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        socks = [socket.socket(family, socket.SOCK_STREAM) for _ in range(count)]
+        try:
+            for s in socks:
+                s.bind((host, 0))
+            return [s.getsockname()[1] for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+
+    def run(self, role: str, spec: RunSpec, cfg: Config, index: int, env: dict[str, str]) -> int:
+        os.environ.update(env)
+        return run_process(role, spec, cfg, index)
+
+    def log_tail(self) -> str:
+        return log_tail(self.log_path)
+
+
+@ray.remote(num_cpus=0)
+def _signal_processes(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+@ray.remote(num_cpus=0)
+def _replay_answers(address: str) -> bool:
+    return replay_answers(address)
+
+
+def _on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)
+
+
+@dataclass(frozen=True)
+class Seat:
+    """One fleet process as the launcher plans it, before Ray places it."""
+
+    name: str  # replay, server_<i>, learner_<rank>
+    role: str  # replay | server | learner
+    index: int  # server index or learner rank
+    bundle: dict[str, float]  # what it reserves ({} for the replay, which reserves nothing)
+
+
+def plan_seats(cfg: Config, with_learner: bool) -> list[Seat]:
+    """The replay, the servers and (when training) the learner ranks, with their bundles."""
+    rc = cfg.launch.ray
+    server = _bundle("server", rc.server_num_cpus, rc.server_num_gpus)
+    seats = [Seat("replay", "replay", 0, {})]
+    seats += [Seat(f"server_{i}", "server", i, server) for i in range(cfg.rollout.num_servers)]
+    if with_learner:
+        learner = _bundle("learner", rc.learner_num_cpus, rc.learner_num_gpus)
+        seats += [
+            Seat(f"learner_{r}", "learner", r, learner) for r in range(cfg.learner.world_size)
+        ]
+    return seats
+
+
+def _bundle(role: str, num_cpus: float, num_gpus: float) -> dict[str, float]:
+    bundle = {k: v for k, v in (("CPU", num_cpus), ("GPU", num_gpus)) if v > 0}
+    if not bundle:
+        raise LaunchError(
+            f"launch.ray.{role}_num_cpus and launch.ray.{role}_num_gpus are both 0: a "
+            "placement-group bundle must reserve something"
+        )
+    return bundle
+
+
+def _reserved(seats: list[Seat]) -> dict[str, float]:
+    return {k: sum(s.bundle.get(k, 0) for s in seats) for k in ("CPU", "GPU")}
+
+
+@dataclass
+class RayMember:
+    seat: Seat
+    actor: Any  # the FleetProcess handle
+    log_path: Path  # on the actor's node
+    essential_until_end: bool = True  # its end before the learner finishes is a failure
+    where: Location | None = None
+    running: Any = None  # ObjectRef of the role's run, once started
+    exit_code: int | None = None  # the role's code once it returned
+    died: str | None = None  # why the actor or its call failed, if it did
+
+    @property
+    def name(self) -> str:
+        return self.seat.name
+
+    @property
+    def at(self) -> Location:
+        """Where it runs (known once `locate_actors` has returned)."""
+        if self.where is None:
+            raise LaunchError(f"Ray actor {self.name} has not been located")
+        return self.where
+
+    @property
+    def ended(self) -> bool:
+        return self.exit_code is not None or self.died is not None
+
+    def settle(self) -> None:
+        """Record how the role ended, once its run has returned or failed."""
+        try:
+            self.exit_code = ray.get(self.running)
+        except RayError as e:
+            self.died = ray_reason(e)
+
+    def describe_exit(self) -> str:
+        node = f"node {self.where.node_ip}, pid {self.where.pid}" if self.where else "not placed"
+        how = f"died: {self.died}" if self.died else f"exited with code {self.exit_code}"
+        tail = log_tail(self.log_path)
+        if not tail and self.died is None:  # a log on another node: ask the live actor
+            with contextlib.suppress(RayError):
+                tail = ray.get(self.actor.log_tail.remote(), timeout=10)
+        if not tail:
+            return f"Ray actor {self.name} ({node}) {how}; its log is {self.log_path} there"
+        return f"Ray actor {self.name} ({node}) {how}; last lines of {self.log_path}:\n{tail}"
+
+
+def ray_reason(e: RayError) -> str:
+    """Why Ray says an actor or a call failed, without the ids and the generic advice."""
+    text = str(e).strip()
+    _, found, reason = text.partition("The actor is dead because ")
+    if found:
+        return reason.split(" Some common causes")[0].strip()
+    return "\n".join(text.splitlines()[:8])
+
+
+@dataclass
+class RayFleet:
+    spec: RunSpec
+    owns_connection: bool  # ray.init was ours: shut it down (and a local cluster with it)
+    members: list[RayMember] = field(default_factory=list)
+    placement_groups: list[PlacementGroup] = field(default_factory=list)
+    stopped: bool = False
+
+    def member(self, name: str) -> RayMember:
+        return next(m for m in self.members if m.name == name)
+
+    def _poll(self) -> None:
+        running = [m for m in self.members if m.running is not None and not m.ended]
+        if running:
+            refs = [m.running for m in running]
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            for m in running:
+                if m.running in ready:
+                    m.settle()
+
+    def first_dead(self) -> RayMember | None:
+        self._poll()
+        for m in self.members:
+            if m.ended and (m.exit_code != 0 or m.essential_until_end):
+                return m
+        return None
+
+    def learners_finished(self) -> bool:
+        self._poll()
+        return all(m.exit_code == 0 for m in self.members if m.seat.role == "learner")
+
+    def stop_all(self, grace_s: float = 10.0) -> None:
+        """SIGTERM every running role, wait up to `grace_s`, then kill every actor, remove
+        the placement groups and disconnect (stopping a cluster started for the run)."""
+        if self.stopped:
+            return
+        self.stopped = True
+        with contextlib.suppress(RayError):
+            self._poll()
+            running = [m for m in self.members if m.running is not None and not m.ended]
+            _signal([m.where for m in running if m.where is not None], signal.SIGTERM, grace_s)
+            if running:
+                refs = [m.running for m in running]
+                ray.wait(refs, num_returns=len(refs), timeout=grace_s)
+        for m in self.members:
+            with contextlib.suppress(RayError, ValueError):
+                ray.kill(m.actor, no_restart=True)
+        for pg in self.placement_groups:
+            with contextlib.suppress(RayError, ValueError):
+                remove_placement_group(pg)
+        if self.owns_connection:
+            ray.shutdown()
+
+
+def _signal(where: list[Location], sig: int, timeout_s: float) -> None:
+    """Send `sig` to these processes, by one zero-CPU task on each of their nodes."""
+    by_node: dict[str, list[int]] = {}
+    for w in where:
+        by_node.setdefault(w.node_id, []).append(w.pid)
+    refs = [
+        _signal_processes.options(scheduling_strategy=_on_node(node)).remote(pids, sig)
+        for node, pids in by_node.items()
+    ]
+    if refs:
+        ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+
+
+def connect(rc: RayLaunchConfig, reserved: dict[str, float]) -> bool:
+    """Connect to launch.ray.address, or start a local cluster with at least as many logical
+    CPUs as the fleet reserves. Returns whether this call made the connection (and so must
+    close it); an already connected process keeps its connection."""
+    if ray.is_initialized():
+        return False
+    with _sigterm_kept():
+        _init(rc, reserved)
+    return True
+
+
+@contextlib.contextmanager
+def _sigterm_kept():
+    """ray.init replaces the SIGTERM handling of the process: a Python handler that exits,
+    then a C++ crash handler that aborts without cleanup. Put a Python-level handler back:
+    the caller's (the CLI's turns SIGTERM into KeyboardInterrupt, so the fleet is stopped as
+    on Ctrl-C), else Ray's exit, which still runs the launcher's `finally`."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if not (callable(previous) or previous == signal.SIG_IGN):
+            previous = signal.getsignal(signal.SIGTERM)  # Ray's exit
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _init(rc: RayLaunchConfig, reserved: dict[str, float]) -> None:
+    quiet = logging.WARNING  # the actors' output is in run_dir/logs, not on the driver
+    if rc.address is not None:
+        try:
+            ray.init(
+                address=rc.address,
+                namespace=rc.namespace,
+                log_to_driver=False,
+                logging_level=quiet,
+            )
+        except (ConnectionError, RuntimeError, ValueError) as e:
+            raise LaunchError(f"cannot connect to the Ray cluster at {rc.address!r}: {e}") from e
+        print(f"asyncrl: connected to the Ray cluster at {rc.address}", flush=True)
+        return
+    num_cpus = max(os.cpu_count() or 1, math.ceil(reserved["CPU"]))
+    ray.init(
+        address="local",  # a new cluster even if one runs here already
+        num_cpus=num_cpus,
+        include_dashboard=False,
+        object_store_memory=128 << 20,  # nothing large goes through Ray
+        namespace=rc.namespace,
+        log_to_driver=False,
+        logging_level=quiet,
+    )
+    gpus = ray.cluster_resources().get("GPU", 0)
+    print(f"asyncrl: started a local Ray cluster ({num_cpus} CPUs, {gpus:g} GPUs)", flush=True)
+    if reserved["GPU"] > gpus:
+        ray.shutdown()
+        raise LaunchError(f"the fleet reserves {reserved['GPU']:g} GPUs; this machine has {gpus:g}")
+
+
+def start_ray_fleets(
+    cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True
+) -> RayFleet:
+    """Start the fleets as Ray actors (the replay first; once it answers, the servers and the
+    learner ranks); on any failure stop what was started and raise LaunchError."""
+    seats = plan_seats(cfg, with_learner)
+    spec = RunSpec(
+        run_dir=str(run_dir.resolve()),
+        model_path=str(Path(model_path).resolve()),
+        replay_address="",  # discovered below, once the actors run
+        sync_host="",
+        sync_port=0,
+        learner_master_port=0,
+        threads=1,
+    )
+    fleet = RayFleet(spec, owns_connection=connect(cfg.launch.ray, _reserved(seats)))
+    try:
+        slots = place(fleet, seats, cfg)
+        for seat in seats:
+            create_actor(fleet, seat, slots[seat.name], cfg)
+        locate_actors(fleet, cfg.launch.startup_timeout_s)
+        fleet.spec = discover_spec(fleet, cfg, with_learner)
+        run_roles(fleet, cfg)
+    except RayError as e:  # an actor lost while it was being set up
+        fleet.stop_all()
+        raise LaunchError(f"the Ray fleet failed to start: {ray_reason(e)}") from e
+    except BaseException:
+        fleet.stop_all()
+        raise
+    nodes = sorted({m.at.node_ip for m in fleet.members})
+    print(f"asyncrl: Ray actors placed on {len(nodes)} node(s): {', '.join(nodes)}", flush=True)
+    return fleet
+
+
+def place(fleet: RayFleet, seats: list[Seat], cfg: Config) -> dict[str, tuple[PlacementGroup, int]]:
+    """Create the placement groups and wait until Ray has placed them; returns each seat's
+    (group, bundle index). Loopback addresses need one node: one STRICT_PACK group. Otherwise
+    the learner ranks get a group of their own (launch.ray.learner_strategy)."""
+    servers = [s for s in seats if s.role == "server"]
+    learners = [s for s in seats if s.role == "learner"]
+    if cfg.launch.allow_remote:
+        groups = [(servers, "PACK"), (learners, cfg.launch.ray.learner_strategy)]
+    else:
+        groups = [(servers + learners, "STRICT_PACK")]
+    slots: dict[str, tuple[PlacementGroup, int]] = {}
+    for members, strategy in groups:
+        if members:
+            pg = placement_group([s.bundle for s in members], strategy=strategy)
+            fleet.placement_groups.append(pg)
+            slots |= {s.name: (pg, i) for i, s in enumerate(members)}
+    slots["replay"] = slots[(learners or servers)[0].name]  # shares a bundle, reserves nothing
+    _wait_placed(fleet.placement_groups, _reserved(seats), cfg)
+    return slots
+
+
+def _wait_placed(groups: list[PlacementGroup], reserved: dict, cfg: Config) -> None:
+    timeout_s = cfg.launch.startup_timeout_s
+    refs = [pg.ready() for pg in groups]
+    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
+    if len(ready) < len(refs):
+        one_node = (
+            ""
+            if cfg.launch.allow_remote
+            else "; with loopback addresses the whole fleet must fit on one node "
+            "(launch.allow_remote=true lets it spread)"
+        )
+        raise LaunchError(
+            f"Ray could not place the fleet within {timeout_s:.0f}s: it reserves {reserved}, "
+            f"the cluster has {ray.cluster_resources()} (launch.ray.*_num_cpus/_num_gpus)"
+            + one_node
+        )
+
+
+def _spec_for(spec: RunSpec, cfg: Config, seat: Seat) -> RunSpec:
+    """The spec one actor gets: torch threads = launch.threads_per_process, or the CPUs its
+    bundle reserves (at least 1)."""
+    threads = cfg.launch.threads_per_process or max(1, int(seat.bundle.get("CPU", 0)))
+    return replace(spec, threads=threads)
+
+
+def create_actor(
+    fleet: RayFleet, seat: Seat, slot: tuple[PlacementGroup, int], cfg: Config
+) -> None:
+    """Create (not yet run) the actor of one seat in its placement-group bundle."""
+    pg, index = slot
+    log_path = Path(fleet.spec.run_dir) / "logs" / f"{seat.name}.log"
+    actor = FleetProcess.options(  # type: ignore[attr-defined]
+        num_cpus=seat.bundle.get("CPU", 0),
+        num_gpus=seat.bundle.get("GPU", 0),
+        scheduling_strategy=PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=index
+        ),
+        runtime_env={"env_vars": process_env(_spec_for(fleet.spec, cfg, seat), seat.name)},
+    ).remote(str(log_path), os.getcwd())
+    fleet.members.append(RayMember(seat, actor, log_path))
+
+
+def locate_actors(fleet: RayFleet, timeout_s: float) -> None:
+    """Wait until every actor runs and learn where (LaunchError naming one that cannot)."""
+    deadline = time.monotonic() + timeout_s
+    refs = [m.actor.locate.remote() for m in fleet.members]
+    for m, ref in zip(fleet.members, refs, strict=True):
+        try:
+            m.where = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+        except GetTimeoutError:
+            raise LaunchError(f"Ray actor {m.name} did not start within {timeout_s:.0f}s") from None
+        except RayError as e:
+            raise LaunchError(f"Ray actor {m.name} could not start: {ray_reason(e)}") from None
+
+
+def discover_spec(fleet: RayFleet, cfg: Config, with_learner: bool) -> RunSpec:
+    """The run's addresses: ports picked free on the replay's and learner rank 0's nodes,
+    hosts loopback (launch.host) or, with allow_remote, those nodes' IPs. Saved as
+    run_dir/launch.json for people and tools; the actors get it by value."""
+    lc = cfg.launch
+
+    def host(m: RayMember) -> str:
+        return m.at.node_ip if lc.allow_remote else lc.host
+
+    replay = fleet.member("replay")
+    port = lc.replay_port or ray.get(replay.actor.free_ports.remote(host(replay), 1))[0]
+    spec = replace(fleet.spec, replay_address=tcp_address(host(replay), port))
+    if with_learner:
+        rank0 = fleet.member("learner_0")
+        master_port, sync_port = ray.get(rank0.actor.free_ports.remote(host(rank0), 2))
+        spec = replace(
+            spec,
+            sync_host=host(rank0),
+            sync_port=lc.weight_sync_port or sync_port,
+            learner_master_port=master_port,
+        )
+    spec.save(Path(spec.run_dir) / "launch.json")
+    return spec
+
+
+def run_roles(fleet: RayFleet, cfg: Config) -> None:
+    """Start every role: the replay, and once it answers (probed from its node), the servers
+    and the learner ranks (with their torchrun-style environment)."""
+    spec = fleet.spec
+    replay = fleet.member("replay")
+    replay.running = replay.actor.run.remote("replay", spec, cfg, 0, {})
+    probe = _replay_answers.options(scheduling_strategy=_on_node(replay.at.node_id))
+
+    def answers() -> bool:
+        try:
+            return ray.get(probe.remote(spec.replay_address), timeout=10)
+        except GetTimeoutError:
+            return False
+
+    wait_for_replay(fleet, answers, cfg.launch.startup_timeout_s)
+    world = cfg.learner.world_size
+    for m in fleet.members:
+        seat, env = m.seat, {}
+        if seat.role == "replay":
+            continue
+        if seat.role == "learner":
+            # Ray shows each rank only its own GPUs, so its device is always cuda:0
+            env = learner_env(seat.index, world, spec.sync_host, spec.learner_master_port, 0)
+            m.essential_until_end = False  # learner ranks finishing (code 0) ends the run
+        m.running = m.actor.run.remote(seat.role, _spec_for(spec, cfg, seat), cfg, seat.index, env)

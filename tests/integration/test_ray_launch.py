@@ -1,0 +1,111 @@
+"""launch.backend=ray on a local Ray cluster: the embedded default learns as it does under the
+local launcher, and a dead actor stops the run, is named, and leaves no process behind."""
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from asyncrl.metrics import read_jsonl
+from asyncrl.progress import training_rows
+
+pytestmark = pytest.mark.integration
+
+STEPS = 200  # the local launcher's default run: reward ~0.30 -> ~0.77 over its first 200 steps
+
+
+def _launch(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+    run_dir = tmp_path / "run"
+    argv = [
+        sys.executable,
+        "-m",
+        "asyncrl.cli",
+        "launch",
+        "launch.backend=ray",
+        f"trainer.cache_dir={tmp_path / 'cache'}",
+        f"trainer.run_dir={run_dir}",
+        "launch.progress=line",
+        *overrides,
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, run_dir
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs)
+
+
+def test_the_embedded_default_learns_under_ray(tmp_path):
+    proc, run_dir = _launch(tmp_path, f"trainer.total_steps={STEPS}")
+    out, err = proc.communicate(timeout=480)
+    assert proc.returncode == 0, err
+
+    assert "started a local Ray cluster" in out and "Ray actors placed on 1 node(s)" in out
+    rows = training_rows(read_jsonl(run_dir / "metrics.jsonl"))
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    first = _mean([r["reward_mean"] for r in rows[:5]])
+    last = _mean([r["reward_mean"] for r in rows[-20:]])
+    assert last > 0.55 and last - first > 0.25, f"reward {first:.3f} -> {last:.3f}"
+    assert all(r["staleness_max"] <= 2 for r in rows)
+    # every role ran to a graceful stop, through the same files as under the local launcher
+    for name in ("replay", "server_0", "learner"):
+        assert (run_dir / "stats" / f"{name}.json").is_file(), f"{name} wrote no stats"
+    assert (run_dir / "final" / "config.json").is_file()
+
+
+def _fleet_processes(run_dir: Path) -> list[psutil.Process]:
+    """Every process of this run, wherever Ray started it (actors carry ASYNCRL_RUN_DIR)."""
+    found = []
+    for p in psutil.process_iter():
+        try:
+            if p.environ().get("ASYNCRL_RUN_DIR") == str(run_dir):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
+            continue
+    return found
+
+
+def _start_long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path, list[psutil.Process]]:
+    """A run past its first learner step, and every process it owns: the actors (and what
+    they started) and the local Ray cluster."""
+    proc, run_dir = _launch(tmp_path, "trainer.total_steps=100000", "trainer.warmstart_steps=10")
+    deadline = time.monotonic() + 180
+    while not read_jsonl(run_dir / "metrics.jsonl"):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run did not reach its first learner step"
+        time.sleep(0.2)
+    actors = _fleet_processes(run_dir)
+    assert {"replay", "server_0", "learner_0"} <= {p.environ()["ASYNCRL_PROCESS"] for p in actors}
+    return proc, run_dir, actors + psutil.Process(proc.pid).children(recursive=True)
+
+
+def _assert_all_gone(procs: list[psutil.Process], run_dir: Path) -> None:
+    _, alive = psutil.wait_procs(procs, timeout=15)
+    assert not alive, f"left behind: {[(p.pid, p.name()) for p in alive]}"
+    assert not _fleet_processes(run_dir)
+
+
+def test_a_dead_server_actor_stops_the_run_and_is_named(tmp_path):
+    proc, run_dir, owned = _start_long_run(tmp_path)
+    server = next(p for p in owned if p.environ().get("ASYNCRL_PROCESS") == "server_0")
+    server.kill()
+    _, err = proc.communicate(timeout=90)
+
+    assert proc.returncode == 1
+    assert "Ray actor server_0" in err and "died" in err
+    _assert_all_gone(owned, run_dir)
+
+
+def test_sigterm_stops_every_actor_and_the_cluster(tmp_path):
+    """As Ctrl-C does: ray.init's own SIGTERM handling would abort the launcher uncleanly."""
+    proc, run_dir, owned = _start_long_run(tmp_path)
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+
+    assert proc.returncode == 130 and "interrupted" in err
+    _assert_all_gone(owned, run_dir)
+    for name in ("replay", "server_0"):  # stopped by SIGTERM, not killed
+        assert (run_dir / "stats" / f"{name}.json").is_file()
