@@ -1,0 +1,495 @@
+"""A discrete-event model of the asyncrl pipeline (driven by `tools/simulate.py`, which also
+calibrates it from `tools/bench_pipeline.py` runs).
+
+It predicts throughput, idle ratios and staleness for fleets this machine cannot run. What it
+models, each point mirroring the code (docs/simulator.md has the method and the figures):
+1. Admission: `replay.admission.AdmissionController` itself, judged by the requesting server's
+   engine version; held requests are answered in arrival order whenever anything changes, and
+   empty after `wait_timeout_s`.
+2. A server keeps up to `max_concurrent_groups` groups, `n` sequences each, and has at most one
+   lease request out, for the slots free when it asked, unless its engine moved to a new
+   version (`RolloutServer.run`). Its engine samples what is queued as batches: `static` (the
+   HF engine: a batch runs until its longest row ends, arrivals wait for the next) or
+   `continuous` (vLLM-style: arrivals join at the next decode step). A decode step with b live
+   rows costs `gen_step_s + gen_seq_step_s * b`.
+3. Finished samples are scored by `reward_workers` workers per server; a group is done, frees its
+   slot and goes to the replay when its last sample is scored.
+4. A weight version applies between batches (static) or steps (continuous) and pauses the
+   engine for `apply_s`; a sequence's version is the version its first token was sampled with.
+5. The learner takes the oldest `train_batch_size` ready groups trainable at its version (stale
+   ones are dropped, as the buffer does), trains for `train_step_s + train_token_s * tokens /
+   (ranks * rank_efficiency)` (tokens padded to the batch's longest sequence, as
+   `learner.batch` pads), then broadcasts; a broadcast waits until every server has applied the
+   previous version (a server's receiver thread is busy until then) and lasts `broadcast_s +
+   broadcast_per_server_s * (servers - 1)`.
+Not modelled: CPU sharing between processes (calibrate on a quiet machine), network
+contention, lease expiry, evaluation jobs, multi-turn agent loops.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+import itertools
+import math
+import random
+import statistics
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from replay.admission import AdmissionController
+
+
+@dataclass(frozen=True)
+class Costs:
+    """What one unit of each kind of work costs, in seconds. The defaults are the calibration
+    of docs/simulator.md: 14 quiet bench_pipeline runs on the reference machine (2 CPU cores,
+    the 256-hidden 4-layer bench model, one torch thread per process)."""
+
+    gen_batch_s: float = 0.00862
+    """Per engine batch (static) or per step that admits new rows (continuous): prefill."""
+    gen_step_s: float = 0.000946
+    """Per decode step, whatever the number of rows."""
+    gen_seq_step_s: float = 0.000118
+    """Per live row per decode step."""
+    train_step_s: float = 0.0307
+    """Per learner step, not shared out over ranks (advantages, optimizer, publish, logging)."""
+    train_token_s: float = 0.000195
+    """Per (padded) token trained, on one rank; N ranks share the tokens."""
+    fetch_s: float = 0.00151
+    """The learner's batch request when a batch is ready."""
+    broadcast_s: float = 0.00843
+    """A weight broadcast to one server."""
+    broadcast_per_server_s: float = 0.00328
+    """What each further server adds to a broadcast (gloo here: linear in the servers)."""
+    apply_s: float = 0.000835
+    """A server applying a received version (its engine pauses)."""
+    score_s: float = 0.00063
+    """A reward worker scoring one sample and sending it (a group is done when all are)."""
+    lease_s: float = 0.00307
+    """A lease request's round trip (half each way), agent loops started included."""
+    deliver_s: float = 0.00129
+    """From a group's last sample being scored until the learner's fetch of it returns."""
+    prompt_tokens: float = 7.0
+    """Prompt length, for the training cost."""
+
+
+@dataclass(frozen=True)
+class Lengths:
+    """Response lengths: `fixed:L`, `lognormal:MEDIAN:SIGMA`, or empirical `values`; all
+    truncated at `max_tokens` (lengths that reach it finish with reason "length")."""
+
+    kind: Literal["fixed", "lognormal", "empirical"]
+    max_tokens: int
+    median: float = 0.0
+    sigma: float = 0.0
+    values: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str, max_tokens: int) -> Lengths:
+        kind, *args = text.split(":")
+        if kind == "fixed" and len(args) == 1:
+            return cls("fixed", max_tokens, median=float(args[0]))
+        if kind == "lognormal" and len(args) == 2:
+            return cls("lognormal", max_tokens, median=float(args[0]), sigma=float(args[1]))
+        raise ValueError(f"lengths {text!r}: want fixed:L or lognormal:MEDIAN:SIGMA")
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            x = self.median
+        elif self.kind == "lognormal":
+            x = rng.lognormvariate(math.log(self.median), self.sigma)
+        else:
+            x = rng.choice(self.values)
+        return max(1, min(self.max_tokens, round(x)))
+
+
+@dataclass(frozen=True)
+class Fleet:
+    """The pipeline's shape, in config terms: rollout.num_servers, learner.world_size,
+    rollout.n, data.train_batch_size, rollout.max_concurrent_groups, replay.max_staleness,
+    replay.capacity_groups, rollout.max_batch_size, reward.workers, replay.wait_timeout_s."""
+
+    lengths: Lengths
+    servers: int = 1
+    learner_ranks: int = 1
+    n: int = 4
+    train_batch_size: int = 8
+    max_concurrent_groups: int = 8
+    max_staleness: int = 0
+    capacity_groups: int = 256
+    max_batch_size: int = 256
+    reward_workers: int = 2
+    """Reward workers per server (`reward.workers`)."""
+    wait_timeout_s: float = 1.0
+    """How long the replay holds a lease request before answering it empty."""
+    engine: Literal["static", "continuous"] = "static"
+    padded_training: bool = True
+    """Train on samples x the batch's longest sequence (what `learner.batch` does)."""
+    rank_efficiency: float = 1.0
+    """Fraction of linear speed-up the learner ranks reach (assumed; 1 = perfect)."""
+
+
+@dataclass
+class Result:
+    samples_per_s: float
+    step_time_s: float
+    learner_idle: float
+    """Fraction of the steady window the learner waited for a batch (fetch)."""
+    server_idle: float
+    """Fraction of the steady window an engine sampled nothing (mean over servers)."""
+    server_pause: float
+    """Fraction of the steady window an engine was paused applying weights."""
+    staleness_hist: list[int]
+    """Samples trained after the warm-up, per staleness (learner version - oldest token's
+    version)."""
+    stale_dropped: int
+    spans: list[tuple[str, int, float, float]] = field(default_factory=list, repr=False)
+    """(kind, server or -1, start, end): "generate", "apply", "train" (incl. the broadcast)."""
+
+    @property
+    def staleness_mean(self) -> float:
+        total = sum(self.staleness_hist)
+        return sum(i * c for i, c in enumerate(self.staleness_hist)) / max(total, 1)
+
+
+# ---- the model ------------------------------------------------------------------------------
+@dataclass(eq=False)
+class _Group:
+    index: int  # issue order: the buffer hands out the oldest lease first
+    server: _Server
+    left: int  # samples not yet scored
+    versions: list[int] = field(default_factory=list)  # each sequence's first-token version
+    lengths: list[int] = field(default_factory=list)
+
+
+@dataclass(eq=False)
+class _LeaseRequest:
+    server: _Server
+    version: int  # the server's engine version when it asked
+    wanted: int
+
+
+@dataclass(eq=False)
+class _Seq:
+    group: _Group
+    left: int  # tokens still to sample
+
+
+class _Server:
+    """One rollout server: its engine's queue, live rows and weight version."""
+
+    def __init__(self, sim: Simulation, sid: int):
+        self.sim, self.sid = sim, sid
+        self.version, self.staged = 0, None  # staged: received, not yet applied
+        self.active = 0  # groups in flight here
+        self.asking = 0  # lease requests not yet answered
+        self.asked_version = -1
+        self.scorers = [0.0] * sim.fleet.reward_workers  # when each reward worker is free
+        self.queue: deque[_Seq] = deque()
+        self.live: list[_Seq] = []
+        self.state = "idle"  # idle | batch | decode | apply
+        self.busy_since = 0.0
+        self.epoch = 0  # invalidates a continuous segment's scheduled end
+        self.seg_start = self.seg_cost = 0.0
+        self.seg_steps = 0
+
+    def maybe_ask(self) -> None:
+        """Ask for leases when there is room and no request out, or the engine moved on (the
+        rule of `RolloutServer.run`; a request asks for the slots free when it is sent)."""
+        free = self.sim.fleet.max_concurrent_groups - self.active
+        if free > 0 and (self.asking == 0 or self.asked_version != self.version):
+            self.asking += 1
+            self.asked_version = self.version
+            delay = self.sim.costs.lease_s / 2
+            self.sim.after(delay, self.sim.on_lease_request, self, self.version, free)
+
+    def on_grant(self, groups: list[_Group]) -> None:
+        self.asking -= 1
+        self.active += len(groups)
+        fleet = self.sim.fleet
+        for g in groups:
+            g.lengths = [fleet.lengths.sample(self.sim.rng) for _ in range(fleet.n)]
+            self.queue.extend(_Seq(g, length) for length in g.lengths)
+        self.maybe_ask()
+        self.kick()
+
+    def receive(self, version: int) -> None:
+        self.staged = version
+        self.kick()
+
+    def kick(self) -> None:
+        """Start whatever the engine can start now: weights first, then sampling."""
+        if self.state == "decode":
+            room = self.queue and len(self.live) < self.sim.fleet.max_batch_size
+            if self.staged is not None or room:
+                self._interrupt()
+            return
+        if self.state != "idle":
+            return
+        if self.staged is not None:
+            self.state = "apply"
+            self.sim.after(self.sim.costs.apply_s, self._applied, self.sim.now)
+        elif self.queue and self.sim.fleet.engine == "static":
+            batch = [self.queue.popleft() for _ in range(min(len(self.queue), self._room()))]
+            for s in batch:
+                s.group.versions.append(self.version)
+            c = self.sim.costs
+            dur = (
+                c.gen_batch_s
+                + c.gen_step_s * max(s.left for s in batch)
+                + c.gen_seq_step_s * sum(s.left for s in batch)
+            )
+            self.state = "batch"
+            self.sim.after(dur, self._batch_done, batch, self.sim.now)
+        elif self.queue or self.live:  # continuous: live rows resume after an apply
+            self.state, self.busy_since = "decode", self.sim.now
+            self._segment()
+
+    def _room(self) -> int:
+        return self.sim.fleet.max_batch_size - len(self.live)
+
+    def _applied(self, start: float) -> None:
+        self.sim.spans.append(("apply", self.sid, start, self.sim.now))
+        self.version, self.staged, self.state = self.staged, None, "idle"
+        self.sim.on_applied(self)
+        self.kick()
+
+    def _batch_done(self, batch: list[_Seq], start: float) -> None:
+        self.sim.spans.append(("generate", self.sid, start, self.sim.now))
+        self.state = "idle"
+        self._finish(batch)
+        self.kick()
+
+    def _finish(self, seqs: list[_Seq]) -> None:
+        """Finished samples queue for the reward workers, in order."""
+        for s in seqs:
+            i = min(range(len(self.scorers)), key=self.scorers.__getitem__)
+            self.scorers[i] = max(self.scorers[i], self.sim.now) + self.sim.costs.score_s
+            self.sim.after(self.scorers[i] - self.sim.now, self._scored, s.group)
+
+    def _scored(self, group: _Group) -> None:
+        group.left -= 1
+        if group.left == 0:
+            self.active -= 1
+            self.sim.after(self.sim.costs.deliver_s, self.sim.on_ready, group)
+            self.maybe_ask()
+
+    # continuous batching: the live rows decode in segments that end when the first row ends
+    def _segment(self) -> None:
+        admitted = [self.queue.popleft() for _ in range(min(len(self.queue), self._room()))]
+        for s in admitted:
+            s.group.versions.append(self.version)
+        self.live += admitted
+        if not self.live:
+            self.sim.spans.append(("generate", self.sid, self.busy_since, self.sim.now))
+            self.state = "idle"
+            return
+        c = self.sim.costs
+        prefill = c.gen_batch_s if admitted else 0.0
+        self.seg_start = self.sim.now + prefill
+        self.seg_cost = c.gen_step_s + c.gen_seq_step_s * len(self.live)
+        self.seg_steps = min(s.left for s in self.live)
+        self.epoch += 1
+        end = prefill + self.seg_steps * self.seg_cost
+        self.sim.after(end, self._segment_end, self.epoch)
+
+    def _interrupt(self) -> None:
+        """End the running segment at the next step boundary (new rows or weights wait)."""
+        if self.seg_cost <= 0:
+            return  # the segment ends now anyway
+        done = math.floor(max(0.0, self.sim.now - self.seg_start) / self.seg_cost)
+        steps = min(self.seg_steps, done + 1)
+        if steps < self.seg_steps:
+            self.seg_steps = steps
+            self.epoch += 1
+            at = self.seg_start + steps * self.seg_cost
+            self.sim.after(at - self.sim.now, self._segment_end, self.epoch)
+
+    def _segment_end(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            return
+        for s in self.live:
+            s.left -= self.seg_steps
+        finished = [s for s in self.live if s.left <= 0]
+        self.live = [s for s in self.live if s.left > 0]
+        self._finish(finished)
+        if self.staged is not None:
+            self.sim.spans.append(("generate", self.sid, self.busy_since, self.sim.now))
+            self.state = "idle"
+            self.kick()  # applies; `kick` after the apply resumes decoding
+        else:
+            self._segment()
+
+
+class Simulation:
+    """The replay (admission, buffer), M servers and the learner, on one event queue."""
+
+    def __init__(self, fleet: Fleet, costs: Costs, seed: int = 0):
+        self.fleet, self.costs, self.rng = fleet, costs, random.Random(seed)
+        self.now = 0.0
+        self._events: list[tuple[float, int, Any, tuple]] = []
+        self._tie = itertools.count()
+        self.admission = AdmissionController(
+            fleet.max_staleness, fleet.train_batch_size, fleet.capacity_groups
+        )
+        self.servers = [_Server(self, i) for i in range(fleet.servers)]
+        self.held_leases: list[_LeaseRequest] = []  # in arrival order
+        self.ready: list[tuple[int, _Group]] = []  # sorted by issue index
+        self.held = 0  # groups in flight plus ready (the buffer's length)
+        self.issued_total = 0
+        self.version = 0  # the learner's
+        self.warmup = 1  # steps left out of the figures (set by `run`)
+        self.fetching_since: float | None = None
+        self.broadcast_due: list[_Group] | None = None  # trained, waiting for the receivers
+        self._train_start = 0.0
+        self.step_ends: list[float] = []
+        self.fetch_waits: list[float] = []
+        self.staleness: Counter[int] = Counter()
+        self.stale_dropped = 0
+        self.spans: list[tuple[str, int, float, float]] = []
+
+    def after(self, delay: float, fn, *args) -> None:
+        heapq.heappush(self._events, (self.now + delay, next(self._tie), fn, args))
+
+    def run(self, steps: int, warmup: int) -> Result:
+        if not 1 <= warmup < steps:
+            raise ValueError(f"need 1 <= warmup < steps, got warmup={warmup}, steps={steps}")
+        self.warmup = warmup
+        for s in self.servers:
+            s.maybe_ask()
+        self.fetching_since = 0.0
+        while self._events and len(self.step_ends) < steps:
+            self.now, _, fn, args = heapq.heappop(self._events)
+            fn(*args)
+        if len(self.step_ends) < steps:
+            raise RuntimeError(f"the pipeline stalled after {len(self.step_ends)} steps")
+        return self._result(warmup)
+
+    # ---- replay ---------------------------------------------------------------------------
+    def on_lease_request(self, server: _Server, version: int, wanted: int) -> None:
+        """A request supersedes the server's held one (answered empty), is granted what
+        admission allows, or is held until it can be, or until `wait_timeout_s`."""
+        for held in [h for h in self.held_leases if h.server is server]:
+            self.held_leases.remove(held)
+            self._answer(server, [])
+        request = _LeaseRequest(server, version, wanted)
+        if not self._maybe_grant(request):
+            self.held_leases.append(request)
+            self.after(self.fleet.wait_timeout_s, self._lease_timeout, request)
+
+    def _maybe_grant(self, request: _LeaseRequest) -> bool:
+        server = request.server
+        k = self.admission.grantable(request.version, request.wanted, self.held)
+        if k == 0:
+            return False
+        self.admission.on_issued(k)
+        self.held += k
+        groups = [_Group(self.issued_total + i, server, self.fleet.n) for i in range(k)]
+        self.issued_total += k
+        self._answer(server, groups)
+        return True
+
+    def _answer(self, server: _Server, groups: list[_Group]) -> None:
+        self.after(self.costs.lease_s / 2, server.on_grant, groups)
+
+    def _answer_held(self) -> None:
+        self.held_leases = [h for h in self.held_leases if not self._maybe_grant(h)]
+
+    def _lease_timeout(self, request: _LeaseRequest) -> None:
+        if request in self.held_leases:
+            self.held_leases.remove(request)
+            self._answer(request.server, [])
+
+    def on_ready(self, group: _Group) -> None:
+        bisect.insort(self.ready, (group.index, group), key=lambda x: x[0])
+        self._maybe_serve()
+        self._answer_held()
+
+    # ---- learner --------------------------------------------------------------------------
+    def _maybe_serve(self) -> None:
+        if self.fetching_since is None:
+            return
+        bound = self.fleet.max_staleness
+        stale = [x for x in self.ready if self.version - min(x[1].versions) > bound]
+        if stale:
+            self.ready = [x for x in self.ready if x not in stale]
+            self.admission.on_never_trained(len(stale))
+            self.held -= len(stale)
+            self.stale_dropped += len(stale)
+        b = self.fleet.train_batch_size
+        if len(self.ready) < b:
+            if stale:
+                self._answer_held()
+            return
+        batch = [g for _, g in self.ready[:b]]
+        del self.ready[:b]
+        self.held -= b
+        self.fetch_waits.append(self.now - self.fetching_since)
+        self.fetching_since = None
+        self._answer_held()
+        self.after(self.costs.fetch_s + self._train_time(batch), self._trained, batch, self.now)
+
+    def _train_time(self, batch: list[_Group]) -> float:
+        lengths = [x for g in batch for x in g.lengths]
+        p, c, f = self.costs.prompt_tokens, self.costs, self.fleet
+        longest = max(lengths) if f.padded_training else statistics.fmean(lengths)
+        tokens = len(lengths) * (p + longest)
+        return c.train_step_s + c.train_token_s * tokens / (f.learner_ranks * f.rank_efficiency)
+
+    def _trained(self, batch: list[_Group], start: float) -> None:
+        if len(self.step_ends) >= self.warmup:
+            for g in batch:
+                for v in g.versions:
+                    self.staleness[self.version - v] += 1
+        self.broadcast_due = batch
+        self._train_start = start
+        self._maybe_broadcast()
+
+    def on_applied(self, server: _Server) -> None:
+        server.maybe_ask()  # a server asks again the moment its engine moves on
+        self._maybe_broadcast()
+
+    def _maybe_broadcast(self) -> None:
+        if self.broadcast_due is None or any(s.staged is not None for s in self.servers):
+            return
+        self.broadcast_due = None
+        c = self.costs
+        self.after(c.broadcast_s + c.broadcast_per_server_s * (len(self.servers) - 1), self._sent)
+
+    def _sent(self) -> None:
+        self.spans.append(("train", -1, self._train_start, self.now))
+        self.version += 1
+        for s in self.servers:
+            s.receive(self.version)
+        self.step_ends.append(self.now)
+        self.fetching_since = self.now
+        self._maybe_serve()
+
+    def _result(self, warmup: int) -> Result:
+        lo, hi = self.step_ends[warmup - 1], self.step_ends[-1]
+        steps = len(self.step_ends) - warmup
+        window = hi - lo
+
+        busy: Counter[tuple[str, int]] = Counter()
+        for kind, sid, start, end in self.spans:
+            busy[kind, sid] += max(0.0, min(end, hi) - max(start, lo))
+        gen = [busy["generate", s.sid] for s in self.servers]
+        pause = [busy["apply", s.sid] for s in self.servers]
+        hist = [self.staleness[i] for i in range(max(self.staleness, default=0) + 1)]
+        return Result(
+            samples_per_s=steps * self.fleet.train_batch_size * self.fleet.n / window,
+            step_time_s=window / steps,
+            learner_idle=sum(self.fetch_waits[warmup:]) / window,
+            server_idle=1.0 - statistics.fmean(gen) / window,
+            server_pause=statistics.fmean(pause) / window,
+            staleness_hist=hist,
+            stale_dropped=self.stale_dropped,
+            spans=self.spans,
+        )
+
+
+def simulate(fleet: Fleet, costs: Costs, steps: int = 200, warmup: int = 20, seed: int = 0):
+    """Run the model for `steps` learner steps; figures are over the steps after `warmup`."""
+    return Simulation(fleet, costs, seed).run(steps, warmup)

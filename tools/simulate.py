@@ -1,0 +1,369 @@
+"""A discrete-event model of the asyncrl pipeline, calibrated from `tools/bench_pipeline.py` runs.
+
+    python tools/bench_pipeline.py --json A.json                  # measure (sync and async)
+    python tools/simulate.py calibrate A.json [B.json ...] -o calibration.json
+    python tools/simulate.py validate A.json [B.json ...] --calibration calibration.json
+    python tools/simulate.py predict [--calibration calibration.json] --servers 64 \
+        --learner-ranks 8 --lengths lognormal:256:1.0 --max-new-tokens 2048 --staleness 0,1,2,4,8
+
+It predicts throughput, idle ratios and staleness for fleets this machine cannot run; the model
+itself, and what it mirrors of the code, is `asyncrl/pipeline_model.py`. Method and figures:
+docs/simulator.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from asyncrl.pipeline_model import Costs, Fleet, Lengths, Result, simulate
+
+__all__ = ["Costs", "Fleet", "Lengths", "Result", "simulate"]  # the model, re-exported
+
+
+# ---- calibration ----------------------------------------------------------------------------
+def _nnls(rows: list[list[float]], y: list[float]) -> np.ndarray:
+    """Least squares with non-negative coefficients (exhaustive over column subsets: few).
+    Among equally good fits the one with the later columns wins (the per-token terms, which
+    extrapolate, over the constant, when the data cannot tell them apart)."""
+    a, b = np.asarray(rows, float), np.asarray(y, float)
+    best, best_err = np.zeros(a.shape[1]), float("inf")
+    for k in range(1, a.shape[1] + 1):
+        for cols in itertools.combinations(reversed(range(a.shape[1])), k):
+            coef = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
+            err = float(np.sum((a[:, cols] @ coef - b) ** 2))
+            if (coef >= 0).all() and err < best_err * (1 - 1e-9):
+                best, best_err = np.zeros(a.shape[1]), err
+                best[list(cols)] = coef
+    return best
+
+
+def expected_max(lengths: list[int], b: int) -> float:
+    """E[max of b lengths drawn from `lengths`]: how long a static batch of b rows decodes."""
+    values, counts = np.unique(lengths, return_counts=True)
+    cdf = np.cumsum(counts) / counts.sum()
+    below = np.concatenate([[0.0], cdf[:-1]])  # P(x < value)
+    return float(np.sum(values * (cdf**b - below**b)))
+
+
+def fit_costs(benches: list[dict[str, Any]], modes: tuple[str, ...] = ("sync", "async")):
+    """Fit `Costs` from `bench_pipeline.py --json` records. Returns (costs, fit report).
+
+    Generation: every sampling batch after the first learner step, duration = gen_batch_s +
+    gen_step_s * E[longest row] + gen_seq_step_s * rows * mean length. Training: every steady
+    step, step time - fetch - broadcast = train_step_s + train_token_s * padded tokens. The
+    latencies come from the synchronous runs' traces: an apply's end to the next batch's start
+    (lease_s); a batch's end to the learner's fetch end = fetch_s + deliver_s + score_s *
+    ceil(rows / reward workers); fetch_s is the 10th percentile of async runs' fetch times."""
+    gen_x, gen_y, train_x, train_y, bcast_x, bcast_y, prompt, apply = ([] for _ in range(8))
+    lease_gaps, deliver_x, deliver_gaps, fetch_ready = [], [], [], []
+    for bench in benches:
+        for mode in modes:
+            run = bench["runs"][mode]
+            cfg, steps, spans = run["config"], run["steps"], run["spans"]
+            lengths = run["response_lengths"]
+            mean_len, warm = statistics.fmean(lengths), steps[0]["time"]
+            gens = [s for s in spans if s["name"] == "generate" and s["ts"] >= warm]
+            for s in gens:
+                rows = s["args"]["batch"]
+                gen_x.append([1.0, expected_max(lengths, rows), rows * mean_len])
+                gen_y.append(s["dur"])
+            for r in steps[bench["warmup"] :]:
+                p = r["train_tokens_per_s"] * r["time_update_s"] / r["samples"]
+                prompt.append(p - r["response_len_mean"])
+                train_x.append([1.0, r["samples"] * (prompt[-1] + r["response_len_max"])])
+                train_y.append(
+                    r["step_time_s"] - r["time_fetch_batch_s"] - r["time_broadcast_weights_s"]
+                )
+                bcast_x.append([1.0, cfg["num_servers"] - 1.0])
+                bcast_y.append(r["time_broadcast_weights_s"])
+                if cfg["max_staleness"] > 0:
+                    fetch_ready.append(r["time_fetch_batch_s"])
+            applies = [s for s in spans if s["name"] == "apply_weights" and s["ts"] >= warm]
+            if cfg["max_staleness"] != 0:
+                continue  # an async apply span includes the wait for the running batch to end
+            apply += [s["dur"] for s in applies]
+            for a in applies:
+                end = a["ts"] + a["dur"]
+                nxt = [s["ts"] for s in gens if s["proc"] == a["proc"] and s["ts"] >= end]
+                if nxt:
+                    lease_gaps.append(min(nxt) - end)
+            workers = cfg.get("reward_workers", 2)
+            for f in spans:
+                if f["name"] == "fetch_batch" and f["ts"] >= warm:
+                    end = f["ts"] + f["dur"]
+                    last = [s for s in gens if s["ts"] + s["dur"] <= end]
+                    if last:
+                        last = max(last, key=lambda s: s["ts"] + s["dur"])
+                        rounds = math.ceil(last["args"]["batch"] / workers)
+                        deliver_x.append([1.0, rounds])
+                        deliver_gaps.append(end - last["ts"] - last["dur"])
+    gen = _nnls(gen_x, gen_y)
+    train = _nnls(train_x, train_y)
+    if len({x[1] for x in bcast_x}) > 1:  # runs with different numbers of servers
+        broadcast = _nnls(bcast_x, bcast_y)
+    else:
+        broadcast = np.array([statistics.fmean(bcast_y), 0.0])
+    fetch_s = float(np.percentile(fetch_ready, 10)) if fetch_ready else 0.0
+    deliver = _nnls(deliver_x, deliver_gaps) if deliver_gaps else np.array([fetch_s, 0.0])
+    costs = Costs(
+        gen_batch_s=gen[0],
+        gen_step_s=gen[1],
+        gen_seq_step_s=gen[2],
+        train_step_s=train[0],
+        train_token_s=train[1],
+        fetch_s=fetch_s,
+        broadcast_s=broadcast[0],
+        broadcast_per_server_s=broadcast[1],
+        apply_s=statistics.fmean(apply) if apply else 0.0,
+        lease_s=statistics.median(lease_gaps) if lease_gaps else 0.0,
+        score_s=deliver[1],
+        deliver_s=max(0.0, deliver[0] - fetch_s),
+        prompt_tokens=statistics.fmean(prompt),
+    )
+    report = {
+        "generation": _fit_quality(gen_x, gen_y, gen),
+        "training": _fit_quality(train_x, train_y, train),
+        "modes": list(modes),
+        "load_avg": [r["load_avg"] for bench in benches for r in bench["runs"].values()],
+    }
+    return costs, report
+
+
+def _fit_quality(x: list[list[float]], y: list[float], coef: np.ndarray) -> dict[str, float]:
+    pred = np.asarray(x) @ coef
+    y_ = np.asarray(y)
+    ss = float(np.sum((y_ - y_.mean()) ** 2)) or 1.0
+    return {
+        "points": len(y),
+        "mean_s": float(y_.mean()),
+        "r2": 1.0 - float(np.sum((y_ - pred) ** 2)) / ss,
+        "rel_rmse": float(np.sqrt(np.mean((y_ - pred) ** 2)) / y_.mean()),
+    }
+
+
+def fleet_of_run(run: dict[str, Any], **changes: Any) -> Fleet:
+    """The fleet a bench_pipeline run had, with its measured response lengths."""
+    c = run["config"]
+    lengths = Lengths("empirical", c["max_new_tokens"], values=tuple(run["response_lengths"]))
+    fleet = Fleet(
+        lengths=lengths,
+        servers=c["num_servers"],
+        learner_ranks=c["world_size"],
+        n=c["n"],
+        train_batch_size=c["train_batch_size"],
+        max_concurrent_groups=c["max_concurrent_groups"],
+        max_staleness=c["max_staleness"],
+        capacity_groups=c["capacity_groups"],
+        max_batch_size=c["max_batch_size"],
+        reward_workers=c.get("reward_workers", 2),
+    )
+    return dataclasses.replace(fleet, **changes)
+
+
+def mean_result(fleet: Fleet, costs: Costs, steps: int, warmup: int, seeds: int) -> Result:
+    """Means over `seeds` runs (the staleness histogram summed)."""
+    runs = [simulate(fleet, costs, steps, warmup, seed) for seed in range(seeds)]
+    width = max(len(r.staleness_hist) for r in runs)
+    return Result(
+        samples_per_s=statistics.fmean(r.samples_per_s for r in runs),
+        step_time_s=statistics.fmean(r.step_time_s for r in runs),
+        learner_idle=statistics.fmean(r.learner_idle for r in runs),
+        server_idle=statistics.fmean(r.server_idle for r in runs),
+        server_pause=statistics.fmean(r.server_pause for r in runs),
+        staleness_hist=[
+            sum(r.staleness_hist[i] for r in runs if i < len(r.staleness_hist))
+            for i in range(width)
+        ],
+        stale_dropped=sum(r.stale_dropped for r in runs),
+    )
+
+
+# ---- command line ---------------------------------------------------------------------------
+def load_costs(path: Path | None) -> Costs:
+    """A `calibrate` output file's costs; the built-in calibration when `path` is None."""
+    return Costs() if path is None else Costs(**json.loads(path.read_text())["costs"])
+
+
+def cmd_calibrate(args: argparse.Namespace) -> None:
+    benches = [json.loads(p.read_text()) for p in args.bench]
+    modes = ("sync",) if args.sync_only else ("sync", "async")
+    costs, report = fit_costs(benches, modes)
+    out = {"costs": dataclasses.asdict(costs), "fit": report, "sources": list(map(str, args.bench))}
+    args.out.write_text(json.dumps(out, indent=1))
+    print(json.dumps(out["costs"], indent=1))
+    for name in ("generation", "training"):
+        q = report[name]
+        print(f"{name} fit: {q['points']} points, R2 {q['r2']:.2f}, rel. RMSE {q['rel_rmse']:.2f}")
+    print(f"calibration written to {args.out}")
+
+
+RUN_COSTS = ("gen_batch_s", "gen_step_s", "gen_seq_step_s", "train_step_s", "train_token_s")
+"""What `validate --per-run` takes from each run's own fit (the rest from the calibration)."""
+
+
+def cmd_validate(args: argparse.Namespace) -> None:
+    """Measured vs predicted async/sync ratio of each bench_pipeline record. With --per-run,
+    each run is simulated with the generation and training costs fitted from that run alone
+    (which then carry whatever the machine's load did to it): a check of the pipeline's
+    dynamics rather than of how costs carry over from one run to another."""
+    calibrated = load_costs(args.calibration)
+    print(
+        "| record | sync meas./pred. samples/s | async meas./pred. | ratio meas. | pred. | error |"
+    )
+    print("|---|---|---|---|---|---|")
+    by_config: dict[str, list[tuple[float, float]]] = {}
+    for path in args.bench:
+        bench = json.loads(path.read_text())
+        meas, pred = {}, {}
+        for mode, run in bench["runs"].items():
+            costs = calibrated
+            if args.per_run:
+                own, _ = fit_costs([{"warmup": bench["warmup"], "runs": {mode: run}}], (mode,))
+                costs = dataclasses.replace(costs, **{k: getattr(own, k) for k in RUN_COSTS})
+            steps = run["config"]["total_steps"]
+            fleet = fleet_of_run(run)
+            pred[mode] = mean_result(fleet, costs, steps, bench["warmup"], args.seeds).samples_per_s
+            meas[mode] = run["measured"]["samples_per_s"]
+        m, p = meas["async"] / meas["sync"], pred["async"] / pred["sync"]
+        print(
+            f"| {path.name} | {meas['sync']:.1f} / {pred['sync']:.1f} "
+            f"| {meas['async']:.1f} / {pred['async']:.1f} | {m:.2f} | {p:.2f} "
+            f"| {100 * (p - m) / m:+.0f}% |"
+        )
+        c = bench["runs"]["async"]["config"]
+        key = ", ".join(f"{k}={c[k]}" for k in CONFIG_KEYS)
+        by_config.setdefault(key, []).append((m, p))
+    for key, pairs in by_config.items():
+        m, p = (statistics.fmean(x) for x in zip(*pairs, strict=True))
+        spread = max(x for x, _ in pairs) - min(x for x, _ in pairs)
+        print(
+            f"mean of {len(pairs)} at {key}: measured {m:.2f} (range {spread:.2f}), "
+            f"predicted {p:.2f} ({100 * (p - m) / m:+.0f}%)"
+        )
+
+
+CONFIG_KEYS = ("num_servers", "n", "train_batch_size", "max_concurrent_groups")
+CONFIG_KEYS += ("max_new_tokens", "max_staleness")
+
+
+def cmd_predict(args: argparse.Namespace) -> None:
+    costs = dataclasses.replace(load_costs(args.calibration), **dict(args.cost or []))
+    fleet = Fleet(
+        lengths=Lengths.parse(args.lengths, args.max_new_tokens),
+        servers=args.servers,
+        learner_ranks=args.learner_ranks,
+        n=args.n,
+        train_batch_size=args.batch_size,
+        max_concurrent_groups=args.concurrent,
+        capacity_groups=args.capacity,
+        max_batch_size=args.max_batch_size,
+        engine=args.engine,
+        padded_training=not args.packed,
+        rank_efficiency=args.rank_efficiency,
+    )
+    print(f"fleet: {fleet}")
+    print(f"costs: {costs}")
+    rows = []
+    for s in args.staleness:
+        r = mean_result(
+            dataclasses.replace(fleet, max_staleness=s), costs, args.steps, args.warmup, args.seeds
+        )
+        rows.append((s, r))
+    print(
+        "| max_staleness | samples/s | x first | step s | learner idle | server idle "
+        "| mean staleness | staleness histogram (% of samples) | groups dropped stale |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|")
+    trained = args.seeds * args.steps * fleet.train_batch_size
+    for s, r in rows:
+        hist = " ".join(f"{100 * c / sum(r.staleness_hist):.0f}" for c in r.staleness_hist)
+        dropped = 100 * r.stale_dropped / (r.stale_dropped + trained)
+        print(
+            f"| {s} | {r.samples_per_s:.1f} | {r.samples_per_s / rows[0][1].samples_per_s:.2f} "
+            f"| {r.step_time_s:.2f} | {r.learner_idle:.2f} | {r.server_idle:.2f} "
+            f"| {r.staleness_mean:.2f} | {hist} | {dropped:.1f}% |"
+        )
+    best = max(r.samples_per_s for _, r in rows)
+    ok = [s for s, r in rows if r.samples_per_s >= args.within * best]
+    ok = [s for s, r in rows if s in ok and r.stale_dropped < 0.01 * trained] or ok
+    print(
+        f"suggested max_staleness: {ok[0]} (the smallest within {args.within:.0%} of the best "
+        "throughput that drops under 1% of the groups as stale)"
+    )
+
+
+def _cost_override(text: str) -> tuple[str, float]:
+    name, _, value = text.partition("=")
+    if name not in {f.name for f in dataclasses.fields(Costs)}:
+        raise argparse.ArgumentTypeError(f"unknown cost {name!r}")
+    return name, float(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    sub = ap.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("calibrate", help="fit costs from bench_pipeline.py --json records")
+    c.add_argument("bench", nargs="+", type=Path)
+    c.add_argument("-o", "--out", type=Path, required=True)
+    c.add_argument("--sync-only", action="store_true", help="fit from the synchronous runs only")
+    c.set_defaults(fn=cmd_calibrate)
+    v = sub.add_parser("validate", help="predicted vs measured async/sync ratio")
+    v.add_argument("bench", nargs="+", type=Path)
+    v.add_argument("--calibration", type=Path, required=True)
+    v.add_argument("--seeds", type=int, default=5)
+    v.add_argument(
+        "--per-run", action="store_true", help="each run's own generation/training costs"
+    )
+    v.set_defaults(fn=cmd_validate)
+    p = sub.add_parser("predict", help="throughput, idle ratios, staleness for a fleet")
+    p.add_argument("--calibration", type=Path, help="a calibrate output (default: built in)")
+    p.add_argument("--servers", type=int, default=64)
+    p.add_argument("--learner-ranks", type=int, default=8)
+    p.add_argument("--n", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=256, help="groups per learner step")
+    p.add_argument("--concurrent", type=int, default=4, help="max_concurrent_groups")
+    p.add_argument("--capacity", type=int, default=4096, help="replay.capacity_groups")
+    p.add_argument("--max-batch-size", type=int, default=256, help="rows per engine batch")
+    p.add_argument("--lengths", default="lognormal:256:1.0", help="fixed:L | lognormal:MED:SIGMA")
+    p.add_argument("--max-new-tokens", type=int, default=2048)
+    p.add_argument("--engine", choices=("static", "continuous"), default="continuous")
+    p.add_argument("--packed", action="store_true", help="train on real tokens, not padded")
+    p.add_argument("--rank-efficiency", type=float, default=0.9)
+    p.add_argument(
+        "--staleness", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1, 2, 4, 8]
+    )
+    p.add_argument("--steps", type=int, default=80)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--seeds", type=int, default=2)
+    p.add_argument("--within", type=float, default=0.95, help="see 'suggested' in the output")
+    p.add_argument(
+        "--cost",
+        type=_cost_override,
+        action="append",
+        metavar="NAME=SECONDS",
+        help="override one calibrated cost (e.g. broadcast_per_server_s=0.005)",
+    )
+    p.set_defaults(fn=cmd_predict)
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
+    args.fn(args)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
