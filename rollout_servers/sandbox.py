@@ -62,11 +62,12 @@ _UID_RANGE = 65536
 _TAIL_BYTES = 256
 _REAP_GRACE_S = 2.0
 _TOKEN_VAR = "ASYNCRL_SANDBOX_TOKEN"
+_PRIVATE_TMP = ("/tmp", "/var/tmp", "/dev/shm")  # each a fresh tmpfs inside the sandbox
 
 # Runs inside the sandbox as `python -I -S -B -u -c _PRELUDE key=value...`, before the code:
 # 1. (unshare as root) mounts: a tmpfs over each directory that hides the interpreter from other
 #    users (e.g. /root, mode 0700) with the interpreter bound back, private tmpfs on /tmp,
-#    /var/tmp, /dev/shm; 2. a supervisor fork: the code's parent and, under bwrap and unshare,
+#    /var/tmp, /dev/shm (an interpreter below them bound back read-only); 2. a supervisor fork: the code's parent and, under bwrap and unshare,
 #    PID 1; it reaps orphans and reports a signal death as exit code 128+N; 3. the drop to
 #    the sandbox uid, no_new_privs, rlimits; 4. the code as __main__, named ./main.py but never
 #    written to disk (tracebacks still show its lines, and not the prelude's frame).
@@ -94,10 +95,17 @@ for line in filter(None, arg.get("expose", "").split("\n")):
         check("mount", b"/proc/self/fd/%d" % fd, p.encode(), None, 0x5000, None)
         os.close(fd)
 if "tmp_bytes" in arg:
+    keep = [p for p in arg.get("rebind", "").split("\n") if p]
+    fds = [os.open(p, os.O_PATH) for p in keep]
     for d in ("/tmp", "/var/tmp", "/dev/shm"):
         if os.path.isdir(d):
             opts = b"mode=1777,size=" + arg["tmp_bytes"].encode()
             check("mount", b"tmpfs", d.encode(), b"tmpfs", 6, opts)
+    for p, fd in zip(keep, fds):  # an interpreter under /tmp (a CI virtualenv), read-only
+        os.makedirs(p, mode=0o755, exist_ok=True)
+        check("mount", b"/proc/self/fd/%d" % fd, p.encode(), None, 0x5000, None)
+        check("mount", None, p.encode(), None, 0x1021, None)
+        os.close(fd)
     os.chdir("/tmp")
 fd = int(arg["code_fd"])
 chunks = []
@@ -563,6 +571,9 @@ class Sandbox:
             if root:
                 hidden = _hidden_dirs(dirs)
                 args += [_limits(cfg, cfg.max_processes), f"tmp_bytes={cfg.tmp_size_mb * _MIB}"]
+                under_tmp = [d for d in dirs if any(_is_under(d, t) for t in _PRIVATE_TMP)]
+                if under_tmp:
+                    args.append("rebind=" + "\n".join(under_tmp))
                 if hidden:
                     args.append("expose=" + "\n".join("\t".join([t, *ps]) for t, ps in hidden))
             else:  # unshare and the supervisor share the user namespace's process count
