@@ -62,13 +62,48 @@ def learner_weight_specs(model_path: str | Path) -> list[ParamSpec]:
     return specs_of(model.state_dict().items())
 
 
-def _eos_ids(model_path: str | Path) -> frozenset[int]:
+def eos_ids(model_path: str | Path) -> frozenset[int]:
     config = AutoConfig.from_pretrained(model_path)
     eos = config.eos_token_id
     if (Path(model_path) / "generation_config.json").is_file():
         generation = GenerationConfig.from_pretrained(model_path)
         eos = generation.eos_token_id if generation.eos_token_id is not None else eos
     return frozenset([eos] if isinstance(eos, int) else (eos or []))
+
+
+def engine_args(model_path: str, options: VLLMConfig, seed: int) -> Any:
+    """vLLM's `AsyncEngineArgs` as this engine uses them (tools/bench_engines.py drives bare
+    vLLM with the same ones)."""
+    from vllm import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=model_path,
+        dtype=options.dtype,
+        seed=seed,
+        skip_tokenizer_init=True,  # token ids in, token ids out
+        logprobs_mode="processed_logprobs",
+        enforce_eager=options.enforce_eager,
+        enable_prefix_caching=options.enable_prefix_caching,
+        max_num_seqs=options.max_num_seqs,
+        max_model_len=options.max_model_len or None,
+        gpu_memory_utilization=options.gpu_memory_utilization,
+        worker_extension_cls=WORKER_EXTENSION,
+    )
+
+
+def request_params(params: SamplingParams, eos_ids: frozenset[int]) -> Any:
+    """asyncrl's sampling parameters as vLLM's, asking for each sampled token's log-prob."""
+    from vllm import SamplingParams as VLLMSamplingParams
+
+    return VLLMSamplingParams(
+        n=1,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        max_tokens=params.max_new_tokens,
+        logprobs=0,  # the sampled token's own log-prob
+        stop_token_ids=sorted(eos_ids | set(params.stop_token_ids)),
+        detokenize=False,
+    )
 
 
 class VLLMEngine(Engine):
@@ -82,33 +117,20 @@ class VLLMEngine(Engine):
         seed: int = 0,
         version: int = 0,
     ):
-        from vllm import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.cpu_kvcache_space_gib))
         self.model_path = str(model_path)
         self._specs = learner_weight_specs(model_path)
-        self._eos_ids = _eos_ids(model_path)
+        self._eos_ids = eos_ids(model_path)
         self._version = version
         self._inflight = 0
         self._busy_since = 0.0
         self._period_requests = 0
         self._closed = False
 
-        args = AsyncEngineArgs(
-            model=self.model_path,
-            dtype=options.dtype,
-            seed=seed,
-            skip_tokenizer_init=True,  # token ids in, token ids out
-            logprobs_mode="processed_logprobs",
-            enforce_eager=options.enforce_eager,
-            enable_prefix_caching=options.enable_prefix_caching,
-            max_num_seqs=options.max_num_seqs,
-            max_model_len=options.max_model_len or None,
-            gpu_memory_utilization=options.gpu_memory_utilization,
-            worker_extension_cls=WORKER_EXTENSION,
-        )
+        args = engine_args(self.model_path, options, seed)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="vllm-engine-loop"
@@ -143,7 +165,6 @@ class VLLMEngine(Engine):
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
         """On the engine loop: pass the gate, count the request, run it in vLLM."""
-        from vllm import SamplingParams as VLLMSamplingParams
         from vllm import TokensPrompt
 
         while not self._open.is_set():
@@ -151,15 +172,7 @@ class VLLMEngine(Engine):
         version = self._version
         self._enter()
         try:
-            request = VLLMSamplingParams(
-                n=1,
-                temperature=params.temperature,
-                top_p=params.top_p,
-                max_tokens=params.max_new_tokens,
-                logprobs=0,  # the sampled token's own log-prob
-                stop_token_ids=sorted(self._eos_ids | set(params.stop_token_ids)),
-                detokenize=False,
-            )
+            request = request_params(params, self._eos_ids)
             final = None
             async for out in self.llm.generate(
                 TokensPrompt(prompt_token_ids=prompt_ids), request, request_id=uuid.uuid4().hex

@@ -79,35 +79,14 @@ async def bench_bare_vllm(model: str, prompts, params, n: int, rounds: int, seed
     """vLLM's AsyncLLM with exactly the arguments VLLMEngine passes it, driven directly."""
     import uuid
 
-    from vllm import AsyncEngineArgs, TokensPrompt
-    from vllm import SamplingParams as VLLMSamplingParams
+    from vllm import TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from asyncrl.config import VLLMConfig
-    from rollout_servers.vllm_engine import _eos_ids
+    from rollout_servers.vllm_engine import engine_args, eos_ids, request_params
 
-    options = VLLMConfig()
-    llm = AsyncLLM.from_engine_args(
-        AsyncEngineArgs(
-            model=model,
-            dtype=options.dtype,
-            seed=seed,
-            skip_tokenizer_init=True,
-            logprobs_mode="processed_logprobs",
-            enforce_eager=options.enforce_eager,
-            enable_prefix_caching=options.enable_prefix_caching,
-            max_num_seqs=options.max_num_seqs,
-            gpu_memory_utilization=options.gpu_memory_utilization,
-        )
-    )
-    request = VLLMSamplingParams(
-        temperature=params.temperature,
-        top_p=params.top_p,
-        max_tokens=params.max_new_tokens,
-        logprobs=0,
-        stop_token_ids=sorted(_eos_ids(model)),
-        detokenize=False,
-    )
+    llm = AsyncLLM.from_engine_args(engine_args(model, VLLMConfig(), seed))
+    request = request_params(params, eos_ids(model))
 
     async def one(ids: list[int]) -> int:
         final = None
