@@ -1,0 +1,23 @@
+"""asyncrl: asynchronous RL for language models. This package is the shared core, plus three
+sub-packages around it.
+
+The core (the modules directly in `asyncrl/`) is what every fleet shares; it imports no fleet,
+no launch code and no demo:
+- `config`: the typed configuration tree (`load_config`).
+- `protocol` (every message between processes) over `codec` (typed MessagePack frames, validated
+  on decode) and `transport` (ZeroMQ sockets); `replay_client`: the learner's side of the replay.
+- `weight_sync`: bucketed broadcast of weights from learner rank 0 to the rollout servers.
+- `data`: verl-schema rows (validation, `PromptReader`, `render_prompt_ids`, row -> `PromptItem`)
+  and the `TASKS` registry; `gsm8k`: GSM8K preparation and its final-answer parser.
+- `advantages`: the advantage estimators, each declared once in `ESTIMATORS`.
+- `evaluation`: pass@k and the evaluation job the learner and `asyncrl eval` run.
+- `registry`: the one `Registry` class behind every family users extend.
+- `metrics`, `trace`, `loggers`, `run_spec`: what a run writes and where things are.
+
+Sub-packages:
+- `launch`: the layer above the fleets (CLI, role dispatch, local and Ray launchers, progress).
+- `demo`: the embedded task and tiny model, and the SmolLM2 import; plugged in by entry points.
+- `analysis`: plots of a run and the pipeline's discrete-event model.
+
+docs/architecture.md draws the layers; tests/unit/test_layout.py enforces the import rule.
+"""

@@ -57,6 +57,12 @@ def Array(dtype: str) -> Any:  # noqa: N802 - reads like a type in annotations
     return Annotated[np.ndarray, ("array", np.dtype(dtype).str)]
 
 
+JsonObject = Annotated[dict, ("json",)]
+"""Annotation for a free-form JSON object (a dataset row's extra_info): string keys; values
+None, bool, int, float, str, lists and objects, nested at most MAX_JSON_DEPTH deep."""
+MAX_JSON_DEPTH = 32
+
+
 def _hints(cls: type) -> dict[str, Any]:
     if cls not in _HINTS:
         _HINTS[cls] = {
@@ -172,6 +178,10 @@ def _check(value: Any, tp: Any, path: str) -> Any:
     origin, args = get_origin(tp), get_args(tp)
     if tp is Any:
         raise TypeError(f"{path}: Any is not allowed in a wire schema")
+    if origin is Annotated and get_args(tp)[1:] == (("json",),):
+        if not isinstance(value, dict):
+            raise ProtocolError(f"{path}: expected a JSON object, got {type(value).__name__}")
+        return _check_json(value, path, 0)
     if origin in (Union, types.UnionType):
         for arg in args:
             try:
@@ -219,9 +229,33 @@ def _check(value: Any, tp: Any, path: str) -> Any:
     )
 
 
+def _check_json(value: Any, path: str, depth: int) -> Any:
+    """`value` if it is plain JSON no deeper than MAX_JSON_DEPTH, else ProtocolError."""
+    if depth > MAX_JSON_DEPTH:
+        raise ProtocolError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH}")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, list):
+        return [_check_json(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise ProtocolError(f"{path}: JSON object keys must be strings")
+        return {k: _check_json(v, f"{path}.{k}", depth + 1) for k, v in value.items()}
+    raise ProtocolError(f"{path}: {type(value).__name__} is not a JSON value")
+
+
 def registered_types() -> dict[str, type]:
     """Every message type known to the codec, by wire name."""
     return dict(_REGISTRY)
 
 
-__all__ = ["Array", "ProtocolError", "WIRE_VERSION", "decode", "encode", "message", "struct"]
+__all__ = [
+    "Array",
+    "JsonObject",
+    "ProtocolError",
+    "WIRE_VERSION",
+    "decode",
+    "encode",
+    "message",
+    "struct",
+]

@@ -1,8 +1,7 @@
 """The typed configuration tree shared by every fleet.
 
 One tree with eight sections (data, rollout, reward, replay, learner, algorithm, trainer,
-launch) is
-loaded from a YAML file and overridden from the command line as ``section.key=value``. Every
+launch) is loaded from a YAML file and overridden from the command line as ``section.key=value``. Every
 field has a type, a default, a bound where one applies and a one-line docstring; unknown keys and
 invalid values fail at start-up, before any process starts, with a message that names the key
 and what is allowed.
@@ -13,8 +12,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
+import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class _Section(BaseModel):
@@ -50,10 +50,22 @@ class DataConfig(_Section):
     """Seed for prompt order and the embedded task."""
     task_max_operand: int = Field(9, ge=1, le=999)
     """Embedded task only: operands are drawn from 0..task_max_operand."""
-    task: Literal["arith", "arith_tool"] = "arith"
-    """Embedded task: single-digit addition (`arith`), or two-digit times one-digit
-    multiplication that the calculator tool solves (`arith_tool`, for `rollout.agent_loop=
-    tool_agent`; task_max_operand does not apply)."""
+    task: str = "arith"
+    """Task whose rows are used when train_files is empty: a registered name (`asyncrl.data.
+    TASKS`) or `package.module:factory`. Embedded: single-digit addition (`arith`), or two-digit
+    times one-digit multiplication that the calculator tool solves (`arith_tool`, for
+    `rollout.agent_loop=tool_agent`; task_max_operand does not apply)."""
+
+    @pydantic.field_validator("task")
+    @classmethod
+    def _task_is_known(cls, name: str) -> str:
+        from asyncrl.data import TASKS
+
+        if name not in TASKS and ":" not in name:
+            raise ValueError(
+                f"unknown task {name!r}; registered: {TASKS.names()} (or package.module:factory)"
+            )
+        return name
 
 
 class VLLMConfig(_Section):
@@ -186,10 +198,10 @@ KLKind = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
 
 
 class AlgorithmConfig(_Section):
-    adv_estimator: Literal[
-        "gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax"
-    ] = "grpo"
-    """Advantage estimator (verl names). `gae` trains a critic; `remax` samples a greedy baseline."""
+    adv_estimator: str = "grpo"
+    """Advantage estimator, a name in `asyncrl.advantages.ESTIMATORS` (verl's names: gae, grpo,
+    rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax). `gae` trains a critic;
+    `remax` samples a greedy baseline."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's std (false gives Dr.GRPO)."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
@@ -212,7 +224,8 @@ class AlgorithmConfig(_Section):
     """Decoupled PPO: clip around a proximal policy recomputed by the learner before the update,
     and weight tokens by behaviour -> proximal importance weights."""
     is_level: Literal["off", "token", "sequence"] = "off"
-    """Truncated importance sampling behaviour -> proximal (needs the proximal recompute)."""
+    """Truncated importance sampling behaviour -> proximal (needs decoupled=true; off with
+    decoupled: untruncated token-level weights, as AReaL)."""
     is_cap: float | None = Field(2.0, gt=0)
     """Cap of the truncated importance weight (None: no truncation)."""
     reject_level: Literal["off", "token", "sequence"] = "off"
@@ -245,6 +258,12 @@ class AlgorithmConfig(_Section):
     """Entropy bonus coefficient."""
     value_clip: float = Field(0.5, gt=0)
     """gae: clip range of the value loss around the old values."""
+
+    @pydantic.field_validator("is_level", "reject_level", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML reads a bare `off` (in a file or as `algorithm.is_level=off`) as false."""
+        return "off" if value is False else value
 
 
 class TrainerConfig(_Section):
@@ -330,7 +349,7 @@ class Config(_Section):
     trainer: TrainerConfig = TrainerConfig()
     launch: LaunchConfig = LaunchConfig()
 
-    @model_validator(mode="after")
+    @pydantic.model_validator(mode="after")
     def _check_cross_fields(self) -> Config:
         if (
             self.launch.host not in ("127.0.0.1", "localhost", "::1")
@@ -369,10 +388,23 @@ class Config(_Section):
                 f"replay.capacity_groups={self.replay.capacity_groups} is smaller than "
                 f"data.train_batch_size={self.data.train_batch_size}: a batch could never fit"
             )
-        group_based = ("grpo", "rloo", "reinforce_plus_plus_baseline")
-        if self.algorithm.adv_estimator in group_based and self.rollout.n < 2:
+        algo = self.algorithm
+        if algo.is_level != "off" and not algo.decoupled:
             raise ValueError(
-                f"rollout.n must be >= 2 for {self.algorithm.adv_estimator} "
+                f"algorithm.is_level={algo.is_level!r} needs algorithm.decoupled=true: without it "
+                "the PPO ratio is already taken against the behaviour policy (verl's bypass "
+                "mode), and importance weights on top would correct the same lag twice"
+            )
+        from asyncrl.advantages import ESTIMATORS
+
+        if (est := ESTIMATORS.get(algo.adv_estimator)) is None:
+            raise ValueError(
+                f"algorithm.adv_estimator={algo.adv_estimator!r} is not a registered "
+                f"estimator: {ESTIMATORS.names()}"
+            )
+        if self.rollout.n < est.min_group_size:
+            raise ValueError(
+                f"rollout.n must be >= {est.min_group_size} for {est.name} "
                 "(a group needs a baseline)"
             )
         if self.learner.ppo_mini_batch_size > self.data.train_batch_size:

@@ -4,11 +4,14 @@ Users arrive with parquet files written by verl's preprocessing scripts, so the 
 verl's: `data_source` (picks the reward function), `prompt` (chat messages, or a plain string),
 `ability`, `reward_model` (`style`, `ground_truth`) and `extra_info`.
 
-- `prepare_gsm8k` turns the GSM8K jsonl release into that schema exactly as verl's
-  `examples/data_preprocess/gsm8k.py` does (same instruction, same ground-truth extraction);
-  `write_rows` writes any list of such rows.
+- `write_rows` writes any list of such rows (`asyncrl.gsm8k` prepares GSM8K with it).
+- `render_prompt_ids` is the one way a prompt becomes token ids (the chat template).
 - `inspect_parquet` is what `asyncrl data inspect` prints: a quick look before a long run.
 - `PromptReader` is the endless, seeded, resumable row stream the replay leases prompts from.
+- A `Task` is a row stream made by code instead of files (the embedded demo task is one); tasks
+  are registered in `TASKS` and picked by `data.task` when no `data.train_files` are given.
+- `row_to_prompt_item` is how a row becomes the lease of one group (`PromptItem`), for training
+  and evaluation alike.
 
 Invariants of `PromptReader`:
 - Every row it yields passed `validate_row` (and the length policy when one is set); bad rows are
@@ -20,49 +23,25 @@ Invariants of `PromptReader`:
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
+import uuid
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from asyncrl.protocol import ChatMessage, PromptItem
+from asyncrl.registry import Registry
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("asyncrl.data")
-
-GSM8K_SOURCE = "openai/gsm8k"
-GSM8K_INSTRUCTION = 'Let\'s think step by step and output the final answer after "####".'
-"""verl's gsm8k instruction, appended to every question after one space."""
-
-_FINAL_ANSWER = re.compile(r"####\s*(-?)\s*\$?\s*(-?)(\d[\d,]*(?:\.\d+)?|\.\d+)")
-
-_GSM8K_SCHEMA = pa.schema(
-    [
-        ("data_source", pa.string()),
-        ("prompt", pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))),
-        ("ability", pa.string()),
-        ("reward_model", pa.struct([("style", pa.string()), ("ground_truth", pa.string())])),
-        (
-            "extra_info",
-            pa.struct(
-                [
-                    ("split", pa.string()),
-                    ("index", pa.int64()),
-                    ("answer", pa.string()),
-                    ("question", pa.string()),
-                ]
-            ),
-        ),
-    ]
-)
 
 
 class BadRowError(ValueError):
@@ -71,53 +50,6 @@ class BadRowError(ValueError):
 
 class PromptTooLongError(ValueError):
     """A prompt over `max_prompt_length` under the "fail" policy; names file, row and length."""
-
-
-# ---- GSM8K ----------------------------------------------------------------------------------
-def gsm8k_final_answer(text: str) -> str | None:
-    """The number after the last `#### ` in `text`, normalised (commas and `$` dropped), or None.
-
-    Accepts what models write: `#### 1,234`, `#### $5`, `#### -3`, `#### 2.5`. The same parser
-    reads the reference answers at preparation time and the responses at reward time, so a
-    reference always scores 1.0 against itself.
-    """
-    matches = _FINAL_ANSWER.findall(text)
-    if not matches:
-        return None
-    sign_before, sign_after, number = matches[-1]
-    negative = (sign_before == "-") != (sign_after == "-")
-    return ("-" if negative else "") + number.replace(",", "")
-
-
-def gsm8k_row(
-    question: str, answer: str, ground_truth: str, split: str, index: int
-) -> dict[str, Any]:
-    """One verl-schema row of GSM8K (the layout of verl's gsm8k.py, field for field)."""
-    return {
-        "data_source": GSM8K_SOURCE,
-        "prompt": [{"role": "user", "content": f"{question} {GSM8K_INSTRUCTION}"}],
-        "ability": "math",
-        "reward_model": {"style": "rule", "ground_truth": ground_truth},
-        "extra_info": {"split": split, "index": index, "answer": answer, "question": question},
-    }
-
-
-def prepare_gsm8k(input_dir: str | Path, output_dir: str | Path) -> dict[str, int]:
-    """`{train,test}.jsonl` of the GSM8K release -> `{train,test}.parquet`; returns row counts.
-
-    Raises ValueError naming the file and 1-based line of the first malformed line (not JSON,
-    no string `question`/`answer`, or an answer without a final `#### N`).
-    """
-    input_dir, output_dir = Path(input_dir), Path(output_dir)
-    counts = {}
-    for split in ("train", "test"):
-        rows = [
-            gsm8k_row(q, a, gt, split, i)
-            for i, (q, a, gt) in enumerate(_read_gsm8k_jsonl(input_dir / f"{split}.jsonl"))
-        ]
-        write_rows(rows, output_dir / f"{split}.parquet", schema=_GSM8K_SCHEMA)
-        counts[split] = len(rows)
-    return counts
 
 
 def write_rows(
@@ -134,28 +66,6 @@ def write_rows(
     pq.write_table(pa.Table.from_pylist(list(rows), schema=schema), tmp)
     os.replace(tmp, path)
     return path
-
-
-def _read_gsm8k_jsonl(path: Path) -> Iterator[tuple[str, str, str]]:
-    if not path.is_file():
-        raise FileNotFoundError(f"{path}: no such file (expected the GSM8K {path.stem} split)")
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{lineno}: expected a JSON object")
-            question, answer = record.get("question"), record.get("answer")
-            if not isinstance(question, str) or not isinstance(answer, str):
-                raise ValueError(f"{path}:{lineno}: needs string fields 'question' and 'answer'")
-            ground_truth = gsm8k_final_answer(answer)
-            if ground_truth is None:
-                raise ValueError(f"{path}:{lineno}: answer has no final '#### N' line")
-            yield question, answer, ground_truth
 
 
 # ---- rows -----------------------------------------------------------------------------------
@@ -202,18 +112,30 @@ def validate_row(row: dict[str, Any], file: str, index: int) -> list[dict[str, s
     return messages
 
 
+def render_prompt_ids(
+    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
+) -> list[int]:
+    """The chat template applied to `messages` with the generation prompt, as a flat id list
+    (what the engine sees for a prompt; agent loops, the warm-start and evaluation all use it).
+
+    transformers 5 returns a `BatchEncoding` from `apply_chat_template(tokenize=True)` while
+    older versions return a list; this normalises both so callers never see the difference.
+    """
+    rendered: Any = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, tokenize=True
+    )
+    if not isinstance(rendered, list):
+        rendered = rendered["input_ids"]
+    return [int(t) for t in rendered]
+
+
 def prompt_length(messages: list[dict[str, str]], tokenizer: PreTrainedTokenizerBase | None) -> int:
     """Prompt size: tokens after the chat template (the ids the engine sees) with a tokenizer,
     tokens of the joined contents for a tokenizer without a template, else characters."""
     if tokenizer is None:
         return sum(len(m["content"]) for m in messages)
     if getattr(tokenizer, "chat_template", None):
-        # transformers 5 returns a BatchEncoding here, older versions a list (as in
-        # tiny_model.render_prompt_ids, which this module cannot import without torch)
-        ids: Any = tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=True
-        )
-        return len(ids if isinstance(ids, list) else ids["input_ids"])
+        return len(render_prompt_ids(tokenizer, messages))
     return len(tokenizer("\n".join(m["content"] for m in messages))["input_ids"])
 
 
@@ -443,3 +365,89 @@ def _normalise_weights(weights: Sequence[float], num_files: int) -> np.ndarray:
     if not np.all(np.isfinite(w)) or np.any(w < 0) or w.sum() <= 0:
         raise ValueError(f"weights must be finite, >= 0 and not all 0, got {list(weights)}")
     return w / w.sum()
+
+
+# ---- tasks: rows made by code ------------------------------------------------------------------
+class Task(Protocol):
+    """Rows generated by code: an endless, seeded training stream and a fixed validation set."""
+
+    def rows(self) -> Iterator[dict[str, Any]]:
+        """An endless stream of verl-schema rows, a pure function of the task's seed."""
+        ...
+
+    def val_rows(self) -> list[dict[str, Any]]:
+        """The validation rows, in a fixed order."""
+        ...
+
+
+TaskFactory = Callable[[Any], Task]
+"""Called with the run's `DataConfig` (seed, and the task's own options)."""
+
+TASKS: Registry[TaskFactory] = Registry("task", "asyncrl.tasks")
+"""Tasks by name, for `data.task`. The embedded demo registers `arith` and `arith_tool` through
+the `asyncrl.tasks` entry points (pyproject.toml), as any package would."""
+
+
+def setup_task(data_cfg: Any) -> Task:
+    """The task `data_cfg.task` names (a registered name or `package.module:factory`)."""
+    return TASKS.resolve(data_cfg.task)(data_cfg)
+
+
+# ---- rows -> leases ---------------------------------------------------------------------------
+def new_group_id(row_index: int) -> str:
+    """`"{row_index}-{8 hex digits}"`: readable in logs, unique per lease."""
+    return f"{row_index}-{uuid.uuid4().hex[:8]}"
+
+
+def row_to_prompt_item(row: dict[str, Any], row_index: int, n: int) -> PromptItem:
+    """A verl-schema row -> the lease of one group of `n` samples.
+
+    `row["prompt"]` is a list of `{role, content}` messages or a plain string (one user
+    message); `extra_info`, `tools_kwargs` and `interaction_kwargs` must be JSON objects (numpy
+    values from parquet readers are converted). Raises ValueError naming the field when the row
+    does not fit the schema.
+    """
+    for key in ("data_source", "prompt", "reward_model"):
+        if key not in row:
+            raise ValueError(f"row {row_index}: missing field {key!r}")
+    reward_model = row["reward_model"]
+    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
+        raise ValueError(f"row {row_index}: reward_model must be a mapping with ground_truth")
+    try:
+        messages = prompt_messages(row["prompt"])
+    except ValueError as e:
+        raise ValueError(f"row {row_index}: {e}") from None
+    return PromptItem(
+        group_id=new_group_id(row_index),
+        n=n,
+        data_source=str(row["data_source"]),
+        messages=[ChatMessage(role=m["role"], content=m["content"]) for m in messages],
+        ground_truth=str(reward_model["ground_truth"]),
+        extra_info=_json_object(row, "extra_info", row_index),
+        agent_name=str(row.get("agent_name") or ""),
+        tools_kwargs=_json_object(row, "tools_kwargs", row_index),
+        interaction_kwargs=_json_object(row, "interaction_kwargs", row_index),
+    )
+
+
+def _json_object(row: dict[str, Any], key: str, row_index: int) -> dict[str, Any]:
+    """`row[key]` as a JSON object of plain values ({} when absent or None)."""
+    value = _plain(row.get(key) or {}, f"row {row_index}: {key}")
+    if not isinstance(value, dict):
+        raise ValueError(f"row {row_index}: {key} must be a mapping, got {type(value).__name__}")
+    return value
+
+
+def _plain(value: Any, where: str) -> Any:
+    """What parquet readers hand back (numpy scalars and arrays, tuples) as plain JSON values."""
+    if isinstance(value, np.generic):
+        return value.item()
+    if isinstance(value, (np.ndarray, list, tuple)):
+        return [_plain(v, where) for v in value]
+    if isinstance(value, dict):
+        if not all(isinstance(k, str) for k in value):
+            raise ValueError(f"{where}: mapping keys must be strings")
+        return {k: _plain(v, f"{where}.{k}") for k, v in value.items()}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f"{where}: a value of type {type(value).__name__} is not JSON")

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from asyncrl.config import DataConfig
+from asyncrl.data import row_to_prompt_item, setup_task
 from asyncrl.protocol import PromptItem
 from asyncrl.replay_client import ReplayClient
 
@@ -70,8 +71,6 @@ def eval_prompts(
     rows: Iterable[dict[str, Any]], n: int, temperature: float, job_id: str
 ) -> list[PromptItem]:
     """One evaluation prompt per row, each to be sampled n times at `temperature`."""
-    from replay.prompts import row_to_prompt_item
-
     items = []
     for i, row in enumerate(rows):
         item = row_to_prompt_item(row, i, n)
@@ -110,11 +109,9 @@ def run_eval_job(
 
 def load_eval_rows(files: list[str], data: DataConfig) -> list[dict[str, Any]]:
     """Every row of the given parquet files once, in file order; no files: the questions of
-    the embedded task `data.task` (its `val_rows`)."""
+    the task `data.task` (its `val_rows`)."""
     if not files:
-        from asyncrl.tasks import setup_embedded_task
-
-        return setup_embedded_task(data.task, data.task_max_operand, data.seed).val_rows()
+        return setup_task(data).val_rows()
     import pyarrow.parquet as pq
 
     return [row for f in files for row in pq.read_table(f).to_pylist()]

@@ -11,17 +11,20 @@ Who sends what (replies echo the request's `request_id`):
     evaluator      -> replay   EvalPoll       -> EvalResults  (scores so far; done when complete)
     learner rank 0 -> replay   CheckpointRequest -> Ack       (replay saves its data position)
     replay         -> anyone   Error                          (a message it could not decode)
+    vLLM worker    -> its rollout server   WeightsStaged | WeightReceiverClosed |
+                                           WeightReceiverFailed   (one-way notices, PUSH/PULL)
 
 Token ids, masks, log-probs and versions always travel as raw array frames (see `codec`).
 """
 
 from __future__ import annotations
 
+from dataclasses import field
 from typing import Literal
 
 import numpy as np
 
-from asyncrl.codec import Array, message, struct
+from asyncrl.codec import Array, JsonObject, message, struct
 
 
 @struct
@@ -37,10 +40,10 @@ class PromptItem:
     data_source: str  # selects the reward function
     messages: list[ChatMessage]  # the prompt as chat messages (rendered by the server's template)
     ground_truth: str  # reward_model.ground_truth of the row
-    extra_info_json: str  # the row's extra_info, JSON-encoded (opaque to the wire)
+    extra_info: JsonObject  # the row's extra_info (free-form; reward functions read it)
     agent_name: str = ""  # the row's agent loop ("": the config's default)
-    tools_kwargs_json: str = "{}"  # the row's tools_kwargs, JSON-encoded
-    interaction_kwargs_json: str = "{}"  # the row's interaction_kwargs, JSON-encoded
+    tools_kwargs: JsonObject = field(default_factory=dict)  # {tool: {create_kwargs: {...}}}
+    interaction_kwargs: JsonObject = field(default_factory=dict)  # {name: ..., start kwargs}
     eval_job: str = ""  # "" for training; else the evaluation job this prompt belongs to
     temperature: float = -1.0  # sampling temperature for this prompt; < 0: the server's default
 
@@ -175,6 +178,22 @@ class CheckpointRequest:
 @message("error")
 class Error:
     reason: str  # why the last message was rejected
+
+
+@message("weights_staged")
+class WeightsStaged:
+    version: int  # the policy version now staged in the vLLM worker, ready to apply
+    receive_s: float  # seconds the broadcast of this version took
+
+
+@message("weight_receiver_closed")
+class WeightReceiverClosed:
+    version: int  # the last version the worker staged (-1: none); the learner closed the group
+
+
+@message("weight_receiver_failed")
+class WeightReceiverFailed:
+    error: str  # the exception and traceback that stopped the worker's weight receiver
 
 
 def empty_batch(request_id: int, stale_dropped: int = 0) -> Batch:

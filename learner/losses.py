@@ -1,6 +1,6 @@
 """Policy losses, off-policy corrections, loss aggregation and KL terms (pure tensor functions).
 
-Conventions (as in `learner.advantages`): tensors are [B, T] over response token positions and
+Conventions (as in `asyncrl.advantages`): tensors are [B, T] over response token positions and
 `mask` is 1 on tokens the policy sampled. Losses are minimised: an advantage A > 0 pushes the
 token's log-prob up. Only `logp` (the learner's current log-probs) carries a gradient; old,
 proximal, behaviour and reference log-probs, advantages and importance weights are targets and
@@ -12,7 +12,8 @@ across micro-batches and ranks (all-reduce SUM), except `*_max` (all-reduce MAX)
 `*_sum` or `*_tokens` entry by `tokens` for a mean or a fraction.
 
 Log-ratios are computed only on masked tokens (0 elsewhere, so padding holding -inf cannot
-turn into nan) and clamped to at most 20 before `exp`, as verl does.
+turn into nan) and clamped before `exp` as verl 0.9.1 does: token ratios to [-20, 20], GSPO's
+sequence ratio to at most 10; a clamped value carries no gradient.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Literal, Protocol
 
 import torch
 
-from learner.advantages import masked_mean
+from asyncrl.advantages import masked_mean
 
 AGGREGATION_MODES = (
     "token-mean",
@@ -40,6 +41,9 @@ KL_KINDS = {
     "k3": "low_var_kl",
 }
 MAX_LOG_RATIO = 20.0
+"""Token log-ratios are clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] before exp (verl's bound)."""
+MAX_GSPO_LOG_RATIO = 10.0
+"""GSPO's sequence log-ratio is clamped to at most this (verl's `compute_policy_loss_gspo`)."""
 
 
 def _log_ratio(num: torch.Tensor, den: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -100,8 +104,8 @@ def ppo_clip_token_loss(
     (A < 0 and the -A clip_c bound is active), ratio_sum, ratio_max.
     """
     m = (mask > 0).to(logp.dtype)
-    ratio = torch.exp(_log_ratio(logp, old_logp, mask).clamp(max=MAX_LOG_RATIO))
-    return _clipped_surrogate(ratio, advantages, m, clip_low, clip_high, clip_c)
+    log_ratio = _log_ratio(logp, old_logp, mask).clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO)
+    return _clipped_surrogate(torch.exp(log_ratio), advantages, m, clip_low, clip_high, clip_c)
 
 
 def gspo_token_loss(
@@ -122,7 +126,8 @@ def gspo_token_loss(
     with A constant over a sequence it equals GSPO's sequence-level loss. Clipping acts on
     whole sequences, so clip ranges are tiny: the paper uses clip_low = 3e-4, clip_high = 4e-4.
     Departures from the paper:
-      1. The sequence log-ratio is clamped to at most 20 before exp (as verl does).
+      1. The sequence log-ratio is clamped to at most MAX_GSPO_LOG_RATIO (10) before exp, and a
+         clamped row gets no gradient, as in verl 0.9.1 (the clamp acts on s_{i,t}'s log).
     Stats as `ppo_clip_token_loss` (no dual clip; ratio_* are over the sequence ratio per
     token).
     """
@@ -130,10 +135,9 @@ def gspo_token_loss(
     log_ratio = _log_ratio(logp, old_logp, mask)
     seq_log_ratio = log_ratio.sum(-1) / m.sum(-1).clamp(min=1.0)
     live = torch.where(mask > 0, logp, torch.zeros((), device=logp.device))
-    token_log_ratio = seq_log_ratio.detach().clamp(max=MAX_LOG_RATIO)[:, None] + (
-        live - live.detach()
-    )
-    return _clipped_surrogate(torch.exp(token_log_ratio), advantages, m, clip_low, clip_high, None)
+    token_log_ratio = seq_log_ratio.detach()[:, None] + (live - live.detach())
+    ratio = torch.exp(token_log_ratio.clamp(max=MAX_GSPO_LOG_RATIO))
+    return _clipped_surrogate(ratio, advantages, m, clip_low, clip_high, None)
 
 
 @torch.no_grad()
@@ -150,7 +154,7 @@ def importance_weights(
         token:     w_{i,t} = min(exp(prox_t - behav_t), cap)
         sequence:  w_{i,t} = min(exp(sum_{t' sampled} (prox_t' - behav_t')), cap)   (broadcast)
 
-    A cap truncates the weight (truncated IS, "TIS"); the exponent is clamped to at most 20.
+    A cap truncates the weight (truncated IS, "TIS"); the exponent is clamped to [-20, 20].
     To reject rather than truncate tokens with large weights, use `rejection_mask`.
     """
     log_w = _log_ratio(proximal_logp.float(), behaviour_logp, mask)
@@ -158,7 +162,7 @@ def importance_weights(
         log_w = log_w.sum(-1, keepdim=True).expand_as(log_w)
     elif level != "token":
         raise ValueError(f"unknown importance-weight level {level!r}; valid: token, sequence")
-    w = torch.exp(log_w.clamp(max=MAX_LOG_RATIO))
+    w = torch.exp(log_w.clamp(-MAX_LOG_RATIO, MAX_LOG_RATIO))
     if cap is not None:
         w = w.clamp(max=cap)
     return w * (mask > 0).to(w.dtype)
@@ -271,6 +275,35 @@ def decoupled_ppo_token_loss(
     return loss * w, stats
 
 
+def value_token_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip: float,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO's clipped value loss per token, as verl 0.9.1's `compute_value_loss` (before its
+    aggregation):
+
+        V_clip = clip(V, V_old - clip, V_old + clip)
+        l      = 0.5 max((V - R)^2, (V_clip - R)^2)
+
+    Only `values` carries a gradient. Stats: tokens, clipped_tokens (the clipped term strictly
+    larger, verl's vf_clipfrac numerator).
+    """
+    m = (mask > 0).to(values.dtype)
+    old, ret = old_values.detach(), returns.detach()
+    clipped = old + (values - old).clamp(-clip, clip)
+    unclipped_sq, clipped_sq = (values - ret) ** 2, (clipped - ret) ** 2
+    loss = 0.5 * torch.maximum(unclipped_sq, clipped_sq) * m
+    with torch.no_grad():
+        stats = {
+            "tokens": m.sum(),
+            "clipped_tokens": ((clipped_sq > unclipped_sq).float() * m).sum(),
+        }
+    return loss, stats
+
+
 def aggregate_denominator(mask: torch.Tensor, mode: str) -> torch.Tensor:
     """The denominator of `aggregate_loss` for `mask` (detached): the number of sampled tokens
     for `token-mean`, the number of sequences with at least one sampled token for `seq-*`.
@@ -301,9 +334,9 @@ def aggregate_loss(
     mode is a ratio of sums, and a mean over a micro-batch is not the mean over the batch. The
     learner sums numerators over micro-batches and ranks and divides by the denominator of the
     whole batch (`aggregate_denominator`), so micro-batching and data parallelism give exactly
-    the loss of one big batch. Departures:
-      1. seq-mean-token-sum-norm divides by the number of sequences (as Dr.GRPO's oat code);
-         verl divides by the response length only.
+    the loss of one big batch. seq-mean-token-sum-norm is verl 0.9.1's: the sequence mean of
+    token sums divided by a constant (verl's `loss_scale_factor`, by default the padded response
+    width; the learner passes the batch's response width).
     """
     if mode == "seq-mean-token-sum-norm" and (horizon is None or horizon <= 0):
         raise ValueError("seq-mean-token-sum-norm needs a positive constant `horizon`")

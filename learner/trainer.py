@@ -27,6 +27,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from asyncrl.advantages import ESTIMATORS, compute_advantages, outcome_token_rewards
 from asyncrl.config import Config
 from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
 from asyncrl.loggers import setup_loggers
@@ -36,7 +37,6 @@ from asyncrl.replay_client import ReplayClient
 from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, weights_checksum
-from learner.advantages import compute_advantages, outcome_token_rewards
 from learner.batch import TrainBatch, broadcast_batch, from_message
 from learner.fsdp import iter_full_tensors, param_specs, setup_distributed, setup_model
 from learner.losses import (
@@ -72,7 +72,7 @@ class Learner:
         if algo.use_kl_in_reward or algo.use_kl_loss:
             self.ref_model = setup_model(spec.model_path, device, trainable=False)
         self.critic = self.critic_optimizer = None
-        if algo.adv_estimator == "gae":
+        if ESTIMATORS[algo.adv_estimator].needs_critic:
             self.critic = setup_model(spec.model_path, device, head="value")
             self.critic.train()
             self.critic_optimizer = torch.optim.AdamW(

@@ -29,9 +29,11 @@ from learner.losses import (
     decoupled_ppo_token_loss,
     entropy_from_logits,
     gspo_token_loss,
+    importance_weights,
     kl_penalty,
     mismatch_kl,
     ppo_clip_token_loss,
+    value_token_loss,
 )
 
 
@@ -186,10 +188,8 @@ class Updater:
                 loss = loss + algo.kl_loss_coef * kl_num
             (loss * scale).backward()
             with torch.no_grad():
-                ratio = torch.exp(
-                    logp
-                    - (inputs.proximal if inputs.proximal is not None else inputs.old_logprobs)[idx]
-                )
+                anchor = inputs.proximal if algo.decoupled else inputs.old_logprobs
+                ratio = torch.exp(logp - anchor[idx])
                 sums += torch.stack(
                     [
                         num.detach(),
@@ -228,42 +228,45 @@ class Updater:
         return stats
 
     def _policy_loss(self, logp, idx, inputs: UpdateInputs, m):
+        """The clipped loss of `algorithm.policy_loss` with the correction `decoupled` asks for.
+
+        - decoupled=false: the ratio is taken against the behaviour log-probs (the engine's), as
+          in verl's bypass mode; config validation refuses is_level here (a second correction).
+        - decoupled=true: the ratio is taken against the proximal log-probs and the token losses
+          are weighted by behaviour -> proximal importance weights: `inputs.is_weights`
+          (is_level token or sequence, truncated at is_cap), else untruncated token weights
+          (AReaL's decoupled PPO). ppo and gspo alike.
+        """
         a = self.algo
-        adv = inputs.advantages[idx]
+        adv, behaviour = inputs.advantages[idx], inputs.old_logprobs[idx]
+        if not a.decoupled:
+            if a.policy_loss == "gspo":
+                return gspo_token_loss(logp, behaviour, adv, m, a.clip_ratio_low, a.clip_ratio_high)
+            return ppo_clip_token_loss(
+                logp, behaviour, adv, m, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c
+            )
+        assert inputs.proximal is not None
+        proximal = inputs.proximal[idx]
+        weights = inputs.is_weights[idx] if inputs.is_weights is not None else None
         if a.policy_loss == "gspo":
-            old = inputs.proximal if inputs.proximal is not None else inputs.old_logprobs
-            loss, st = gspo_token_loss(logp, old[idx], adv, m, a.clip_ratio_low, a.clip_ratio_high)
-        elif a.decoupled:
-            weights = (
-                inputs.is_weights[idx] if inputs.is_weights is not None else torch.ones_like(logp)
-            )
-            loss, st = decoupled_ppo_token_loss(
-                logp,
-                inputs.proximal[idx],
-                inputs.old_logprobs[idx],
-                adv,
-                m,
-                a.clip_ratio_low,
-                a.clip_ratio_high,
-                a.clip_ratio_c,
-                weights,
-            )
-        else:
-            loss, st = ppo_clip_token_loss(
-                logp,
-                inputs.old_logprobs[idx],
-                adv,
-                m,
-                a.clip_ratio_low,
-                a.clip_ratio_high,
-                a.clip_ratio_c,
-            )
-            if inputs.is_weights is not None:
-                loss = loss * inputs.is_weights[idx]
-        return loss, st
+            if weights is None:
+                weights = importance_weights(proximal, behaviour, m, "token", None)
+            loss, st = gspo_token_loss(logp, proximal, adv, m, a.clip_ratio_low, a.clip_ratio_high)
+            return loss * weights, st
+        return decoupled_ppo_token_loss(
+            logp,
+            proximal,
+            behaviour,
+            adv,
+            m,
+            a.clip_ratio_low,
+            a.clip_ratio_high,
+            a.clip_ratio_c,
+            weights,
+        )
 
     def _critic_step(self, batch, inputs: UpdateInputs, mask, rows, my_rows, my_weights, horizon):
-        """Clipped value loss (PPO): 0.5 max((V - R)^2, (V_old + clip(V - V_old) - R)^2)."""
+        """One optimizer step of the critic on `value_token_loss`, token-mean over the rows."""
         c = self.algo.value_clip
         tokens = float(batch.loss_mask[:, 1:][rows].sum().clamp(min=1))
         scale = self.world / tokens
@@ -273,18 +276,10 @@ class Updater:
             self.critic.set_requires_gradient_sync(i == len(chunks) - 1)
             m = batch.loss_mask[:, 1:][idx] * w[:, None]
             v = value_forward(self.critic, mb)
-            old, ret = inputs.old_values[idx], inputs.returns[idx]
-            clipped = old + (v - old).clamp(-c, c)
-            per_token = 0.5 * torch.maximum((v - ret) ** 2, (clipped - ret) ** 2)
-            ((per_token * m).sum() * scale).backward()
+            per_token, st = value_token_loss(v, inputs.old_values[idx], inputs.returns[idx], m, c)
+            (per_token.sum() * scale).backward()
             with torch.no_grad():
-                sums += torch.stack(
-                    [
-                        (per_token * m).sum(),
-                        ((clipped - ret) ** 2 > (v - ret) ** 2).float().mul(m).sum(),
-                        (v * m).sum(),
-                    ]
-                )
+                sums += torch.stack([per_token.sum(), st["clipped_tokens"], (v * m).sum()])
         grad_norm = _clip_and_step(self.critic, self.critic_optimizer, self.grad_clip)
         if self.world > 1:
             dist.all_reduce(sums)

@@ -6,5 +6,8 @@ Components (one module each), wired by `service.ReplayService` in one single-thr
   (staleness rule plus capacity back-pressure).
 - `buffer`: `GroupBuffer`, the samples of each lease kept together, deduplicated, and handed to
   the learner as whole groups no older than `replay.max_staleness` versions.
+- `eval_jobs`: evaluation prompts, leased before training ones, and their scores.
+- `fleet_stats`: what the replay tells the learner about the servers per batch.
+- `counters`: the counters it reports and logs.
 - `service`: the ZeroMQ ROUTER loop and `run_replay`, the process entry point.
 """

@@ -2,9 +2,9 @@
 
 A `PromptSource` hands out rows in the verl schema (`data_source`, `prompt`, `reward_model`,
 `extra_info`, ...); the replay turns each row into a `PromptItem` with a fresh group id when it
-grants a lease. The protocol is one method so that any row stream (the embedded arithmetic task,
-parquet files through `asyncrl.data.PromptReader`) plugs in without the replay knowing where
-rows live.
+grants a lease (`asyncrl.data.row_to_prompt_item`). The protocol is one method so that any row
+stream (a registered `Task`, parquet files through `asyncrl.data.PromptReader`) plugs in without
+the replay knowing where rows live.
 
 Invariant: every group id handed out is unique for the life of the process (row index plus a
 random suffix), so a trajectory of an expired or consumed lease can never be mistaken for a
@@ -14,20 +14,17 @@ sample of a newer lease of the same row.
 from __future__ import annotations
 
 import dataclasses
-import json
 import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
-import numpy as np
-
 from asyncrl.config import Config
-from asyncrl.data import PromptReader, prompt_messages
-from asyncrl.protocol import ChatMessage, PromptItem
-from asyncrl.tasks import ArithmeticTask, ToolArithmeticTask, setup_embedded_task
+from asyncrl.data import PromptReader, Task, setup_task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from asyncrl.protocol import PromptItem
 
 
 class PromptSource(Protocol):
@@ -46,10 +43,10 @@ class PromptSource(Protocol):
         ...
 
 
-class EmbeddedPromptSource:
-    """Rows of the embedded arithmetic task, in the task's seeded order."""
+class TaskPromptSource:
+    """Rows of a registered `Task` (the embedded demo task, or a user's), in its seeded order."""
 
-    def __init__(self, task: ArithmeticTask | ToolArithmeticTask) -> None:
+    def __init__(self, task: Task) -> None:
         self._task = task
         self._rows: Iterator[dict[str, Any]] = task.rows()
         self._drawn = 0
@@ -91,93 +88,39 @@ class ParquetPromptSource:
 
 
 def setup_prompt_source(
-    cfg: Config, tokenizer: PreTrainedTokenizerBase | None = None
+    cfg: Config, model_path: str | None = None, tokenizer: PreTrainedTokenizerBase | None = None
 ) -> PromptSource:
     """The prompt source the config asks for: parquet files when `data.train_files` is set,
-    else the embedded task `data.task`.
+    else the task `data.task`.
 
     `tokenizer` measures prompts for `data.max_prompt_length`; when none is given and a length
-    is set, the model's tokenizer is loaded (`trainer.model_path`, or the embedded model's).
+    is set, the tokenizer of `model_path` (the run's model directory) is loaded.
     """
     data = cfg.data
     if not data.train_files:
-        return EmbeddedPromptSource(
-            setup_embedded_task(data.task, data.task_max_operand, data.seed)
-        )
-    if data.max_prompt_length is not None and tokenizer is None:
-        tokenizer = _model_tokenizer(cfg)
+        return TaskPromptSource(setup_task(data))
+    if data.max_prompt_length is None:
+        tokenizer = None
+    elif tokenizer is None:
+        if model_path is None:
+            raise ValueError("data.max_prompt_length needs the model's tokenizer (no model path)")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
     reader = PromptReader(
         data.train_files,
         weights=data.train_weights,
         seed=data.seed,
         shuffle=data.shuffle,
         skip_bad_rows=data.skip_bad_rows,
-        tokenizer=tokenizer if data.max_prompt_length is not None else None,
+        tokenizer=tokenizer,
         max_prompt_length=data.max_prompt_length,
         too_long=data.too_long,
     )
     return ParquetPromptSource(reader)
 
 
-def _model_tokenizer(cfg: Config) -> PreTrainedTokenizerBase:
-    if cfg.trainer.model_path is None:
-        from asyncrl.tiny_model import build_tokenizer
-
-        return build_tokenizer()
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(cfg.trainer.model_path)
-
-
-def new_group_id(row_index: int) -> str:
-    """`"{row_index}-{8 hex digits}"`: readable in logs, unique per lease."""
-    return f"{row_index}-{uuid.uuid4().hex[:8]}"
-
-
 def reissue(item: PromptItem) -> PromptItem:
     """The same prompt under a fresh group id (its row index is kept), for a lease that expired."""
     row_index = item.group_id.rsplit("-", 1)[0]
     return dataclasses.replace(item, group_id=f"{row_index}-{uuid.uuid4().hex[:8]}")
-
-
-def row_to_prompt_item(row: dict[str, Any], row_index: int, n: int) -> PromptItem:
-    """A verl-schema row -> the lease of one group of `n` samples.
-
-    `row["prompt"]` is a list of `{role, content}` messages or a plain string (one user
-    message); `extra_info` travels JSON-encoded because the wire carries no free-form values.
-    Raises ValueError naming the field when the row does not fit the schema.
-    """
-    for key in ("data_source", "prompt", "reward_model"):
-        if key not in row:
-            raise ValueError(f"row {row_index}: missing field {key!r}")
-    reward_model = row["reward_model"]
-    if not isinstance(reward_model, dict) or "ground_truth" not in reward_model:
-        raise ValueError(f"row {row_index}: reward_model must be a mapping with ground_truth")
-    return PromptItem(
-        group_id=new_group_id(row_index),
-        n=n,
-        data_source=str(row["data_source"]),
-        messages=_messages(row["prompt"], row_index),
-        ground_truth=str(reward_model["ground_truth"]),
-        extra_info_json=json.dumps(row.get("extra_info") or {}, default=_plain),
-        agent_name=str(row.get("agent_name") or ""),
-        tools_kwargs_json=json.dumps(row.get("tools_kwargs") or {}, default=_plain),
-        interaction_kwargs_json=json.dumps(row.get("interaction_kwargs") or {}, default=_plain),
-    )
-
-
-def _messages(prompt: Any, row_index: int) -> list[ChatMessage]:
-    try:
-        messages = prompt_messages(prompt)
-    except ValueError as e:
-        raise ValueError(f"row {row_index}: {e}") from None
-    return [ChatMessage(role=m["role"], content=m["content"]) for m in messages]
-
-
-def _plain(value: Any) -> Any:
-    """JSON fallback for what parquet readers put in extra_info (numpy scalars and arrays)."""
-    if isinstance(value, np.generic):
-        return value.item()
-    if isinstance(value, np.ndarray):
-        return value.tolist()
-    raise TypeError(f"extra_info value of type {type(value).__name__} is not JSON-serialisable")

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import zmq
 
 from asyncrl.codec import ProtocolError
 from asyncrl.config import Config
+from asyncrl.data import row_to_prompt_item
 from asyncrl.metrics import peak_rss_mb, write_json_atomic
 from asyncrl.protocol import (
     Ack,
@@ -61,38 +61,15 @@ from asyncrl.protocol import (
 from asyncrl.transport import decode_frames, send_msg, setup_socket
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer, MalformedTrajectory, to_batch
+from replay.counters import COUNTERS, summarize
 from replay.eval_jobs import EvalJobs
-from replay.prompts import PromptSource, reissue, row_to_prompt_item, setup_prompt_source
+from replay.fleet_stats import FleetStats
+from replay.prompts import PromptSource, reissue, setup_prompt_source
 
 log = logging.getLogger("asyncrl.replay")
 
 POLL_INTERVAL_S = 0.1  # longest the loop sleeps, so a stop request is seen within it
 MAX_MESSAGES_PER_TICK = 1000  # messages handled between two looks at timers and held requests
-COUNTERS = (
-    "received",
-    "rejected_malformed",
-    "rejected_oversized",
-    "rejected_unexpected",
-    "lease_requests",
-    "leases_granted",
-    "leases_reissued",
-    "empty_grants",
-    "eval_jobs",
-    "eval_leases_granted",
-    "eval_samples",
-    "expired",
-    "accepted",
-    "duplicates",
-    "late",
-    "stale_dropped",
-    "batch_requests",
-    "batches_served",
-    "groups_served",
-    "samples_served",
-    "empty_batches",
-    "version_updates",
-)
-"""Every counter the replay reports, present (as 0) from the start."""
 _ACK_COUNTERS = {"accepted": "accepted", "duplicate": "duplicates", "late": "late"}
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -147,8 +124,7 @@ class ReplayService:
         }
         self.eval_jobs = EvalJobs()
         # per server: (engine busy s, weight-apply pause s, uptime s), latest and at last batch
-        self._servers: dict[int, tuple[float, float, float]] = {}
-        self._servers_at_last_batch: dict[int, tuple[float, float, float]] = {}
+        self.fleet = FleetStats()
         self._ctx = zmq.Context()
         self._sock = setup_socket(
             self._ctx, zmq.ROUTER, bind=address, allow_remote=cfg.launch.allow_remote
@@ -252,7 +228,7 @@ class ReplayService:
             self._reject(identity, "rejected_malformed", f"max_groups {req.max_groups} < 0")
             return
         self.counters["lease_requests"] += 1
-        self._servers[req.server_id] = (req.engine_busy_s, req.weight_apply_s, req.uptime_s)
+        self.fleet.report(req.server_id, req.engine_busy_s, req.weight_apply_s, req.uptime_s)
         # a newer request from the same server carries its current version and free slots
         self._held_leases = self._supersede(self._held_leases, identity)
         prompts = self._grant(req)
@@ -410,8 +386,13 @@ class ReplayService:
             self._changed = True  # capacity and admission slots were freed
         if not groups:
             return False
+        fleet = self.fleet.for_batch(
+            (x for g in groups for x in g.latencies),
+            self.buffer.num_ready,
+            self.buffer.num_in_flight,
+        )
         batch = dataclasses.replace(
-            to_batch(req.request_id, groups, held.stale_dropped), fleet=self._fleet_stats(groups)
+            to_batch(req.request_id, groups, held.stale_dropped), fleet=fleet
         )
         self.counters["batches_served"] += 1
         self.counters["groups_served"] += len(groups)
@@ -419,29 +400,6 @@ class ReplayService:
         self._changed = True  # capacity was freed
         send_msg(self._sock, batch, held.identity)
         return True
-
-    def _fleet_stats(self, groups: list) -> dict[str, float]:
-        """What the learner logs about the rest of the pipeline for this step: occupancy, the
-        servers' idle ratio and generation pause since the previous batch, sample latency."""
-        latencies = np.array([x for g in groups for x in g.latencies])
-        stats = {
-            "replay_groups_ready": float(self.buffer.num_ready),
-            "replay_groups_in_flight": float(self.buffer.num_in_flight),
-            "traj_latency_p50_s": float(np.percentile(latencies, 50)) if len(latencies) else 0.0,
-            "traj_latency_p99_s": float(np.percentile(latencies, 99)) if len(latencies) else 0.0,
-        }
-        idle, pause = [], 0.0
-        for server, now in self._servers.items():
-            before = self._servers_at_last_batch.get(server, (0.0, 0.0, 0.0))
-            span = now[2] - before[2]
-            if span > 0:
-                idle.append(1.0 - min(1.0, (now[0] - before[0]) / span))
-            pause += now[1] - before[1]
-        if idle:
-            stats["server_idle_ratio"] = sum(idle) / len(idle)
-            stats["generation_pause_s"] = pause
-        self._servers_at_last_batch = dict(self._servers)
-        return stats
 
     # ---- held requests ----------------------------------------------------------------------
     def _hold(self, queue: list[_Held], identity: bytes, req: LeaseRequest) -> None:
@@ -486,10 +444,13 @@ class ReplayService:
             send_msg(self._sock, LeaseGrant(req.request_id, []), held.identity)
 
 
-def run_replay(cfg: Config, address: str, stats_path: str | None) -> None:
+def run_replay(
+    cfg: Config, address: str, stats_path: str | None, model_path: str | None = None
+) -> None:
     """Entry point of the replay process: serve until SIGTERM/SIGINT, then write the final
-    counters to `stats_path` (atomically) and log a one-line summary."""
-    service = ReplayService(cfg, address, setup_prompt_source(cfg))
+    counters to `stats_path` (atomically) and log a one-line summary. `model_path` gives the
+    tokenizer for `data.max_prompt_length`."""
+    service = ReplayService(cfg, address, setup_prompt_source(cfg, model_path))
     if cfg.trainer.resume_from is not None:
         service.restore(json.loads((Path(cfg.trainer.resume_from) / "replay.json").read_text()))
     stop = threading.Event()
@@ -504,17 +465,3 @@ def run_replay(cfg: Config, address: str, stats_path: str | None) -> None:
         if stats_path is not None:
             write_json_atomic(stats_path, counters)
         log.info("replay done: %s", summarize(counters))
-
-
-def summarize(counters: dict[str, float]) -> str:
-    """One line for logs: what came in, what went out, what was dropped or rejected."""
-    c = {k: int(v) for k, v in counters.items()}
-    rejected = sum(v for k, v in c.items() if k.startswith("rejected_"))
-    return (
-        f"{c.get('accepted', 0)} trajectories accepted ({c.get('duplicates', 0)} duplicate, "
-        f"{c.get('late', 0)} late, {rejected} rejected messages); "
-        f"{c.get('leases_granted', 0)} leases granted, {c.get('expired', 0)} expired; "
-        f"{c.get('batches_served', 0)} batches / {c.get('samples_served', 0)} samples served; "
-        f"{c.get('stale_dropped', 0)} groups dropped as stale; "
-        f"learner version {c.get('learner_version', 0)}"
-    )

@@ -41,13 +41,12 @@ import threading
 from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from decimal import Decimal, InvalidOperation
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from asyncrl.data import gsm8k_final_answer
-from asyncrl.tasks import ARITH_SOURCE, ARITH_TOOL_SOURCE, arith_reward_fn
+from asyncrl.gsm8k import gsm8k_final_answer, same_number
+from asyncrl.registry import Registry
 from rollout_servers.reward_sandbox import code_reward_fn, die_with_parent
 
 log = logging.getLogger("asyncrl.rewards")
@@ -60,11 +59,6 @@ _BOXED = re.compile(r"\\(?:boxed|fbox)\s*")
 
 
 # ---- built-in reward functions ---------------------------------------------------------------
-def arith_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
-    """The embedded arithmetic task's exact-match reward under verl's signature."""
-    return arith_reward_fn(solution_str, ground_truth)
-
-
 def gsm8k_reward_fn(
     data_source: str,
     solution_str: str,
@@ -79,15 +73,7 @@ def gsm8k_reward_fn(
     answer = gsm8k_final_answer(solution_str)
     if answer is None:
         return 0.0
-    return 1.0 if _same_number(answer, ground_truth) else format_score
-
-
-def _same_number(answer: str, ground_truth: str) -> bool:
-    truth = ground_truth.strip().replace(",", "").replace("$", "")
-    try:
-        return Decimal(answer) == Decimal(truth)
-    except InvalidOperation:
-        return answer == truth
+    return 1.0 if same_number(answer, ground_truth) else format_score
 
 
 def last_boxed_answer(text: str) -> str | None:
@@ -139,34 +125,25 @@ def math_reward_fn(
     return 1.0 if math_equal(answer, truth) else format_score
 
 
-REWARD_FNS: dict[str, RewardFn] = {
-    ARITH_SOURCE: arith_score,
-    ARITH_TOOL_SOURCE: arith_score,  # exact match of the last assistant turn (the final answer)
-    **dict.fromkeys(("openai/gsm8k", "gsm8k"), gsm8k_reward_fn),
-    **dict.fromkeys(
-        (
-            "math",
-            "lighteval/MATH",
-            "DigitalLearningGmbH/MATH-lighteval",
-            "HuggingFaceH4/MATH-500",
-            "math_dapo",
-        ),
-        math_reward_fn,
-    ),
-    **dict.fromkeys(("code", "codecontests", "apps", "codeforces", "taco"), code_reward_fn),
-}
-"""data_source -> reward function (verl's names for the same datasets)."""
+REWARD_FNS: Registry[RewardFn] = Registry("reward function", "asyncrl.rewards")
+"""data_source -> reward function (verl's names for the same datasets); packages add theirs
+with `asyncrl.rewards` entry points (the embedded task does, see pyproject.toml)."""
+for _source in ("openai/gsm8k", "gsm8k"):
+    REWARD_FNS.register(_source, gsm8k_reward_fn)
+for _source in (
+    "math",
+    "lighteval/MATH",
+    "DigitalLearningGmbH/MATH-lighteval",
+    "HuggingFaceH4/MATH-500",
+    "math_dapo",
+):
+    REWARD_FNS.register(_source, math_reward_fn)
+for _source in ("code", "codecontests", "apps", "codeforces", "taco"):
+    REWARD_FNS.register(_source, code_reward_fn)
 
-
-def register_reward(data_source: str) -> Callable[[RewardFn], RewardFn]:
-    """Decorator: `@register_reward("my_source")` over a module-level verl-signature function
-    (the worker processes import it by module and name, so lambdas and closures do not work)."""
-
-    def wrap(fn: RewardFn) -> RewardFn:
-        REWARD_FNS[data_source] = fn
-        return fn
-
-    return wrap
+register_reward = REWARD_FNS.register
+"""`@register_reward("my_source")` over a module-level verl-signature function (the worker
+processes import it by module and name, so lambdas and closures do not work)."""
 
 
 def load_custom_reward(path: str | Path, name: str = "compute_score") -> RewardFn:

@@ -31,19 +31,21 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from asyncrl.advantages import ESTIMATORS
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.metrics import JsonlWriter, peak_rss_mb, write_json_atomic
 from asyncrl.protocol import PromptItem, Trajectory
 from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
-from rollout_servers.agent_loop import AgentLoop
-from rollout_servers.agent_registry import AgentLoopRouter
-from rollout_servers.engine import Engine, HFEngine, SamplingParams, SyncTarget
-from rollout_servers.interactions import load_interaction_config
+from rollout_servers.agents.base import AgentLoop
+from rollout_servers.agents.interactions import load_interaction_config
+from rollout_servers.agents.registry import AgentLoopRouter
+from rollout_servers.agents.tool_agent import ToolAgentLimits
+from rollout_servers.agents.tools import load_tool_config
+from rollout_servers.engines.base import Engine, SamplingParams, SyncTarget
+from rollout_servers.engines.hf import HFEngine
 from rollout_servers.replay_client import AsyncReplayClient
 from rollout_servers.rewards import RewardComputer
-from rollout_servers.tool_agent import ToolAgentLimits
-from rollout_servers.tools import load_tool_config
 
 log = logging.getLogger("asyncrl.rollout")
 
@@ -131,7 +133,7 @@ class RolloutServer:
     # ---- one group, one sample ------------------------------------------------------------
     async def run_group(self, prompt: PromptItem) -> None:
         """The group's n samples, concurrently (and, for ReMax, its greedy baseline too)."""
-        if self.cfg.algorithm.adv_estimator == "remax":
+        if ESTIMATORS[self.cfg.algorithm.adv_estimator].greedy_baseline:
             baseline = asyncio.ensure_future(self._greedy_baseline(prompt))
         else:
             baseline = asyncio.get_running_loop().create_future()
@@ -144,8 +146,9 @@ class RolloutServer:
         return (await self._score(prompt, greedy.response_text))[0]
 
     async def _score(self, prompt: PromptItem, text: str) -> tuple[float, dict[str, float]]:
-        extra = json.loads(prompt.extra_info_json)
-        return await self.rewards.score(prompt.data_source, text, prompt.ground_truth, extra)
+        return await self.rewards.score(
+            prompt.data_source, text, prompt.ground_truth, prompt.extra_info
+        )
 
     async def run_sample(self, prompt: PromptItem, index: int, baseline: asyncio.Future) -> None:
         params = None
@@ -329,7 +332,7 @@ def setup_engine(rc: RolloutConfig, model_path: str, seed: int) -> Engine:
     """The configured inference engine on the model at `model_path` (version 0)."""
     device = "cuda" if _uses_cuda(rc.device) else "cpu"
     if rc.engine == "vllm":
-        from rollout_servers.vllm_engine import VLLMEngine
+        from rollout_servers.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_path, rc.vllm, device=device, seed=seed)
     return HFEngine(model_path, device=device, max_batch_size=rc.max_batch_size, seed=seed)

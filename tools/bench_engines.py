@@ -37,8 +37,8 @@ GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 def load_prompts(tokenizer, count: int) -> list[tuple[list[int], dict]]:
     """(prompt ids, row) of the first `count` GSM8K test questions, as training renders them."""
-    from asyncrl.data import gsm8k_row
-    from asyncrl.tiny_model import render_prompt_ids
+    from asyncrl.data import render_prompt_ids
+    from asyncrl.gsm8k import gsm8k_row
 
     rows = []
     with GSM8K.open() as f:
@@ -83,7 +83,7 @@ async def bench_bare_vllm(model: str, prompts, params, n: int, rounds: int, seed
     from vllm.v1.engine.async_llm import AsyncLLM
 
     from asyncrl.config import VLLMConfig
-    from rollout_servers.vllm_engine import engine_args, eos_ids, request_params
+    from rollout_servers.engines.vllm import engine_args, eos_ids, request_params
 
     llm = AsyncLLM.from_engine_args(engine_args(model, VLLMConfig(), seed))
     request = request_params(params, eos_ids(model))
@@ -112,7 +112,7 @@ async def bench_rollout(engine, tokenizer, prompts, params, n: int, rounds: int)
     """The single-turn agent loop and the gsm8k reward around VLLMEngine, per sample."""
     from asyncrl.config import Config
     from asyncrl.protocol import ChatMessage, PromptItem
-    from rollout_servers.agent_loop import SingleTurnAgentLoop
+    from rollout_servers.agents.single_turn import SingleTurnAgentLoop
     from rollout_servers.server import setup_rewards
 
     loop = SingleTurnAgentLoop(engine, tokenizer, params)
@@ -124,7 +124,7 @@ async def bench_rollout(engine, tokenizer, prompts, params, n: int, rounds: int)
             messages=[ChatMessage(m["role"], m["content"]) for m in row["prompt"]],
             data_source=row["data_source"],
             ground_truth=row["reward_model"]["ground_truth"],
-            extra_info_json=json.dumps(row["extra_info"]),
+            extra_info=row["extra_info"],
         )
         for i, (_, row) in enumerate(prompts)
     ]
@@ -135,7 +135,7 @@ async def bench_rollout(engine, tokenizer, prompts, params, n: int, rounds: int)
             item.data_source,
             result.response_text,
             item.ground_truth,
-            json.loads(item.extra_info_json),
+            item.extra_info,
         )
         return len(result.response_ids)
 
@@ -172,7 +172,7 @@ def main() -> int:
     from transformers import AutoTokenizer
 
     from asyncrl.config import VLLMConfig
-    from rollout_servers.engine import HFEngine, SamplingParams
+    from rollout_servers.engines.hf import HFEngine, SamplingParams
 
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)
@@ -200,7 +200,7 @@ def main() -> int:
             args.model, prompts, params, args.n, args.rounds, args.seed
         )
         report("vllm bare", results)
-        from rollout_servers.vllm_engine import VLLMEngine
+        from rollout_servers.engines.vllm import VLLMEngine
 
         engine = VLLMEngine(args.model, VLLMConfig(), seed=args.seed)
         try:

@@ -35,12 +35,12 @@ from typing import Any
 import psutil
 
 from asyncrl.config import load_config
-from asyncrl.launcher import launch
+from asyncrl.launch.run import launch
 from asyncrl.metrics import read_jsonl
 
 
 def build_bench_model(out: Path, hidden: int, layers: int) -> str:
-    from asyncrl.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+    from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     spec = TinyModelSpec(

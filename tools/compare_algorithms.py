@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from asyncrl.config import load_config
-from asyncrl.launcher import launch
+from asyncrl.launch.run import launch
 from asyncrl.metrics import read_jsonl
 
 DECOUPLED_TIS = ["algorithm.decoupled=true", "algorithm.is_level=token", "algorithm.is_cap=2.0"]

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.pipeline_model import Costs, Fleet, Lengths, Result, simulate
+from asyncrl.analysis.pipeline_model import Costs, Fleet, Lengths, Result, simulate
 
 __all__ = ["Costs", "Fleet", "Lengths", "Result", "simulate"]  # the model, re-exported
 
@@ -53,6 +53,27 @@ def expected_max(lengths: list[int], b: int) -> float:
     cdf = np.cumsum(counts) / counts.sum()
     below = np.concatenate([[0.0], cdf[:-1]])  # P(x < value)
     return float(np.sum(values * (cdf**b - below**b)))
+
+
+def _sync_latencies(cfg, spans, gens, warm, apply, lease_gaps, deliver_x, deliver_gaps) -> None:
+    """Append a synchronous run's apply times, apply-to-next-batch gaps (lease) and
+    batch-end-to-fetch-end gaps (delivery, against the reward rounds of the last batch)."""
+    applies = [s for s in spans if s["name"] == "apply_weights" and s["ts"] >= warm]
+    apply += [s["dur"] for s in applies]
+    for a in applies:
+        end = a["ts"] + a["dur"]
+        nxt = [s["ts"] for s in gens if s["proc"] == a["proc"] and s["ts"] >= end]
+        if nxt:
+            lease_gaps.append(min(nxt) - end)
+    workers = cfg.get("reward_workers", 2)
+    for f in spans:
+        if f["name"] == "fetch_batch" and f["ts"] >= warm:
+            end = f["ts"] + f["dur"]
+            last = [s for s in gens if s["ts"] + s["dur"] <= end]
+            if last:
+                last = max(last, key=lambda s: s["ts"] + s["dur"])
+                deliver_x.append([1.0, math.ceil(last["args"]["batch"] / workers)])
+                deliver_gaps.append(end - last["ts"] - last["dur"])
 
 
 def fit_costs(benches: list[dict[str, Any]], modes: tuple[str, ...] = ("sync", "async")):
@@ -88,25 +109,8 @@ def fit_costs(benches: list[dict[str, Any]], modes: tuple[str, ...] = ("sync", "
                 bcast_y.append(r["time_broadcast_weights_s"])
                 if cfg["max_staleness"] > 0:
                     fetch_ready.append(r["time_fetch_batch_s"])
-            applies = [s for s in spans if s["name"] == "apply_weights" and s["ts"] >= warm]
-            if cfg["max_staleness"] != 0:
-                continue  # an async apply span includes the wait for the running batch to end
-            apply += [s["dur"] for s in applies]
-            for a in applies:
-                end = a["ts"] + a["dur"]
-                nxt = [s["ts"] for s in gens if s["proc"] == a["proc"] and s["ts"] >= end]
-                if nxt:
-                    lease_gaps.append(min(nxt) - end)
-            workers = cfg.get("reward_workers", 2)
-            for f in spans:
-                if f["name"] == "fetch_batch" and f["ts"] >= warm:
-                    end = f["ts"] + f["dur"]
-                    last = [s for s in gens if s["ts"] + s["dur"] <= end]
-                    if last:
-                        last = max(last, key=lambda s: s["ts"] + s["dur"])
-                        rounds = math.ceil(last["args"]["batch"] / workers)
-                        deliver_x.append([1.0, rounds])
-                        deliver_gaps.append(end - last["ts"] - last["dur"])
+            if cfg["max_staleness"] == 0:  # an async apply span includes the running batch's end
+                _sync_latencies(cfg, spans, gens, warm, apply, lease_gaps, deliver_x, deliver_gaps)
     gen = _nnls(gen_x, gen_y)
     train = _nnls(train_x, train_y)
     if len({x[1] for x in bcast_x}) > 1:  # runs with different numbers of servers

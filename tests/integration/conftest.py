@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl import models
+from asyncrl.demo import smollm2 as models
 
 
 def _require_gguf_import() -> Path:
@@ -30,6 +30,14 @@ def smollm2_dir(tmp_path_factory) -> Path:
     """`asyncrl model import-smollm2` into a fresh directory, once per test session."""
     _require_gguf_import()
     out = tmp_path_factory.mktemp("models") / "smollm2-135m-instruct"
-    cmd = [sys.executable, "-m", "asyncrl.cli", "model", "import-smollm2", "--output", str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "asyncrl.launch.cli",
+        "model",
+        "import-smollm2",
+        "--output",
+        str(out),
+    ]
     subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
     return out

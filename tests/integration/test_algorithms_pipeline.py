@@ -6,7 +6,7 @@ import math
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.launcher import launch
+from asyncrl.launch.run import launch
 from asyncrl.metrics import read_jsonl
 
 pytestmark = pytest.mark.integration

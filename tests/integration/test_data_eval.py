@@ -12,7 +12,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.launcher import launch
+from asyncrl.launch.run import launch
 from asyncrl.metrics import read_jsonl
 
 pytestmark = pytest.mark.integration
@@ -107,14 +107,15 @@ def test_validation_then_eval_of_the_final_checkpoint(tmp_path, model_cache):
 
     data = tmp_path / "data"
     subprocess.run(
-        [sys.executable, "-m", "asyncrl.cli", "data", "arith", "--output", str(data)], check=True
+        [sys.executable, "-m", "asyncrl.launch.cli", "data", "arith", "--output", str(data)],
+        check=True,
     )
     out = tmp_path / "eval.json"
     subprocess.run(
         [
             sys.executable,
             "-m",
-            "asyncrl.cli",
+            "asyncrl.launch.cli",
             "eval",
             "--data",
             str(data / "val.parquet"),

@@ -17,7 +17,7 @@ def _start(tmp_path: Path) -> tuple[subprocess.Popen, Path]:
     argv = [
         sys.executable,
         "-m",
-        "asyncrl.cli",
+        "asyncrl.launch.cli",
         "launch",
         "trainer.total_steps=100000",
         "trainer.warmstart_steps=10",

@@ -9,8 +9,8 @@ from pathlib import Path
 import psutil
 import pytest
 
+from asyncrl.launch.progress import training_rows
 from asyncrl.metrics import read_jsonl
-from asyncrl.progress import training_rows
 
 pytestmark = pytest.mark.integration
 
@@ -22,7 +22,7 @@ def _launch(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
     argv = [
         sys.executable,
         "-m",
-        "asyncrl.cli",
+        "asyncrl.launch.cli",
         "launch",
         "launch.backend=ray",
         f"trainer.cache_dir={tmp_path / 'cache'}",

@@ -33,8 +33,9 @@ from asyncrl.protocol import (
     VersionUpdate,
 )
 from asyncrl.transport import decode_frames, free_port, tcp_address
+from replay.counters import COUNTERS
 from replay.prompts import setup_prompt_source
-from replay.service import COUNTERS, ReplayService
+from replay.service import ReplayService
 
 pytestmark = pytest.mark.integration
 
@@ -196,7 +197,7 @@ def test_bad_messages_are_rejected_counted_and_the_service_keeps_serving(client)
     prompts = _lease(sock, 1, version=0, max_groups=5)
     assert len(prompts) == B and all(p.n == N for p in prompts)  # max_staleness 0: one batch
     for p in prompts:  # embedded task rows, as a verl-schema dataset would give them
-        extra = json.loads(p.extra_info_json)
+        extra = p.extra_info
         assert (
             p.messages[0].role == "user" and p.messages[0].content == f"{extra['a']}+{extra['b']}="
         )

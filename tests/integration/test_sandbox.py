@@ -24,7 +24,8 @@ from typing import Any
 import psutil
 import pytest
 
-from rollout_servers.sandbox import Backend, Sandbox, SandboxConfig, _Capture, _classify
+from rollout_servers.sandbox import Backend, Sandbox, SandboxConfig
+from rollout_servers.sandbox.output import _Capture, _classify
 
 pytestmark = pytest.mark.integration
 

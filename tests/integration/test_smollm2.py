@@ -16,9 +16,9 @@ import textwrap
 
 import pytest
 
-from asyncrl import models
 from asyncrl.config import CONFIG_DIR, load_config
-from asyncrl.models import ModelImportError, import_smollm2
+from asyncrl.demo import smollm2 as models
+from asyncrl.demo.smollm2 import ModelImportError, import_smollm2
 
 pytestmark = pytest.mark.integration
 
@@ -125,7 +125,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     [pytest.param("hf", marks=pytest.mark.smollm2), pytest.param("vllm", marks=pytest.mark.vllm)],
 )
 def test_smollm2_gsm8k_config_trains_two_steps_on_cpu(smollm2_dir, tmp_path, monkeypatch, engine):
-    from asyncrl.launcher import launch
+    from asyncrl.launch.run import launch
     from asyncrl.metrics import read_jsonl
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
@@ -135,7 +135,7 @@ def test_smollm2_gsm8k_config_trains_two_steps_on_cpu(smollm2_dir, tmp_path, mon
         lines = [json.dumps({"question": q, "answer": a}) for q, a in GSM8K_LINES]
         (raw / f"{split}.jsonl").write_text("\n".join(lines) + "\n")
     data = tmp_path / "gsm8k"
-    cmd = [sys.executable, "-m", "asyncrl.cli", "data", "gsm8k", "--input", str(raw)]
+    cmd = [sys.executable, "-m", "asyncrl.launch.cli", "data", "gsm8k", "--input", str(raw)]
     subprocess.run([*cmd, "--output", str(data)], check=True, env=OFFLINE, timeout=120)
     reward = tmp_path / "shaped_reward.py"
     reward.write_text(textwrap.dedent(SHAPED_REWARD))

@@ -15,11 +15,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import VLLMConfig
-from asyncrl.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from asyncrl.transport import free_port
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, specs_of
-from rollout_servers.engine import SamplingParams, SyncTarget
-from rollout_servers.vllm_engine import VLLMEngine
+from rollout_servers.engines.base import SamplingParams, SyncTarget
+from rollout_servers.engines.vllm import VLLMEngine
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -13,7 +13,7 @@ import json
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.launcher import launch
+from asyncrl.launch.run import launch
 from asyncrl.metrics import read_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]

@@ -16,12 +16,12 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from asyncrl.config import VLLMConfig
-from asyncrl.data import gsm8k_row
-from asyncrl.tiny_model import render_prompt_ids
+from asyncrl.data import render_prompt_ids
+from asyncrl.gsm8k import gsm8k_row
 from asyncrl.transport import free_port
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, specs_of
-from rollout_servers.engine import SamplingParams, SyncTarget
-from rollout_servers.vllm_engine import VLLMEngine
+from rollout_servers.engines.base import SamplingParams, SyncTarget
+from rollout_servers.engines.vllm import VLLMEngine
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
 

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from learner.advantages import (
+from asyncrl.advantages import (
     compute_advantages,
     gae_advantages,
     grpo_advantages,

@@ -2,7 +2,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from asyncrl.codec import WIRE_VERSION, ProtocolError, decode, encode
+from asyncrl.codec import MAX_JSON_DEPTH, WIRE_VERSION, ProtocolError, decode, encode
 from asyncrl.protocol import (
     Batch,
     ChatMessage,
@@ -55,10 +55,39 @@ def test_arrays_travel_as_raw_frames_not_lists():
 
 
 def test_nested_structs_round_trip():
-    grant = LeaseGrant(7, [PromptItem("g", 4, "src", [ChatMessage("user", "1+1=")], "2", "{}")])
+    grant = LeaseGrant(7, [PromptItem("g", 4, "src", [ChatMessage("user", "1+1=")], "2", {})])
     assert decode(_wire(grant)) == grant
     assert decode(_wire(Stats(1, {"a": 1.5}))).counters == {"a": 1.5}
     assert isinstance(decode(_wire(empty_batch(3))), Batch)
+
+
+def test_json_fields_round_trip_typed_and_bounded():
+    """A row's extra_info travels as a typed JSON object (no JSON string inside a message):
+    nested values come back as they went, and anything that is not plain JSON, or nested deeper
+    than MAX_JSON_DEPTH, is refused on decode."""
+    extra = {"index": 3, "tests": [{"in": "1 2", "out": "3"}], "score": 0.5, "ok": True, "n": None}
+    item = PromptItem("g", 1, "src", [ChatMessage("user", "q")], "a", extra, tools_kwargs={"t": {}})
+    got = decode(_wire(LeaseGrant(1, [item]))).prompts[0]
+    assert (got.extra_info, got.tools_kwargs, got.interaction_kwargs) == (extra, {"t": {}}, {})
+
+    def with_extra(value) -> list[bytes]:
+        header = msgpack.unpackb(_wire(LeaseGrant(1, [item]))[0])
+        header["fields"]["prompts"][0]["extra_info"] = value
+        return [msgpack.packb(header)]
+
+    deep: dict = {}
+    node = deep
+    for _ in range(MAX_JSON_DEPTH + 1):
+        node["x"] = {}
+        node = node["x"]
+    for bad, reason in [
+        ("{}", "expected a JSON object"),
+        ({1: "int key"}, "strict_map_key|keys must be strings"),
+        ({"b": b"bytes"}, "not a JSON value"),
+        (deep, "nested deeper"),
+    ]:
+        with pytest.raises(ProtocolError, match=reason):
+            decode(with_extra(bad))
 
 
 @pytest.mark.parametrize(

@@ -1,7 +1,7 @@
 import pytest
 
-from asyncrl.cli import main
 from asyncrl.config import Config, ConfigError, load_config, parse_override
+from asyncrl.launch.cli import main
 
 
 def test_default_config_loads_and_overrides_apply():

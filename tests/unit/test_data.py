@@ -12,16 +12,13 @@ import pyarrow.parquet as pq
 import pytest
 
 from asyncrl.data import (
-    GSM8K_INSTRUCTION,
-    GSM8K_SOURCE,
     BadRowError,
     PromptReader,
     PromptTooLongError,
-    gsm8k_final_answer,
     inspect_parquet,
-    prepare_gsm8k,
     write_rows,
 )
+from asyncrl.gsm8k import GSM8K_INSTRUCTION, GSM8K_SOURCE, gsm8k_final_answer, prepare_gsm8k
 from rollout_servers.rewards import gsm8k_reward_fn
 
 GSM8K_DIR = Path(os.environ.get("ASYNCRL_GSM8K_DIR", "/work/shared/data/gsm8k"))

@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from asyncrl.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
-from rollout_servers.engine import GenerationOutput, HFEngine, SamplingParams
+from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+from rollout_servers.engines.hf import GenerationOutput, HFEngine, SamplingParams
 
 EMIT_ID = 50  # the token the "always emits" model samples; not EOS
 

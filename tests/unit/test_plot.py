@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 from matplotlib.image import imread
 
-from asyncrl.plot import main, plot_run, timeline_window, write_chrome_trace
+from asyncrl.analysis.plot import main, plot_run
+from asyncrl.analysis.timeline import timeline_window, write_chrome_trace
 
 T0 = 1_700_000_000.0
 STEPS = 10

@@ -10,10 +10,10 @@ import pyarrow.parquet as pq
 import pytest
 
 from asyncrl.config import load_config
+from asyncrl.data import row_to_prompt_item
 from replay.prompts import (
-    EmbeddedPromptSource,
     ParquetPromptSource,
-    row_to_prompt_item,
+    TaskPromptSource,
     setup_prompt_source,
 )
 
@@ -60,7 +60,7 @@ def test_setup_picks_parquet_when_train_files_are_set(verl_parquet):
         ("user", f"What is {i} + {i}? Output the answer after ####."),
     ]
     assert item.ground_truth == str(2 * i)
-    assert json.loads(item.extra_info_json) == {
+    assert item.extra_info == {
         "split": "train",
         "index": i,
         "answer": f"#### {2 * i}",
@@ -69,7 +69,7 @@ def test_setup_picks_parquet_when_train_files_are_set(verl_parquet):
 
 def test_setup_keeps_the_embedded_task_without_files():
     source = setup_prompt_source(load_config())
-    assert isinstance(source, EmbeddedPromptSource)
+    assert isinstance(source, TaskPromptSource)
     assert source.next_row()["data_source"] == "asyncrl/arith"
 
 
@@ -121,10 +121,6 @@ def test_row_to_prompt_item_names_the_row_of_a_bad_prompt():
 
 
 def test_agent_columns_travel_with_the_prompt():
-    import json
-
-    from replay.prompts import row_to_prompt_item
-
     row = {
         "data_source": "openai/gsm8k",
         "prompt": [{"role": "user", "content": "2+2?"}],
@@ -135,11 +131,7 @@ def test_agent_columns_travel_with_the_prompt():
     }
     item = row_to_prompt_item(row, 0, 2)
     assert item.agent_name == "tool_agent"
-    assert json.loads(item.tools_kwargs_json) == {"calculator": {"create_kwargs": {"x": 1}}}
-    assert json.loads(item.interaction_kwargs_json) == {"name": "gsm8k_retry"}
+    assert item.tools_kwargs == {"calculator": {"create_kwargs": {"x": 1}}}
+    assert item.interaction_kwargs == {"name": "gsm8k_retry"}
     plain = row_to_prompt_item({k: row[k] for k in ("data_source", "prompt", "reward_model")}, 1, 2)
-    assert (plain.agent_name, plain.tools_kwargs_json, plain.interaction_kwargs_json) == (
-        "",
-        "{}",
-        "{}",
-    )
+    assert (plain.agent_name, plain.tools_kwargs, plain.interaction_kwargs) == ("", {}, {})

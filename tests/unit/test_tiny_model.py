@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from asyncrl.tasks import ArithmeticTask
-from asyncrl.tiny_model import (
+from asyncrl.demo.tasks import ArithmeticTask
+from asyncrl.demo.tiny_model import (
     ROLE_TOKENS,
     TinyModelSpec,
     build_tiny_model,

@@ -12,29 +12,23 @@ from typing import Any, Literal
 
 import pytest
 
+from asyncrl.demo.tiny_model import CHAT_TEMPLATE, build_tokenizer
 from asyncrl.protocol import ChatMessage, PromptItem
-from asyncrl.tiny_model import CHAT_TEMPLATE, build_tokenizer
-from rollout_servers import agent_registry
-from rollout_servers.agent_loop import AgentResult, SingleTurnAgentLoop
-from rollout_servers.agent_registry import (
+from rollout_servers.agents.base import AgentResult
+from rollout_servers.agents.interactions import (
+    Gsm8kRetryInteraction,
+    final_number,
+    load_interaction_config,
+)
+from rollout_servers.agents.registry import (
+    AGENT_LOOPS,
     AgentLoopRouter,
     pick_agent_loop,
     register_agent_loop,
     resolve_agent_loop,
 )
-from rollout_servers.engine import (
-    AppliedVersion,
-    Engine,
-    GenerationOutput,
-    SamplingParams,
-    SyncTarget,
-)
-from rollout_servers.interactions import (
-    Gsm8kRetryInteraction,
-    final_number,
-    load_interaction_config,
-)
-from rollout_servers.tool_agent import (
+from rollout_servers.agents.single_turn import SingleTurnAgentLoop
+from rollout_servers.agents.tool_agent import (
     MalformedCall,
     TemplateNotPrefixStableError,
     ToolAgentLimits,
@@ -43,7 +37,14 @@ from rollout_servers.tool_agent import (
     TurnRenderer,
     parse_tool_calls,
 )
-from rollout_servers.tools import CalculatorTool, Tool, ToolResponse, ToolSet
+from rollout_servers.agents.tools import CalculatorTool, Tool, ToolResponse, ToolSet
+from rollout_servers.engines.hf import (
+    AppliedVersion,
+    Engine,
+    GenerationOutput,
+    SamplingParams,
+    SyncTarget,
+)
 
 VERSION = 7
 PARAMS = SamplingParams(temperature=1.0, max_new_tokens=400)
@@ -136,8 +137,8 @@ def prompt(ground_truth: str = "5", wire: dict[str, Any] | None = None, **extra:
         data_source="test",
         messages=[ChatMessage("user", "What is 2+3?")],
         ground_truth=ground_truth,
-        extra_info_json=json.dumps(extra),
-        **{f"{k}_json": json.dumps(v) for k, v in (wire or {}).items()},
+        extra_info=extra,
+        **(wire or {}),
     )
 
 
@@ -418,7 +419,7 @@ def test_registry_resolves_names_and_import_paths(tokenizer):
     kwargs |= dict(interactions=None, limits=None)
     assert isinstance(resolve_agent_loop("single_turn")(**kwargs), SingleTurnAgentLoop)
     assert resolve_agent_loop("tool_agent") is ToolAgentLoop
-    assert resolve_agent_loop("rollout_servers.tool_agent:ToolAgentLoop") is ToolAgentLoop
+    assert resolve_agent_loop("rollout_servers.agents.tool_agent:ToolAgentLoop") is ToolAgentLoop
     with pytest.raises(ValueError, match=r"registered are \[.*'single_turn'.*'tool_agent'"):
         resolve_agent_loop("nope")
     with pytest.raises(ValueError, match="cannot import"):
@@ -429,8 +430,8 @@ def test_registry_resolves_names_and_import_paths(tokenizer):
         pick_agent_loop("os:system", "single_turn")
 
 
-async def test_router_hands_each_row_to_its_loop(tokenizer, monkeypatch):
-    monkeypatch.setattr(agent_registry, "AGENT_LOOPS", dict(agent_registry.AGENT_LOOPS))
+async def test_router_hands_each_row_to_its_loop(tokenizer, request):
+    request.addfinalizer(lambda: AGENT_LOOPS.unregister("echo_test"))
 
     @register_agent_loop("echo_test")
     class EchoLoop:
@@ -479,7 +480,7 @@ def test_load_interaction_config(tmp_path):
         "    class_name: gsm8k_retry\n"
         "    config: {feedback: Wrong.}\n"
         "  - name: plain\n"
-        "    class_name: rollout_servers.interactions:Gsm8kRetryInteraction\n"
+        "    class_name: rollout_servers.agents.interactions:Gsm8kRetryInteraction\n"
     )
     loaded = load_interaction_config(path)
     assert list(loaded) == ["strict", "plain"] and loaded["strict"].feedback == "Wrong."

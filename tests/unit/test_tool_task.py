@@ -6,11 +6,17 @@ import random
 
 import pytest
 
-from asyncrl.tasks import ARITH_TOOL_SOURCE, ArithmeticTask, ToolArithmeticTask, setup_embedded_task
-from asyncrl.tiny_model import build_tokenizer, render_conversation, render_prompt_ids
+from asyncrl.data import render_prompt_ids
+from asyncrl.demo.tasks import (
+    ARITH_TOOL_SOURCE,
+    ArithmeticTask,
+    ToolArithmeticTask,
+    setup_embedded_task,
+)
+from asyncrl.demo.tiny_model import build_tokenizer, render_conversation
+from rollout_servers.agents.tool_agent import TurnRenderer, parse_tool_calls
+from rollout_servers.agents.tools import evaluate_expression
 from rollout_servers.rewards import REWARD_FNS
-from rollout_servers.tool_agent import TurnRenderer, parse_tool_calls
-from rollout_servers.tools import evaluate_expression
 
 
 @pytest.fixture(scope="module")

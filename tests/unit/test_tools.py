@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout_servers.tools import (
+from rollout_servers.agents.tools import (
     CalculatorError,
     CalculatorTool,
     PythonTool,
@@ -170,7 +170,7 @@ def test_load_tool_config_by_name_and_import_path(tmp_path: Path):
               function:
                 name: calc
                 parameters: {type: object, properties: {expression: {type: string}}}
-          - class_name: rollout_servers.tools:CalculatorTool
+          - class_name: rollout_servers.agents.tools:CalculatorTool
             tool_schema: {type: function, function: {name: calc2}}
         """,
     )
@@ -190,7 +190,7 @@ def test_load_tool_config_by_name_and_import_path(tmp_path: Path):
     ("entry", "error"),
     [
         ("class_name: nope", r"unknown tool 'nope': registered are \['calculator', 'python'\]"),
-        ("class_name: rollout_servers.tools:ToolSet", "is not a Tool subclass"),
+        ("class_name: rollout_servers.agents.tools:ToolSet", "is not a Tool subclass"),
         ("class_name: calculator\n    config: {bogus: 1}", "tools\\[0\\].*bogus"),
         ("class_name: calculator\n    colour: red", "expected only keys"),
     ],

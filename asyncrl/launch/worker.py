@@ -1,4 +1,4 @@
-"""Entry point of every fleet process: `python -m asyncrl.worker ROLE SPEC [--index I]`.
+"""Entry point of every fleet process: `python -m asyncrl.launch.worker ROLE SPEC [--index I]`.
 
 The local launcher starts one of these per process; the Ray launcher's actors call
 `run_process` directly with the spec and config they were handed. Either way errors become a
@@ -39,7 +39,8 @@ def run_role(role: str, spec: RunSpec, cfg: Config, index: int = 0) -> None:
     if role == "replay":
         from replay.service import run_replay
 
-        run_replay(cfg, spec.replay_address, str(Path(spec.run_dir) / "stats" / "replay.json"))
+        stats = str(Path(spec.run_dir) / "stats" / "replay.json")
+        run_replay(cfg, spec.replay_address, stats, spec.model_path)
     elif role == "server":
         from rollout_servers.server import run_server
 
@@ -60,13 +61,13 @@ def run_process(role: str, spec: RunSpec, cfg: Config, index: int = 0) -> int:
     try:
         run_role(role, spec, cfg, index)
     except Exception:
-        logging.getLogger("asyncrl.worker").exception("%s failed", name)
+        logging.getLogger("asyncrl.launch.worker").exception("%s failed", name)
         return 1
     return 0
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m asyncrl.worker")
+    parser = argparse.ArgumentParser(prog="python -m asyncrl.launch.worker")
     parser.add_argument("role", choices=ROLES)
     parser.add_argument("spec", help="run_dir/launch.json written by the launcher")
     parser.add_argument("--index", type=int, default=0, help="server index")

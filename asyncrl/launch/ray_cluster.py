@@ -2,7 +2,7 @@
 
 Ray schedules; it carries neither trajectories nor weights. Every fleet process becomes one
 `FleetProcess` actor that runs the same role function as a local process
-(`asyncrl.worker.run_process`) on its main thread, so the data plane is ZeroMQ and
+(`asyncrl.launch.worker.run_process`) on its main thread, so the data plane is ZeroMQ and
 torch.distributed exactly as under `launch.backend=local`.
 
 Placement (what `start_ray_fleets` asks Ray for):
@@ -26,7 +26,7 @@ it, with the config, to every actor by value (a run directory need not be shared
 Stopping (at the end, on Ctrl-C, on a failure): SIGTERM to each running actor's process (by a
 zero-CPU task pinned to its node), so roles stop as they do locally and write their stats;
 after a grace period `ray.kill` for every actor (no interpreter teardown, see
-`asyncrl.worker.exit_now`); the placement groups are removed; a local cluster started for the
+`asyncrl.launch.worker.exit_now`); the placement groups are removed; a local cluster started for the
 run is shut down.
 """
 
@@ -47,92 +47,26 @@ import ray
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (
-    NodeAffinitySchedulingStrategy,
     PlacementGroupSchedulingStrategy,
 )
 
 from asyncrl.config import Config, RayLaunchConfig
-from asyncrl.launcher import (
+from asyncrl.launch.fleet import (
     LaunchError,
     learner_env,
     log_tail,
     process_env,
-    replay_answers,
     wait_for_replay,
+)
+from asyncrl.launch.ray_actors import (
+    FleetProcess,
+    Location,
+    on_node,
+    replay_answers_on_node,
+    signal_processes,
 )
 from asyncrl.run_spec import RunSpec
 from asyncrl.transport import tcp_address
-from asyncrl.worker import run_process
-
-
-@dataclass(frozen=True)
-class Location:
-    node_ip: str  # the node's address as Ray knows it
-    node_id: str  # Ray's node id (to pin a task next to the actor)
-    pid: int  # the actor's process on that node
-
-
-def redirect_output(log_path: Path) -> None:
-    """Send this process's stdout and stderr (file descriptors, so C++ output too) to its log
-    file, as the local launcher does, instead of Ray's worker logs."""
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    for stream in (1, 2):
-        os.dup2(fd, stream)
-    os.close(fd)
-
-
-@ray.remote(max_restarts=0)
-class FleetProcess:
-    """One fleet process. A plain (one-call-at-a-time) actor runs its calls on the process's
-    main thread, which the roles need for their SIGTERM handlers."""
-
-    def __init__(self, log_path: str, cwd: str):
-        self.log_path = Path(log_path)
-        redirect_output(self.log_path)
-        with contextlib.suppress(OSError):  # relative config paths mean the launcher's cwd
-            os.chdir(cwd)
-
-    def locate(self) -> Location:
-        context = ray.get_runtime_context()
-        return Location(ray.util.get_node_ip_address(), context.get_node_id(), os.getpid())
-
-    def free_ports(self, host: str, count: int) -> list[int]:
-        """`count` distinct ports free on this node now (held together while picked)."""
-        import socket
-
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        socks = [socket.socket(family, socket.SOCK_STREAM) for _ in range(count)]
-        try:
-            for s in socks:
-                s.bind((host, 0))
-            return [s.getsockname()[1] for s in socks]
-        finally:
-            for s in socks:
-                s.close()
-
-    def run(self, role: str, spec: RunSpec, cfg: Config, index: int, env: dict[str, str]) -> int:
-        os.environ.update(env)
-        return run_process(role, spec, cfg, index)
-
-    def log_tail(self) -> str:
-        return log_tail(self.log_path)
-
-
-@ray.remote(num_cpus=0)
-def _signal_processes(pids: list[int], sig: int) -> None:
-    for pid in pids:
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.kill(pid, sig)
-
-
-@ray.remote(num_cpus=0)
-def _replay_answers(address: str) -> bool:
-    return replay_answers(address)
-
-
-def _on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
-    return NodeAffinitySchedulingStrategy(node_id, soft=False)
 
 
 @dataclass(frozen=True)
@@ -287,7 +221,7 @@ def _signal(where: list[Location], sig: int, timeout_s: float) -> None:
     for w in where:
         by_node.setdefault(w.node_id, []).append(w.pid)
     refs = [
-        _signal_processes.options(scheduling_strategy=_on_node(node)).remote(pids, sig)
+        signal_processes.options(scheduling_strategy=on_node(node)).remote(pids, sig)
         for node, pids in by_node.items()
     ]
     if refs:
@@ -495,7 +429,7 @@ def run_roles(fleet: RayFleet, cfg: Config) -> None:
     spec = fleet.spec
     replay = fleet.member("replay")
     replay.running = replay.actor.run.remote("replay", spec, cfg, 0, {})
-    probe = _replay_answers.options(scheduling_strategy=_on_node(replay.at.node_id))
+    probe = replay_answers_on_node.options(scheduling_strategy=on_node(replay.at.node_id))
 
     def answers() -> bool:
         try:

@@ -32,11 +32,11 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, Protocol
 
 import yaml
 
-from rollout_servers.agent_registry import resolve_registered
+from asyncrl.registry import Registry
 
 if TYPE_CHECKING:
     from rollout_servers.sandbox import Sandbox
@@ -198,23 +198,13 @@ class ToolSet:
 
 
 # ---- the registry and the config file --------------------------------------------------------
-TOOL_CLASSES: dict[str, type[Tool] | str] = {
-    "calculator": "rollout_servers.tools:CalculatorTool",
-    "python": "rollout_servers.tools:PythonTool",
-}
-"""Registered tool classes: name -> class, or -> import path of a built-in."""
+TOOL_CLASSES: Registry[type[Tool]] = Registry("tool", "asyncrl.tools")
+"""Registered tool classes (also from the `asyncrl.tools` entry points of packages)."""
+TOOL_CLASSES.register("calculator", "rollout_servers.agents.tools:CalculatorTool")
+TOOL_CLASSES.register("python", "rollout_servers.agents.tools:PythonTool")
 
-ToolT = TypeVar("ToolT", bound=type[Tool])
-
-
-def register_tool(name: str) -> Callable[[ToolT], ToolT]:
-    """Decorator: `@register_tool("my_tool")` over a Tool subclass, usable as class_name."""
-
-    def wrap(cls: ToolT) -> ToolT:
-        TOOL_CLASSES[name] = cls
-        return cls
-
-    return wrap
+register_tool = TOOL_CLASSES.register
+"""`@register_tool("my_tool")` over a Tool subclass, usable as class_name."""
 
 
 def load_tool_config(path: str | Path) -> ToolSet:
@@ -231,7 +221,7 @@ def load_tool_config(path: str | Path) -> ToolSet:
             raise ValueError(f"{where}: expected only keys class_name, config, tool_schema")
         if "class_name" not in entry or "tool_schema" not in entry:
             raise ValueError(f"{where}: class_name and tool_schema are required")
-        cls = resolve_registered("tool", TOOL_CLASSES, entry["class_name"])
+        cls = TOOL_CLASSES.resolve(entry["class_name"])
         if not (isinstance(cls, type) and issubclass(cls, Tool)):
             raise ValueError(f"{where}: {entry['class_name']!r} is not a Tool subclass")
         try:

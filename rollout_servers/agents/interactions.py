@@ -20,15 +20,13 @@ from __future__ import annotations
 
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable
-from decimal import Decimal, InvalidOperation
 from pathlib import Path
-from typing import Any, NamedTuple, TypeVar
+from typing import Any, NamedTuple
 
 import yaml
 
-from asyncrl.data import gsm8k_final_answer
-from rollout_servers.agent_registry import resolve_registered
+from asyncrl.gsm8k import gsm8k_final_answer, same_number
+from asyncrl.registry import Registry
 
 
 class InteractionReply(NamedTuple):
@@ -68,14 +66,6 @@ def final_number(text: str) -> str | None:
     return numbers[-1].replace(",", "") if numbers else None
 
 
-def same_number(answer: str, ground_truth: str) -> bool:
-    truth = ground_truth.strip().replace(",", "").replace("$", "")
-    try:
-        return Decimal(answer) == Decimal(truth)
-    except InvalidOperation:
-        return answer == truth
-
-
 class Gsm8kRetryInteraction(Interaction):
     """Checks the final number of each answer against the ground truth: right stops the
     conversation with turn reward 1, wrong tells the model so and asks it to try again (turn
@@ -101,27 +91,17 @@ class Gsm8kRetryInteraction(Interaction):
         self._truths.pop(instance_id, None)
 
 
-INTERACTIONS: dict[str, type[Interaction] | str] = {
-    "gsm8k_retry": "rollout_servers.interactions:Gsm8kRetryInteraction",
-}
-"""Registered interaction classes: name -> class, or -> import path of a built-in."""
+INTERACTIONS: Registry[type[Interaction]] = Registry("interaction", "asyncrl.interactions")
+"""Registered interaction classes (also from the `asyncrl.interactions` entry points)."""
+INTERACTIONS.register("gsm8k_retry", "rollout_servers.agents.interactions:Gsm8kRetryInteraction")
 
-InteractionT = TypeVar("InteractionT", bound=type[Interaction])
-
-
-def register_interaction(name: str) -> Callable[[InteractionT], InteractionT]:
-    """Decorator: `@register_interaction("my_user")` over an Interaction subclass."""
-
-    def wrap(cls: InteractionT) -> InteractionT:
-        INTERACTIONS[name] = cls
-        return cls
-
-    return wrap
+register_interaction = INTERACTIONS.register
+"""`@register_interaction("my_user")` over an Interaction subclass."""
 
 
 def setup_interaction(class_name: str, **config: Any) -> Interaction:
     """An instance of the registered (or imported) interaction class `class_name`."""
-    cls = resolve_registered("interaction", INTERACTIONS, class_name)
+    cls = INTERACTIONS.resolve(class_name)
     if not (isinstance(cls, type) and issubclass(cls, Interaction)):
         raise ValueError(f"{class_name!r} is not an Interaction subclass")
     return cls(**config)

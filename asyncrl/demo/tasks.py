@@ -1,4 +1,9 @@
-"""The embedded synthetic task: single-digit addition with a verifiable 0-1 reward.
+"""The embedded synthetic tasks: single-digit addition (`arith`) and two-digit multiplication
+with a calculator tool (`arith_tool`), each with a verifiable 0-1 reward.
+
+They plug in exactly as a user's task would: pyproject.toml declares the task factories as
+`asyncrl.tasks` entry points (`data.task=arith`) and their reward as `asyncrl.rewards` entry
+points for their data sources; nothing in the core or the fleets imports this module.
 
 Rows use the schema users of verl already have (`data_source`, `prompt` as chat messages,
 `ability`, `reward_model.ground_truth`, `extra_info`), so the embedded task flows through
@@ -66,6 +71,12 @@ class ArithmeticTask:
 def arith_reward_fn(solution_str: str, ground_truth: str) -> float:
     """1.0 when the response is exactly the right number (whitespace ignored), else 0.0."""
     return 1.0 if solution_str.strip() == ground_truth.strip() else 0.0
+
+
+def arith_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
+    """Both embedded tasks' reward under verl's signature: exact match of the final answer (for
+    arith_tool, the last assistant turn, which the tool agent passes as the response)."""
+    return arith_reward_fn(solution_str, ground_truth)
 
 
 ARITH_TOOL_SOURCE = "asyncrl/arith_tool"
@@ -167,3 +178,13 @@ def setup_embedded_task(
     if kind == "arith_tool":
         return ToolArithmeticTask(seed=seed)
     return ArithmeticTask(max_operand=max_operand, seed=seed)
+
+
+def setup_arith_task(data_cfg: Any) -> ArithmeticTask:
+    """`data.task=arith`: operands 0..data.task_max_operand, seeded by data.seed."""
+    return setup_embedded_task("arith", data_cfg.task_max_operand, data_cfg.seed)
+
+
+def setup_arith_tool_task(data_cfg: Any) -> ToolArithmeticTask:
+    """`data.task=arith_tool` (for rollout.agent_loop=tool_agent), seeded by data.seed."""
+    return setup_embedded_task("arith_tool", data_cfg.task_max_operand, data_cfg.seed)

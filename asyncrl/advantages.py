@@ -1,4 +1,12 @@
-"""Advantage estimators (pure tensor functions, no model, no I/O), one function per estimator.
+"""Advantage estimators, each declared once: what it needs and how it computes.
+
+`ESTIMATORS` is the one registry of estimators. Each member is an `Estimator` declaration made
+with `@estimator(name, level=..., ...)` over its compute function, stating what the estimator
+needs: a critic (the learner builds one), a minimum group size (config validation checks
+`rollout.n`), a greedy baseline (the rollout servers sample one per group), and whether it
+computes one advantage per sequence or per token. Config validation, the learner and the servers
+all read these declarations, so adding an estimator is one declaration here (or in a user's
+module) plus its test. The functions are pure tensor math (no model, no I/O).
 
 Conventions: response tensors are [B, T] aligned to token positions; `mask` [B, T] is 1 on tokens
 the policy sampled and 0 on prompt, padding and tool output (a multi-turn sequence has mask holes
@@ -14,9 +22,77 @@ same sequence (tool output between two turns is part of the environment, not an 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Literal
+
 import torch
 
-ESTIMATORS = ("gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax")
+from asyncrl.registry import Registry
+
+
+@dataclass(frozen=True)
+class AdvantageInputs:
+    """What an estimator may read; all [B] or [B, T] as in the module docstring."""
+
+    rewards: torch.Tensor
+    """[B] sequence rewards (the sum of `token_rewards` over sampled tokens)."""
+    token_rewards: torch.Tensor
+    """[B, T] per-token rewards: the outcome on the last sampled token, minus any KL penalty."""
+    mask: torch.Tensor
+    """[B, T] 1 on sampled tokens."""
+    group_index: torch.Tensor
+    """[B] int64 prompt group of each sequence."""
+    values: torch.Tensor | None = None
+    """[B, T] critic values (estimators with needs_critic)."""
+    baseline_rewards: torch.Tensor | None = None
+    """[B] reward of the group's greedy answer (estimators with greedy_baseline)."""
+    gamma: float = 1.0
+    lam: float = 1.0
+    norm_adv_by_std: bool = True
+
+
+EstimatorFn = Callable[[AdvantageInputs], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
+
+
+@dataclass(frozen=True)
+class Estimator:
+    """One advantage estimator: how it computes and what it needs."""
+
+    name: str
+    compute: EstimatorFn
+    """[B] per-sequence advantages (level "sequence", broadcast over sampled tokens), or [B, T]
+    per-token advantages (level "token"); critic estimators return (advantages, value targets)."""
+    level: Literal["sequence", "token"]
+    needs_critic: bool = False
+    """The learner trains a value model and passes its values; compute returns value targets."""
+    min_group_size: int = 1
+    """Config validation refuses rollout.n below this (a group-relative baseline needs 2)."""
+    greedy_baseline: bool = False
+    """The servers sample one greedy answer per group and send its reward as baseline_rewards."""
+
+
+ESTIMATORS: Registry[Estimator] = Registry("advantage estimator", "asyncrl.estimators")
+"""`algorithm.adv_estimator` names one of these (verl's names for the built-ins)."""
+
+
+def estimator(
+    name: str,
+    *,
+    level: Literal["sequence", "token"],
+    needs_critic: bool = False,
+    min_group_size: int = 1,
+    greedy_baseline: bool = False,
+) -> Callable[[EstimatorFn], EstimatorFn]:
+    """Declare the decorated function as the estimator `name` (see `Estimator`)."""
+
+    def wrap(fn: EstimatorFn) -> EstimatorFn:
+        ESTIMATORS.register(
+            name, Estimator(name, fn, level, needs_critic, min_group_size, greedy_baseline)
+        )
+        return fn
+
+    return wrap
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -78,9 +154,11 @@ def gae_advantages(
         advantages = masked_whiten(A, mask)
 
     where next(t) is the next sampled position of the same sequence (V_next = A_next = 0 after
-    the last one). Departures from verl's `compute_gae_advantage_return`:
-      1. Mask-0 positions (tool output, padding) are skipped by the recursion instead of being
-         treated as steps; rewards and values placed on them are ignored.
+    the last one): mask-0 positions (tool output, padding) are skipped by the recursion and
+    rewards and values placed on them are ignored, as in verl 0.9.1's
+    `compute_gae_advantage_return`. Departures from it:
+      1. Advantages and returns are 0 at mask-0 positions (verl leaves the carried values there;
+         every loss masks them, so training is the same).
     """
     m = mask > 0
     r = torch.where(m, token_rewards.to(torch.float32), torch.zeros((), device=mask.device))
@@ -138,7 +216,9 @@ def rloo_advantages(rewards: torch.Tensor, group_index: torch.Tensor) -> torch.T
 
         A_i = r_i - (1 / (n_g - 1)) sum_{j in g(i), j != i} r_j
 
-    A group of size 1 has no other sample to compare with, so its advantage is 0.
+    Departures from verl 0.9.1's `compute_rloo_outcome_advantage`:
+      1. A group of size 1 has no other sample to compare with, so its advantage is 0 (verl's
+         loop version gives it the raw reward r_i; its `rloo_vectorized` gives 0, as here).
     """
     rewards = rewards.to(torch.float32)
     total, count = _group_sums(rewards, group_index)
@@ -155,10 +235,10 @@ def reinforce_plus_plus_advantages(
 
         G_t = r_t + gamma G_next(t),    advantages = masked_whiten(G, mask)
 
-    with next(t) the next sampled position of the sequence (G_next = 0 after the last one).
-    Departures from verl's `compute_reinforce_plus_plus_outcome_advantage`:
-      1. Mask-0 positions are skipped (verl resets the running return at them, which cuts the
-         reward of a later turn off from earlier turns); rewards placed on them are ignored.
+    with next(t) the next sampled position of the sequence (G_next = 0 after the last one): the
+    running return is carried through mask-0 positions and rewards placed on them are ignored,
+    as in verl 0.9.1's `compute_reinforce_plus_plus_outcome_advantage` (verl 0.7 and earlier
+    reset it there, cutting a later turn's reward off from earlier turns).
     """
     m = mask > 0
     r = torch.where(m, token_rewards.to(torch.float32), torch.zeros((), device=mask.device))
@@ -206,8 +286,41 @@ def remax_advantages(
     return diff[:, None] * mask.to(torch.float32)
 
 
+# ---- the declarations ---------------------------------------------------------------------------
+@estimator("gae", level="token", needs_critic=True)
+def _gae(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    assert x.values is not None
+    return gae_advantages(x.token_rewards, x.values, x.mask, x.gamma, x.lam)
+
+
+@estimator("grpo", level="sequence", min_group_size=2)
+def _grpo(x: AdvantageInputs) -> torch.Tensor:
+    return grpo_advantages(x.rewards, x.group_index, norm_by_std=x.norm_adv_by_std)
+
+
+@estimator("rloo", level="sequence", min_group_size=2)
+def _rloo(x: AdvantageInputs) -> torch.Tensor:
+    return rloo_advantages(x.rewards, x.group_index)
+
+
+@estimator("reinforce_plus_plus", level="token")
+def _reinforce_plus_plus(x: AdvantageInputs) -> torch.Tensor:
+    return reinforce_plus_plus_advantages(x.token_rewards, x.mask, x.gamma)
+
+
+@estimator("reinforce_plus_plus_baseline", level="token", min_group_size=2)
+def _reinforce_plus_plus_baseline(x: AdvantageInputs) -> torch.Tensor:
+    return reinforce_plus_plus_baseline_advantages(x.rewards, x.group_index, x.mask)
+
+
+@estimator("remax", level="token", greedy_baseline=True)
+def _remax(x: AdvantageInputs) -> torch.Tensor:
+    assert x.baseline_rewards is not None
+    return remax_advantages(x.rewards, x.baseline_rewards, x.mask)
+
+
 def compute_advantages(
-    estimator: str,
+    name: str,
     *,
     rewards: torch.Tensor,
     mask: torch.Tensor,
@@ -219,36 +332,39 @@ def compute_advantages(
     lam: float = 1.0,
     norm_adv_by_std: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Advantages [B, T] (0 off the mask) and, for `gae` only, value targets [B, T] (else None).
+    """Advantages [B, T] (0 off the mask) and, for critic estimators, value targets [B, T]
+    (else None).
 
     `token_rewards` is the per-token reward including any KL-in-reward penalty; when None it is
-    `outcome_token_rewards(rewards, mask)`. The outcome estimators (grpo, rloo,
-    reinforce_plus_plus_baseline, remax) use the sequence reward `(token_rewards * mask).sum(-1)`
-    when token_rewards is given (so a KL penalty in the reward reaches them), else `rewards`, and
-    broadcast their per-sequence advantage over sampled tokens.
+    `outcome_token_rewards(rewards, mask)`. Estimators read the sequence reward as
+    `(token_rewards * mask).sum(-1)` when token_rewards is given (so a KL penalty in the reward
+    reaches them), else `rewards`; a sequence-level estimator's advantage is broadcast over the
+    sampled tokens.
     """
-    if estimator not in ESTIMATORS:
-        raise ValueError(
-            f"unknown advantage estimator {estimator!r}; valid: {', '.join(ESTIMATORS)}"
-        )
+    if name not in ESTIMATORS:
+        raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(ESTIMATORS)}")
+    est = ESTIMATORS[name]
+    if est.needs_critic and values is None:
+        raise ValueError(f"the {name} estimator needs `values` (a critic)")
+    if est.greedy_baseline and baseline_rewards is None:
+        raise ValueError(f"the {name} estimator needs `baseline_rewards` (greedy rewards)")
     m = mask.to(torch.float32)
     seq_rewards = rewards if token_rewards is None else (token_rewards * m).sum(-1)
     if token_rewards is None:
         token_rewards = outcome_token_rewards(rewards, mask)
-    if estimator == "gae":
-        if values is None:
-            raise ValueError("the gae estimator needs `values` (a critic)")
-        return gae_advantages(token_rewards, values, mask, gamma, lam)
-    if estimator == "reinforce_plus_plus":
-        return reinforce_plus_plus_advantages(token_rewards, mask, gamma), None
-    if estimator == "reinforce_plus_plus_baseline":
-        return reinforce_plus_plus_baseline_advantages(seq_rewards, group_index, mask), None
-    if estimator == "remax":
-        if baseline_rewards is None:
-            raise ValueError("the remax estimator needs `baseline_rewards` (greedy rewards)")
-        return remax_advantages(seq_rewards, baseline_rewards, mask), None
-    if estimator == "grpo":
-        per_seq = grpo_advantages(seq_rewards, group_index, norm_by_std=norm_adv_by_std)
-    else:
-        per_seq = rloo_advantages(seq_rewards, group_index)
-    return per_seq[:, None] * m, None
+    inputs = AdvantageInputs(
+        seq_rewards,
+        token_rewards,
+        mask,
+        group_index,
+        values,
+        baseline_rewards,
+        gamma,
+        lam,
+        norm_adv_by_std,
+    )
+    out = est.compute(inputs)
+    advantages, returns = out if isinstance(out, tuple) else (out, None)
+    if est.level == "sequence":
+        advantages = advantages[:, None] * m
+    return advantages, returns

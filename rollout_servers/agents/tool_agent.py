@@ -46,10 +46,10 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from asyncrl.protocol import PromptItem
-from rollout_servers.agent_loop import AgentResult
-from rollout_servers.engine import Engine, GenerationOutput, SamplingParams
-from rollout_servers.interactions import Interaction
-from rollout_servers.tools import ToolSet
+from rollout_servers.agents.base import AgentResult
+from rollout_servers.agents.interactions import Interaction
+from rollout_servers.agents.tools import ToolSet
+from rollout_servers.engines.base import Engine, GenerationOutput, SamplingParams
 
 log = logging.getLogger("asyncrl.tool_agent")
 
@@ -208,17 +208,14 @@ class TurnRenderer:
 
 # ---- the loop ---------------------------------------------------------------------------------
 def row_agent_kwargs(prompt: PromptItem) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(tools_kwargs, interaction_kwargs) of a row: the PromptItem's `tools_kwargs_json` and
-    `interaction_kwargs_json` when not empty, else the keys of the same names in extra_info
-    (where verl's preprocessing puts them)."""
-    extra = json.loads(prompt.extra_info_json or "{}")
-    extra = extra if isinstance(extra, dict) else {}
+    """(tools_kwargs, interaction_kwargs) of a row: the PromptItem's own fields when not empty,
+    else the keys of the same names in extra_info (where verl's preprocessing puts them)."""
     found = []
-    for key, wire in (
-        ("tools_kwargs", prompt.tools_kwargs_json),
-        ("interaction_kwargs", prompt.interaction_kwargs_json),
+    for key, own in (
+        ("tools_kwargs", prompt.tools_kwargs),
+        ("interaction_kwargs", prompt.interaction_kwargs),
     ):
-        value = json.loads(wire or "null") or extra.get(key) or {}
+        value = own or prompt.extra_info.get(key) or {}
         if not isinstance(value, dict):
             raise ValueError(f"a row's {key} must be a JSON object, got {value!r}")
         found.append(value)

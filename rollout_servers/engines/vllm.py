@@ -34,14 +34,15 @@ from collections.abc import Coroutine, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
-import msgpack
 import torch
 import zmq
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from asyncrl.config import VLLMConfig
+from asyncrl.protocol import WeightReceiverClosed, WeightReceiverFailed, WeightsStaged
+from asyncrl.transport import decode_frames
 from asyncrl.weight_sync import ParamSpec, specs_of
-from rollout_servers.engine import (
+from rollout_servers.engines.base import (
     AppliedVersion,
     Engine,
     GenerationOutput,
@@ -49,7 +50,7 @@ from rollout_servers.engine import (
     SyncTarget,
 )
 
-WORKER_EXTENSION = "rollout_servers.vllm_worker.WeightSyncExtension"
+WORKER_EXTENSION = "rollout_servers.engines.vllm_worker.WeightSyncExtension"
 T = TypeVar("T")
 
 
@@ -235,13 +236,14 @@ class VLLMEngine(Engine):
             while not self._closed:
                 if not notices.poll(500):
                     continue
-                notice = msgpack.unpackb(notices.recv())
-                if notice["event"] == "closed":
+                notice = decode_frames(notices.recv_multipart())
+                if isinstance(notice, WeightReceiverClosed):
                     return
-                if notice["event"] == "error":
-                    raise RuntimeError(f"vLLM worker's weight receiver failed: {notice['message']}")
-                version = int(notice["version"])
-                yield AppliedVersion(version, self._call(self._apply(version)))
+                if isinstance(notice, WeightReceiverFailed):
+                    raise RuntimeError(f"vLLM worker's weight receiver failed: {notice.error}")
+                if not isinstance(notice, WeightsStaged):
+                    raise RuntimeError(f"unexpected notice from the vLLM worker: {notice!r}")
+                yield AppliedVersion(notice.version, self._call(self._apply(notice.version)))
         finally:
             notices.close(linger=0)
             Path(address.removeprefix("ipc://")).unlink(missing_ok=True)

@@ -40,7 +40,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     if ns.dry_run:
         sys.stdout.write(config_to_yaml(cfg))
         return 0
-    from asyncrl.launcher import LaunchError, launch
+    from asyncrl.launch.run import LaunchError, launch
 
     signal.signal(signal.SIGTERM, _interrupt)  # stop the fleets in order, as on Ctrl-C
     command = "asyncrl launch " + shlex.join(ns.args)
@@ -64,7 +64,7 @@ def _config(args: list[str]):
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from asyncrl.launcher import LaunchError, serve
+    from asyncrl.launch.run import LaunchError, serve
 
     cfg = _config(ns.args)
     signal.signal(signal.SIGTERM, _interrupt)
@@ -89,7 +89,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_eval(ns: argparse.Namespace) -> int:
     """Send a dataset through running servers (--address) or a fleet started for it."""
     from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
-    from asyncrl.launcher import serve
+    from asyncrl.launch.run import serve
     from asyncrl.metrics import write_json_atomic
     from asyncrl.replay_client import ReplayClient
 
@@ -134,22 +134,23 @@ def _eval_progress(done: int, expected: int) -> None:
 
 
 def cmd_plot(ns: argparse.Namespace) -> int:
-    from asyncrl.plot import main as plot_main
+    from asyncrl.analysis.plot import main as plot_main
 
     return plot_main(ns.args)
 
 
 def cmd_data(ns: argparse.Namespace) -> int:
-    from asyncrl import data
+    from asyncrl import data, gsm8k
 
     if ns.data_command == "gsm8k":
-        counts = data.prepare_gsm8k(ns.input, ns.output)
+        counts = gsm8k.prepare_gsm8k(ns.input, ns.output)
         for split, rows in counts.items():
             print(f"asyncrl: wrote {rows} {split} rows to {Path(ns.output) / (split + '.parquet')}")
     elif ns.data_command == "arith":
-        from asyncrl.tasks import ArithmeticTask
+        from asyncrl.config import DataConfig
 
-        path = data.write_rows(ArithmeticTask().val_rows(), Path(ns.output) / "val.parquet")
+        task = data.setup_task(DataConfig(task="arith"))
+        path = data.write_rows(task.val_rows(), Path(ns.output) / "val.parquet")
         print(f"asyncrl: wrote the embedded task's questions to {path}")
     else:
         tokenizer = None
@@ -162,7 +163,7 @@ def cmd_data(ns: argparse.Namespace) -> int:
 
 
 def cmd_model(ns: argparse.Namespace) -> int:
-    from asyncrl.models import ModelImportError, import_smollm2
+    from asyncrl.demo.smollm2 import ModelImportError, import_smollm2
 
     try:
         out = import_smollm2(ns.output, gguf=ns.gguf, force=ns.force)

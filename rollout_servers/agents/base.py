@@ -1,4 +1,5 @@
-"""Agent loops: one prompt in, one trajectory out, many of them at once on one event loop.
+"""The agent-loop interface: one prompt in, one trajectory out, many of them at once on one
+event loop.
 
 An agent loop owns the conversation with the engine for one sample. It returns token ids
 (prompt and response), the loss mask (1 only on tokens the policy sampled), the behaviour
@@ -11,8 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from asyncrl.protocol import PromptItem
-from asyncrl.tiny_model import render_prompt_ids
-from rollout_servers.engine import Engine, SamplingParams
+from rollout_servers.engines.base import SamplingParams
 
 
 @dataclass
@@ -31,26 +31,3 @@ class AgentLoop(Protocol):
     async def run(self, prompt: PromptItem, params: SamplingParams | None = None) -> AgentResult:
         """One trajectory for `prompt`; `params` overrides the loop's sampling (e.g. greedy)."""
         ...
-
-
-class SingleTurnAgentLoop:
-    """Render the prompt through the chat template, sample one answer."""
-
-    def __init__(self, engine: Engine, tokenizer, params: SamplingParams):
-        self.engine, self.tokenizer, self.params = engine, tokenizer, params
-
-    async def run(self, prompt: PromptItem, params: SamplingParams | None = None) -> AgentResult:
-        messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
-        prompt_ids = render_prompt_ids(self.tokenizer, messages)
-        out = await self.engine.generate(prompt_ids, params or self.params)
-        text = self.tokenizer.decode(out.token_ids, skip_special_tokens=True)
-        n = len(out.token_ids)
-        return AgentResult(
-            prompt_ids,
-            list(out.token_ids),
-            [1] * n,
-            list(out.logprobs),
-            [out.version] * n,
-            text,
-            out.finish_reason,
-        )

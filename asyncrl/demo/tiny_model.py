@@ -37,7 +37,8 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from asyncrl.tasks import ArithmeticTask, ToolArithmeticTask
+from asyncrl.data import render_prompt_ids
+from asyncrl.demo.tasks import ArithmeticTask, ToolArithmeticTask
 
 FORMAT_VERSION = 1
 """Bump when the tokenizer, template, model or warm-start recipe changes: old caches go stale."""
@@ -81,22 +82,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-def render_prompt_ids(
-    tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str]]
-) -> list[int]:
-    """The chat template applied to `messages` with the generation prompt, as a flat id list.
-
-    transformers 5 returns a `BatchEncoding` from `apply_chat_template(tokenize=True)` while
-    older versions return a list; this normalises both so callers never see the difference.
-    """
-    rendered: Any = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True
-    )
-    if not isinstance(rendered, list):
-        rendered = rendered["input_ids"]
-    return [int(t) for t in rendered]
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ on CUDA) as the server's rank, so a broadcast lands directly in the process that
 One version, step by step:
 1. a receiver thread here blocks in the broadcast while the engine keeps generating, and stages
    the whole version (every bucket) in memory;
-2. it tells the server over a ZeroMQ PUSH socket (`staged`, with the version number), then waits;
+2. it tells the server over a ZeroMQ PUSH socket (a typed `WeightsStaged` notice, see
+   `asyncrl.protocol`), then waits;
 3. the server stops admitting requests, lets in-flight ones finish on the old version, and calls
    `asyncrl_apply`: each bucket goes through the model's `load_weights` inside vLLM's layerwise
    reload (which restores checkpoint-format parameters and re-runs each layer's post-load
@@ -25,10 +26,11 @@ import threading
 import time
 import traceback
 
-import msgpack
 import torch
 import zmq
 
+from asyncrl.protocol import WeightReceiverClosed, WeightReceiverFailed, WeightsStaged
+from asyncrl.transport import send_msg
 from asyncrl.weight_sync import ParamSpec, ReceivedVersion, SyncGroup, WeightReceiver
 
 
@@ -74,9 +76,7 @@ class WeightSyncExtension:
         notify.setsockopt(zmq.LINGER, 2000)
         notify.connect(notify_address)
 
-        def send(event: str, **fields) -> None:
-            notify.send(msgpack.packb({"event": event, **fields}))
-
+        staged = -1
         try:
             device = self.device if self.device.type == "cuda" else torch.device("cpu")
             group = SyncGroup(host, port, rank, world_size, device, timeout_s)
@@ -85,14 +85,14 @@ class WeightSyncExtension:
                 start = time.perf_counter()
                 got = receiver.receive()
                 if got is None:
-                    send("closed")
+                    send_msg(notify, WeightReceiverClosed(staged))
                     return
-                self._asyncrl_staged = got
+                self._asyncrl_staged, staged = got, got.version
                 self._asyncrl_applied.clear()
-                send("staged", version=got.version, receive_s=time.perf_counter() - start)
+                send_msg(notify, WeightsStaged(got.version, time.perf_counter() - start))
                 self._asyncrl_applied.wait()  # the learner's next broadcast waits for this one
         except BaseException as e:  # the server surfaces it and stops
-            send("error", message=f"{e!r}\n{traceback.format_exc()}")
+            send_msg(notify, WeightReceiverFailed(f"{e!r}\n{traceback.format_exc()}"))
         finally:
             notify.close()
 

@@ -1,0 +1,7 @@
+"""Analysis of runs, outside the core.
+
+- `plot` (with `figures` and `timeline`): `asyncrl plot RUN_DIR`, PNG figures of metrics.jsonl
+  and a Gantt chart and Chrome trace of the processes' spans.
+- `pipeline_model`: a discrete-event model of the pipeline that `tools/simulate.py` calibrates;
+  it runs the replay's own `AdmissionController`.
+"""

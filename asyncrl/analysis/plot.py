@@ -1,0 +1,249 @@
+"""Plots of a finished (or running) run, and its spans as a Chrome trace.
+
+Reads what a run leaves in RUN_DIR and writes nothing back but the outputs asked for:
+
+- `metrics.jsonl` (one object per learner step) -> `reward.png`, `response_length.png`,
+  `staleness.png`, `throughput.png`, `idle.png`, `step_time.png`;
+- `trace/<process>.jsonl` (one span per line: name, cat, ts and dur in seconds, args) ->
+  `timeline.png` (a Gantt chart, one row per process) and, through `write_chrome_trace`, a
+  Chrome trace-event file that chrome://tracing and Perfetto open.
+
+Every metric key is optional: runs from older versions, validation-only rows and runs without
+tracing all plot what they have, and a figure whose series are all absent is not written. Figures
+are built on matplotlib's object API with an Agg canvas each, so plotting never touches pyplot's
+global backend or state of the calling process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from asyncrl.analysis.figures import (
+    FONT_RC,
+    finish_axes,
+    is_number,
+    new_figure,
+    plot_lines,
+    read_jsonl,
+    read_traces,
+    save_figure,
+    series,
+)
+from asyncrl.analysis.timeline import plot_timeline, write_chrome_trace
+
+
+def plot_reward(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    steps, mean = series(rows, "reward_mean")
+    val_steps, val = series(rows, "val/mean_score")
+    if not steps and not val_steps:
+        return None
+    fig = new_figure()
+    ax = fig.axes[0]
+    if steps:
+        ax.plot(steps, mean, color="tab:blue", label="train reward (mean)")
+        band = [
+            (r["step"], r["reward_mean"], r["reward_std"])
+            for r in rows
+            if all(is_number(r.get(k)) for k in ("step", "reward_mean", "reward_std"))
+        ]
+        if band:
+            ax.fill_between(
+                [s for s, _, _ in band],
+                [m - sd for _, m, sd in band],
+                [m + sd for _, m, sd in band],
+                color="tab:blue",
+                alpha=0.2,
+                label="± 1 std",
+            )
+    if val_steps:
+        ax.plot(val_steps, val, "o--", color="tab:orange", label="validation score (mean)")
+    finish_axes(ax, "Reward", "learner step", "reward (per sample)")
+    return save_figure(fig, path)
+
+
+def plot_response_length(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    fig = new_figure()
+    ax = fig.axes[0]
+    keys = [
+        ("response_len_mean", "mean"),
+        ("response_len_p50", "median"),
+        ("response_len_max", "max"),
+    ]
+    if not plot_lines(ax, rows, keys):
+        return None
+    finish_axes(ax, "Response length", "learner step", "response length (tokens)")
+    return save_figure(fig, path)
+
+
+def plot_staleness(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    hist = _summed_histogram(rows)
+    has_lines = any(series(rows, k)[0] for k in ("staleness_mean", "staleness_max"))
+    if not has_lines and not hist:
+        return None
+    panels = int(has_lines) + int(bool(hist))
+    fig = new_figure(1, panels, size=(6.5 * panels, 4.5))
+    axes = list(fig.axes)
+    if has_lines:
+        ax = axes.pop(0)
+        # Max is drawn wide and faint underneath, so mean stays visible where the two coincide.
+        plot_lines(ax, rows, [("staleness_max", "max")], color="tab:red", linewidth=4, alpha=0.4)
+        plot_lines(ax, rows, [("staleness_mean", "mean")], color="tab:blue", marker=".")
+        ax.yaxis.get_major_locator().set_params(integer=True)
+        finish_axes(ax, "Staleness of trained samples", "learner step", "staleness (versions)")
+    if hist:
+        ax = axes.pop(0)
+        ax.bar(range(len(hist)), hist, color="tab:purple")
+        ax.xaxis.get_major_locator().set_params(integer=True)
+        finish_axes(
+            ax, "Staleness histogram (all steps)", "staleness (versions behind)", "trained samples"
+        )
+    return save_figure(fig, path)
+
+
+def _summed_histogram(rows: list[dict[str, Any]]) -> list[float]:
+    """Element-wise sum of every row's `staleness_hist`, padded to the longest one."""
+    total: list[float] = []
+    for row in rows:
+        hist = row.get("staleness_hist")
+        if not isinstance(hist, list):
+            continue
+        if len(hist) > len(total):
+            total.extend([0] * (len(hist) - len(total)))
+        for i, count in enumerate(hist):
+            if is_number(count):
+                total[i] += count
+    return total
+
+
+def plot_throughput(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    samples = [("samples_per_s", "trained samples / s")]
+    tokens = [
+        ("gen_tokens_per_s", "generated tokens / s"),
+        ("train_tokens_per_s", "trained tokens / s"),
+    ]
+    has_samples = bool(series(rows, samples[0][0])[0])
+    has_tokens = any(series(rows, k)[0] for k, _ in tokens)
+    if not has_samples and not has_tokens:
+        return None
+    panels = int(has_samples) + int(has_tokens)
+    fig = new_figure(panels, 1, size=(8, 3.2 * panels + 0.6))
+    axes = list(fig.axes)
+    if has_samples:
+        ax = axes.pop(0)
+        plot_lines(ax, rows, samples, color="tab:blue")
+        finish_axes(ax, "Sample throughput", "learner step", "samples / s")
+    if has_tokens:
+        ax = axes.pop(0)
+        plot_lines(ax, rows, tokens)
+        finish_axes(ax, "Token throughput", "learner step", "tokens / s")
+    return save_figure(fig, path)
+
+
+def plot_idle(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    fig = new_figure()
+    ax = fig.axes[0]
+    keys = [("learner_idle_ratio", "learner"), ("server_idle_ratio", "rollout servers")]
+    if not plot_lines(ax, rows, keys):
+        return None
+    ax.set_ylim(-0.02, 1.02)
+    finish_axes(ax, "Idle fraction of wall time", "learner step", "idle fraction (0 to 1)")
+    return save_figure(fig, path)
+
+
+def plot_step_time(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Per-stage learner seconds stacked per step: shows which stage a slow step spent time in.
+    Stages are the `time_<stage>_s` keys present in any row, plus the two sync timings."""
+    # Stages keep the order the learner writes them in, which is the order they run in.
+    stages = list(
+        dict.fromkeys(k for row in rows for k in row if k.startswith("time_") and k.endswith("_s"))
+    )
+    keys = stages + [
+        k for k in ("weight_sync_s", "generation_pause_s") if any(k in r for r in rows)
+    ]
+    steps = [r["step"] for r in rows if is_number(r.get("step")) and any(k in r for k in stages)]
+    if not steps:
+        return None
+    fig = new_figure(size=(9, 4.8))
+    ax = fig.axes[0]
+    by_step = {r["step"]: r for r in rows if is_number(r.get("step"))}
+    stacked = [[v if is_number(v := by_step[s].get(k)) else 0.0 for s in steps] for k in stages]
+    labels = [k.removeprefix("time_").removesuffix("_s") for k in stages]
+    ax.stackplot(steps, stacked, labels=labels, alpha=0.85)
+    extra = [(k, k.removesuffix("_s").replace("_", " ")) for k in keys if k not in stages]
+    plot_lines(ax, rows, extra, color="black", linestyle="--")
+    finish_axes(ax, "Learner step time by stage", "learner step", "seconds")
+    if len(keys) > 1:
+        # Reversed, so the legend lists stages top to bottom as the stack shows them.
+        handles, labels = ax.get_legend_handles_labels()
+        ax.legend(handles[::-1], labels[::-1], loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return save_figure(fig, path)
+
+
+# ----------------------------------------------------------------------------- entry points
+
+
+def plot_run(
+    run_dir: Path, out_dir: Path | None = None, window: tuple[int, int] | None = None
+) -> list[Path]:
+    """Writes every figure the run has data for into `out_dir` (default RUN_DIR/plots) and
+    returns their paths; `window=(first_step, last_step)` picks the timeline's learner steps.
+    Raises FileNotFoundError when RUN_DIR has neither metrics.jsonl nor trace files."""
+    import matplotlib
+
+    run_dir = Path(run_dir)
+    metrics_path = run_dir / "metrics.jsonl"
+    rows = read_jsonl(metrics_path) if metrics_path.is_file() else []
+    traces = read_traces(run_dir)
+    if not metrics_path.is_file() and not traces:
+        raise FileNotFoundError(f"{run_dir} has no metrics.jsonl and no trace/*.jsonl")
+    out_dir = Path(out_dir) if out_dir is not None else run_dir / "plots"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written: list[Path | None] = []
+    with matplotlib.rc_context(FONT_RC):
+        written.append(plot_reward(rows, out_dir / "reward.png"))
+        written.append(plot_response_length(rows, out_dir / "response_length.png"))
+        written.append(plot_staleness(rows, out_dir / "staleness.png"))
+        written.append(plot_throughput(rows, out_dir / "throughput.png"))
+        written.append(plot_idle(rows, out_dir / "idle.png"))
+        written.append(plot_step_time(rows, out_dir / "step_time.png"))
+        written.append(plot_timeline(rows, traces, out_dir / "timeline.png", window))
+    return [p for p in written if p is not None]
+
+
+def _parse_window(text: str) -> tuple[int, int]:
+    first, sep, last = text.partition(":")
+    try:
+        bounds = (int(first), int(last))
+    except ValueError:
+        bounds = None
+    if not sep or bounds is None or bounds[0] > bounds[1]:
+        raise argparse.ArgumentTypeError(f"--window wants FIRST:LAST learner steps, got {text!r}")
+    return bounds
+
+
+def main(argv: list[str]) -> int:
+    """`asyncrl plot RUN_DIR [--out DIR] [--window A:B]`: the figures, plus trace.json for
+    chrome://tracing or ui.perfetto.dev when the run recorded spans; prints each path."""
+    parser = argparse.ArgumentParser(prog="asyncrl plot", description=main.__doc__)
+    parser.add_argument("run_dir", type=Path, metavar="RUN_DIR")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (RUN_DIR/plots)")
+    parser.add_argument(
+        "--window", type=_parse_window, default=None, metavar="A:B", help="timeline learner steps"
+    )
+    ns = parser.parse_args(argv)
+    try:
+        paths = plot_run(ns.run_dir, ns.out, ns.window)
+    except FileNotFoundError as exc:
+        print(f"asyncrl plot: {exc}", file=sys.stderr)
+        return 2
+    out_dir = ns.out if ns.out is not None else ns.run_dir / "plots"
+    if read_traces(ns.run_dir):
+        paths.append(write_chrome_trace(ns.run_dir, out_dir / "trace.json"))
+    else:
+        print(f"asyncrl plot: no trace/*.jsonl in {ns.run_dir}; no timeline or trace.json")
+    for path in paths:
+        print(path)
+    return 0

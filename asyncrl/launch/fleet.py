@@ -1,0 +1,156 @@
+"""What the local and the Ray launcher share: the `Fleet` they hand back, the run directory,
+the model every fleet loads, each process's environment, and the one watch loop.
+
+A backend (`local.py`, `ray_cluster.py`) starts the processes and returns a `Fleet`; everything
+after that (waiting for the replay, showing progress, naming the first process to die) is here,
+so both backends behave the same.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Protocol
+
+from asyncrl.config import Config, config_to_yaml
+from asyncrl.data import setup_task
+from asyncrl.launch.progress import Progress
+from asyncrl.metrics import read_jsonl
+from asyncrl.replay_client import ReplayClient, ReplayUnavailable
+from asyncrl.run_spec import RunSpec
+
+
+class LaunchError(RuntimeError):
+    """A fleet failed; the message names the process and why."""
+
+
+class FleetMember(Protocol):
+    @property
+    def name(self) -> str:
+        """replay, server_<i>, learner_<rank>"""
+        ...
+
+    def describe_exit(self) -> str:
+        """How it ended and the last lines of its log."""
+        ...
+
+
+class Fleet(Protocol):
+    """A started run, whatever started it: what `launch`, `serve` and `eval` need."""
+
+    spec: RunSpec
+
+    def first_dead(self) -> FleetMember | None:
+        """The first member that failed, or ended while the run still needed it."""
+        ...
+
+    def learners_finished(self) -> bool:
+        """Every learner rank has ended successfully (the end of a training run)."""
+        ...
+
+    def stop_all(self) -> None:
+        """Stop every member (gracefully, then by force) and release what the run holds."""
+        ...
+
+
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last lines of a process's log ('' when there is none)."""
+    if not path.is_file():
+        return ""
+    return "".join(path.read_text(errors="replace").splitlines(keepends=True)[-lines:])
+
+
+def prepare_run_dir(cfg: Config, command: str) -> Path:
+    """Create the run directory and write the resolved config (with the command on top)."""
+    run_dir = Path(cfg.trainer.run_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(f"# {command}\n" + config_to_yaml(cfg))
+    return run_dir
+
+
+def prepare_model(cfg: Config, log=print) -> str:
+    """The model directory every fleet loads: the configured one, or the embedded tiny model
+    (built and warm-started here, cached across runs)."""
+    if cfg.trainer.model_path is not None:
+        if not (Path(cfg.trainer.model_path) / "config.json").is_file():
+            raise LaunchError(f"trainer.model_path={cfg.trainer.model_path!r} has no config.json")
+        return cfg.trainer.model_path
+    from asyncrl.demo.tiny_model import prepare_embedded_model
+
+    task = setup_task(cfg.data)
+    return str(
+        prepare_embedded_model(
+            cfg.trainer.cache_dir, task, cfg.trainer.warmstart_steps, cfg.trainer.seed, log=log
+        )
+    )
+
+
+def threads_per_process(cfg: Config) -> int:
+    if cfg.launch.threads_per_process:
+        return cfg.launch.threads_per_process
+    compute = cfg.rollout.num_servers + cfg.learner.world_size
+    return max(1, (os.cpu_count() or 1) // compute)
+
+
+def process_env(spec: RunSpec, name: str) -> dict[str, str]:
+    """What every fleet process has in its environment, whichever backend starts it: its
+    thread counts, and its name and run (so `ps e` or a test can tell whose process it is)."""
+    return {
+        "OMP_NUM_THREADS": str(spec.threads),
+        "MKL_NUM_THREADS": str(spec.threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "PYTHONUNBUFFERED": "1",
+        "ASYNCRL_PROCESS": name,
+        "ASYNCRL_RUN_DIR": spec.run_dir,
+    }
+
+
+def learner_env(
+    rank: int, world_size: int, master_addr: str, master_port: int, local_rank: int
+) -> dict[str, str]:
+    """The torchrun-style variables `learner.fsdp.setup_distributed` reads."""
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(local_rank),
+        "WORLD_SIZE": str(world_size),
+        "MASTER_ADDR": master_addr,
+        "MASTER_PORT": str(master_port),
+    }
+
+
+def replay_answers(address: str) -> bool:
+    """Whether the replay at `address` answers a stats request within half a second."""
+    client = ReplayClient(address, reply_timeout_s=0.5)
+    try:
+        client.stats()
+        return True
+    except ReplayUnavailable:
+        return False
+    finally:
+        client.close()
+
+
+def wait_for_replay(fleet: Fleet, answers: Callable[[], bool], timeout_s: float) -> None:
+    """Until `answers()` (the replay is up); LaunchError if a member dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if (dead := fleet.first_dead()) is not None:
+            raise LaunchError(dead.describe_exit())
+        if answers():
+            return
+    raise LaunchError(f"replay did not start within {timeout_s:.0f}s")
+
+
+def watch(fleet: Fleet, progress: Progress) -> None:
+    """Until every learner rank has finished; raise LaunchError if any member dies first."""
+    metrics = Path(fleet.spec.run_dir) / "metrics.jsonl"
+    while True:
+        progress.update(read_jsonl(metrics))
+        if (dead := fleet.first_dead()) is not None:
+            raise LaunchError(dead.describe_exit())
+        if fleet.learners_finished():
+            progress.update(read_jsonl(metrics), final=True)
+            return
+        time.sleep(0.25)

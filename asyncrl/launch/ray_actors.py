@@ -1,0 +1,89 @@
+"""What runs inside the Ray cluster for the Ray launcher (`ray_cluster.py`): one `FleetProcess`
+actor per fleet process, which runs the same role function as a local process, and the small
+zero-CPU tasks the launcher pins next to an actor (signals, a replay probe).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from asyncrl.config import Config
+from asyncrl.launch.fleet import log_tail, replay_answers
+from asyncrl.launch.worker import run_process
+from asyncrl.run_spec import RunSpec
+
+
+@dataclass(frozen=True)
+class Location:
+    node_ip: str  # the node's address as Ray knows it
+    node_id: str  # Ray's node id (to pin a task next to the actor)
+    pid: int  # the actor's process on that node
+
+
+def redirect_output(log_path: Path) -> None:
+    """Send this process's stdout and stderr (file descriptors, so C++ output too) to its log
+    file, as the local launcher does, instead of Ray's worker logs."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for stream in (1, 2):
+        os.dup2(fd, stream)
+    os.close(fd)
+
+
+@ray.remote(max_restarts=0)
+class FleetProcess:
+    """One fleet process. A plain (one-call-at-a-time) actor runs its calls on the process's
+    main thread, which the roles need for their SIGTERM handlers."""
+
+    def __init__(self, log_path: str, cwd: str):
+        self.log_path = Path(log_path)
+        redirect_output(self.log_path)
+        with contextlib.suppress(OSError):  # relative config paths mean the launcher's cwd
+            os.chdir(cwd)
+
+    def locate(self) -> Location:
+        context = ray.get_runtime_context()
+        return Location(ray.util.get_node_ip_address(), context.get_node_id(), os.getpid())
+
+    def free_ports(self, host: str, count: int) -> list[int]:
+        """`count` distinct ports free on this node now (held together while picked)."""
+        import socket
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        socks = [socket.socket(family, socket.SOCK_STREAM) for _ in range(count)]
+        try:
+            for s in socks:
+                s.bind((host, 0))
+            return [s.getsockname()[1] for s in socks]
+        finally:
+            for s in socks:
+                s.close()
+
+    def run(self, role: str, spec: RunSpec, cfg: Config, index: int, env: dict[str, str]) -> int:
+        os.environ.update(env)
+        return run_process(role, spec, cfg, index)
+
+    def log_tail(self) -> str:
+        return log_tail(self.log_path)
+
+
+@ray.remote(num_cpus=0)
+def signal_processes(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, sig)
+
+
+@ray.remote(num_cpus=0)
+def replay_answers_on_node(address: str) -> bool:
+    return replay_answers(address)
+
+
+def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:
+    return NodeAffinitySchedulingStrategy(node_id, soft=False)

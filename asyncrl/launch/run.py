@@ -1,0 +1,69 @@
+"""`launch` and `serve`: prepare a run, start the fleets with the configured backend, watch
+them, and stop everything at the end, on Ctrl-C, or as soon as any process dies (naming it and
+why). Both backends hand back a `Fleet` (`fleet.py`) and run the same role functions
+(`worker.run_process`), so the data plane (ZeroMQ, torch.distributed) does not depend on the
+backend.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from asyncrl.config import Config
+from asyncrl.launch.fleet import Fleet, LaunchError, prepare_model, prepare_run_dir, watch
+from asyncrl.launch.local import start_local_fleets
+from asyncrl.launch.progress import Progress
+from asyncrl.metrics import read_jsonl
+
+
+def start_fleets(cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True) -> Fleet:
+    """Start the replay (and wait until it answers), the servers and, when training, the
+    learner ranks, with the configured backend. Without a learner the servers keep the weights
+    they loaded."""
+    if cfg.launch.backend == "ray":
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            raise LaunchError(
+                'launch.backend=ray needs Ray: pip install -e ".[ray]" (or pip install ray)'
+            ) from None
+        from asyncrl.launch.ray_cluster import start_ray_fleets
+
+        return start_ray_fleets(cfg, run_dir, model_path, with_learner)
+    return start_local_fleets(cfg, run_dir, model_path, with_learner)
+
+
+def serve(cfg: Config, command: str = "asyncrl serve") -> tuple[Fleet, Path]:
+    """Start the replay and the rollout servers only, on trainer.model_path (any checkpoint
+    directory) or the embedded model; the caller stops the fleet."""
+    run_dir = prepare_run_dir(cfg, command)
+    model_path = prepare_model(cfg)
+    fleet = start_fleets(cfg, run_dir, model_path, with_learner=False)
+    return fleet, run_dir
+
+
+def launch(cfg: Config, command: str = "asyncrl launch") -> Path:
+    """Run one training job end to end; returns the run directory."""
+    started = time.monotonic()
+    run_dir = prepare_run_dir(cfg, command)
+    print(f"asyncrl: run directory {run_dir}", flush=True)
+    model_path = prepare_model(cfg)
+    fleet = start_fleets(cfg, run_dir, model_path)
+    print(
+        f"asyncrl: started replay, {cfg.rollout.num_servers} rollout server(s), "
+        f"{cfg.learner.world_size} learner rank(s); logs in {run_dir / 'logs'}",
+        flush=True,
+    )
+    progress = Progress(
+        cfg.trainer.total_steps, cfg.replay.max_staleness, cfg.launch.progress, started
+    )
+    try:
+        watch(fleet, progress)
+    finally:
+        fleet.stop_all()
+    summary = progress.summary(read_jsonl(run_dir / "metrics.jsonl"))
+    print(f"asyncrl: done in {time.monotonic() - started:.0f}s. {summary}", flush=True)
+    if cfg.trainer.save_final:
+        print(f"asyncrl: final weights in {run_dir / 'final'}", flush=True)
+    return run_dir

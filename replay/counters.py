@@ -1,0 +1,44 @@
+"""The replay's counters: every name it reports (present as 0 from the start), and the one-line
+summary it logs when it stops."""
+
+from __future__ import annotations
+
+COUNTERS = (
+    "received",
+    "rejected_malformed",
+    "rejected_oversized",
+    "rejected_unexpected",
+    "lease_requests",
+    "leases_granted",
+    "leases_reissued",
+    "empty_grants",
+    "eval_jobs",
+    "eval_leases_granted",
+    "eval_samples",
+    "expired",
+    "accepted",
+    "duplicates",
+    "late",
+    "stale_dropped",
+    "batch_requests",
+    "batches_served",
+    "groups_served",
+    "samples_served",
+    "empty_batches",
+    "version_updates",
+)
+"""Every counter the replay reports, present (as 0) from the start."""
+
+
+def summarize(counters: dict[str, float]) -> str:
+    """One line for logs: what came in, what went out, what was dropped or rejected."""
+    c = {k: int(v) for k, v in counters.items()}
+    rejected = sum(v for k, v in c.items() if k.startswith("rejected_"))
+    return (
+        f"{c.get('accepted', 0)} trajectories accepted ({c.get('duplicates', 0)} duplicate, "
+        f"{c.get('late', 0)} late, {rejected} rejected messages); "
+        f"{c.get('leases_granted', 0)} leases granted, {c.get('expired', 0)} expired; "
+        f"{c.get('batches_served', 0)} batches / {c.get('samples_served', 0)} samples served; "
+        f"{c.get('stale_dropped', 0)} groups dropped as stale; "
+        f"learner version {c.get('learner_version', 0)}"
+    )

@@ -1,0 +1,110 @@
+"""The engine interface: what agent loops and the server need from an inference engine.
+
+An `Engine` turns prompt token ids into sampled token ids with the behaviour log-probability
+and policy version of every sampled token, and follows the learner's weight versions. Agent
+loops only ever `await engine.generate(...)`; the server's weight-receiver thread only iterates
+`engine.follow_learner(...)`, which joins the learner's weight-sync group and applies each
+version as it comes. Engines: `HFEngine` (`hf.py`, transformers, in-process) and `VLLMEngine`
+(`vllm.py`, vLLM's async engine; its worker process joins the sync group itself, `vllm_worker.py`).
+
+Invariants every engine keeps:
+- The behaviour log-prob of a sampled token is log_softmax(logits / T)[token] (T = 1 when
+  temperature is 0, i.e. greedy), taken before top-p truncation: exactly what the learner
+  recomputes with one full-sequence forward.
+- A weight version is applied entirely or not at all, between batches; every token sampled
+  after a version is applied carries the new version.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    """Softmax temperature; 0 means greedy (argmax), with log-probs of the T = 1 softmax."""
+    top_p: float = 1.0
+    """Nucleus mass in (0, 1]; applied after the behaviour log-prob is taken."""
+    max_new_tokens: int = 16
+    """Most tokens sampled; reaching it finishes with reason "length"."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Extra ids that end the response (the model's EOS always does); the stop id is kept."""
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@dataclass
+class GenerationOutput:
+    token_ids: list[int]
+    """Sampled ids, the stop token included when the response stopped on one."""
+    logprobs: list[float]
+    """Behaviour log-prob of each id in token_ids."""
+    version: int
+    """Policy version of the weights that sampled every token of this output."""
+    finish_reason: Literal["stop", "length"]
+    """"stop": EOS or a stop id was sampled; "length": max_new_tokens was reached."""
+
+
+@dataclass(frozen=True)
+class SyncTarget:
+    """Where an engine joins the learner's weight-sync group (`asyncrl.weight_sync`)."""
+
+    host: str
+    port: int
+    rank: int
+    """This server's rank in the group (learner rank 0 is rank 0)."""
+    world_size: int
+    device: torch.device
+    """cuda: NCCL; cpu: gloo."""
+    timeout_s: float = 3600.0
+
+
+@dataclass(frozen=True)
+class AppliedVersion:
+    version: int
+    apply_s: float
+    """Seconds new generation was held back to apply this version (drain + load)."""
+
+
+class Engine(ABC):
+    """Samples responses for many concurrent callers and swaps in new weights atomically."""
+
+    busy_s: float = 0.0
+    """Cumulative seconds spent sampling (engines add to it; the server reports idle time)."""
+    on_batch: Callable[[float, float, int, int], None] | None = None
+    """Called after each sampling batch with (unix start, seconds, sequences, version)."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """Policy version of the weights the next batch will sample with."""
+
+    @abstractmethod
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        """Sample one response to `prompt_ids`; concurrent calls are batched together."""
+
+    @abstractmethod
+    def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
+        """Join the learner's weight-sync group and apply every version it broadcasts, each
+        entirely or not at all, yielding after each; returns when the learner closes the group.
+        Blocking: the server runs it in a thread of its own."""
+
+    def weights_checksum(self) -> str | None:
+        """`asyncrl.weight_sync.weights_checksum` of the live weights in the learner's naming,
+        or None where the engine cannot read them back (vLLM repacks them)."""
+        return None
+
+    async def close(self) -> None:  # noqa: B027 (optional hook; engines without resources keep it)
+        """Finish queued work and release threads, processes and devices."""

@@ -1,0 +1,38 @@
+"""Sandbox for model-written Python: run untrusted code, report how it ended apart from its output.
+
+Modules: `runner` (`SandboxConfig`, `SandboxResult`, `Sandbox`), `prelude` (the trusted code
+that starts every run inside the sandbox), `host` (command lines, directories, uids and the
+sweeping of leftover processes, on the host side).
+
+Components:
+- `SandboxConfig`: the limits and which isolation backend to use.
+- `Sandbox`: picks the backend at construction (probing the strongest first, warning loudly on
+  a fallback) and runs programs with `run` on the caller's event loop, at most `max_concurrent`
+  at once, each in a fresh sandbox.
+- backends, strongest first (docs/sandbox.md says what each isolates): `bwrap` (bubblewrap: own
+  PID/network/IPC/UTS/mount namespaces, a read-only view of the system and the interpreter, a
+  private size-bounded tmpfs), `unshare` (util-linux: own PID/network/IPC/UTS/mount namespaces,
+  but the host filesystem stays readable), `process` (rlimits and a private directory: NOT a
+  security boundary).
+- `_PRELUDE`: trusted Python that runs inside the sandbox first (mounts for `unshare`, a
+  supervisor, the drop to the sandbox uid, rlimits), then runs the code in the same interpreter.
+
+Invariants:
+1. Nothing the code started is alive when `run` returns or is cancelled. Under bwrap/unshare the
+   process we spawn exits only after the namespace's first process, which the kernel reaps only
+   once the namespace is empty (`_reap`); code still running at the end is SIGKILLed first, by
+   sweeping its uid (root) or through the namespace's first process (`_kill_running`). Under
+   `process` the group, the slot's uid and the run's token are swept (`_kill_stragglers`).
+2. The server holds at most `output_limit_bytes` of each stream: pipes are read as they fill and
+   the excess is only counted; past `output_kill_bytes` in all the code is killed.
+3. The code gets an empty environment (none of the server's secrets) and, under `bwrap` and
+   `unshare`, sees no process and no network interface of the host.
+4. RLIMIT_NPROC binds only for a uid other than 0, so as root the code never runs as uid 0 under
+   `bwrap`/`unshare`: each slot owns a uid claimed with a lock file, so the limit counts exactly
+   one sandbox. That, not cgroups, is what stops a fork bomb (the wall timeout is the backstop).
+"""
+
+from rollout_servers.sandbox.config import Backend, SandboxConfig, SandboxResult
+from rollout_servers.sandbox.runner import Sandbox
+
+__all__ = ["Backend", "Sandbox", "SandboxConfig", "SandboxResult"]

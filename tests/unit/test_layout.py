@@ -1,0 +1,173 @@
+"""The layout rules of docs/architecture.md, checked on the source with `ast` (nothing is imported).
+
+Layers: the core (`asyncrl/*.py`) <- the fleets (`rollout_servers`, `replay`, `learner`) <- the
+launch layer (`asyncrl.launch`). Around them: the demo (`asyncrl.demo`) and analysis
+(`asyncrl.analysis`). Every import counts: module level, inside functions, and under
+`TYPE_CHECKING`.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = ("asyncrl", "rollout_servers", "replay", "learner")
+FLEETS = ("rollout_servers", "replay", "learner")
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 80
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def _sources() -> dict[str, Path]:
+    return {
+        _module_name(p): p for package in PACKAGES for p in sorted((ROOT / package).rglob("*.py"))
+    }
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """Project modules `path` imports (`from a.b import c` counts a.b.c when that is a module)."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [f"{node.module}.{alias.name}" for alias in node.names] + [node.module]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            if name:
+                found.add(name)
+    return found
+
+
+def layer(module: str) -> str:
+    """core | launch | demo | analysis | one of FLEETS."""
+    top, _, rest = module.partition(".")
+    if top in FLEETS:
+        return top
+    sub = rest.partition(".")[0]
+    return sub if sub in ("launch", "demo", "analysis") else "core"
+
+
+def import_graph() -> dict[str, set[str]]:
+    sources = _sources()
+    modules = set(sources)
+    graph = {}
+    for name, path in sources.items():
+        # a package's own modules importing each other through the package is not an edge
+        graph[name] = {
+            m for m in _imports(path, modules) if m != name and not name.startswith(m + ".")
+        }
+    return graph
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
+    """One import circle as [a, b, ..., a], or None."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt) :] + [nxt]
+            if nxt not in state and (cycle := visit(nxt)):
+                return cycle
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (cycle := visit(node)):
+            return cycle
+    return None
+
+
+ALLOWED = {
+    "core": {"core"},
+    "rollout_servers": {"core", "rollout_servers"},
+    "replay": {"core", "replay"},
+    "learner": {"core", "learner"},
+    "demo": {"core", "demo"},
+    "analysis": {"core", "analysis", "replay"},  # the pipeline model runs the replay's admission
+    "launch": {"core", "launch", "demo", "analysis", *FLEETS},
+}
+"""Which layers each layer may import."""
+
+
+def layer_violations(graph: dict[str, set[str]]) -> list[str]:
+    return [
+        f"{src} ({layer(src)}) imports {dst} ({layer(dst)})"
+        for src, targets in sorted(graph.items())
+        for dst in sorted(targets)
+        if layer(dst) not in ALLOWED[layer(src)]
+    ]
+
+
+def test_no_import_circle():
+    assert find_cycle(import_graph()) is None, " -> ".join(find_cycle(import_graph()) or [])
+
+
+def test_layers_import_only_what_they_may():
+    assert layer_violations(import_graph()) == []
+
+
+def test_the_checks_catch_what_they_are_for():
+    """The rules fail on a circle, a core module importing a fleet, a fleet importing another
+    fleet, and production code importing the demo."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+    bad = {
+        "asyncrl.config": {"replay.buffer"},
+        "learner.trainer": {"replay.prompts"},
+        "rollout_servers.rewards": {"asyncrl.demo.tasks"},
+        "asyncrl.protocol": {"asyncrl.launch.cli"},
+        "asyncrl.launch.cli": {"learner.trainer", "asyncrl.demo.tasks"},
+    }
+    assert len(layer_violations(bad)) == 4
+
+
+def test_import_graph_sees_every_kind_of_import(tmp_path):
+    src = tmp_path / "m.py"
+    src.write_text(
+        "from typing import TYPE_CHECKING\n"
+        "import asyncrl.codec\n"
+        "if TYPE_CHECKING:\n    from replay import buffer\n"
+        "def f():\n    from learner.losses import aggregate_loss\n"
+    )
+    modules = {"asyncrl.codec", "replay.buffer", "learner.losses", "replay"}
+    assert _imports(src, modules) == {"asyncrl.codec", "replay.buffer", "learner.losses", "replay"}
+
+
+def _long_functions(path: Path) -> list[str]:
+    out = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
+            if length > MAX_FUNCTION_LINES:
+                out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
+    return out
+
+
+@pytest.mark.parametrize("top", [*PACKAGES, "tools", "tests"])
+def test_files_and_functions_stay_readable(top):
+    files = sorted((ROOT / top).rglob("*.py"))
+    long_files = [
+        f"{p.relative_to(ROOT)} ({n} lines)"
+        for p in files
+        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+    ]
+    assert long_files == []
+    assert [f for p in files for f in _long_functions(p)] == []

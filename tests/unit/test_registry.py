@@ -1,0 +1,75 @@
+"""The one `Registry` behind agent loops, tools, interactions, rewards, tasks and estimators, and
+the embedded demo plugging in through entry points as a user's package would."""
+
+from __future__ import annotations
+
+import sys
+from importlib.metadata import entry_points
+
+import pytest
+
+from asyncrl.data import TASKS, setup_task
+from asyncrl.registry import Registry
+
+
+def test_decorator_direct_and_path_registration():
+    reg: Registry[object] = Registry("widget")
+
+    @reg.register("a")
+    class A:
+        pass
+
+    reg.register("b", 42)
+    reg.register("c", "json:dumps")
+    assert reg["a"] is A and reg["b"] == 42
+    import json
+
+    assert reg["c"] is json.dumps  # imported on first use, then cached
+    assert reg.names() == ["a", "b", "c"]
+    assert reg.resolve("json:loads") is json.loads  # an unregistered import path
+    with pytest.raises(ValueError, match=r"unknown widget 'json:loads': registered are"):
+        reg.resolve("json:loads", allow_path=False)  # rows may not name import paths
+    with pytest.raises(ValueError, match=r"unknown widget 'zzz': registered are \['a', 'b', 'c'\]"):
+        reg.resolve("zzz")
+    with pytest.raises(ValueError, match="cannot import 'no_such_module_x'"):
+        reg.resolve("no_such_module_x:thing")
+    with pytest.raises(ValueError, match="has no 'nothing_here'"):
+        reg.resolve("json:nothing_here")
+    with pytest.raises(KeyError, match="unknown widget"):
+        reg["zzz"]
+    assert reg.get("zzz") is None
+    reg.unregister("a")
+    assert "a" not in reg
+
+
+def test_a_lazy_member_is_not_imported_until_used():
+    reg: Registry[object] = Registry("widget")
+    reg.register("later", "asyncrl_test_never_imported_module:thing")
+    assert "later" in reg  # knowing the name imports nothing
+    assert "asyncrl_test_never_imported_module" not in sys.modules
+    with pytest.raises(ValueError, match="cannot import"):
+        reg["later"]
+
+
+def test_the_demo_plugs_in_through_entry_points_like_any_package():
+    """pyproject.toml declares the embedded tasks and their reward as entry points; nothing in
+    the core or the fleets names the demo."""
+    declared = {ep.name: ep.value for ep in entry_points(group="asyncrl.tasks")}
+    assert declared["arith"] == "asyncrl.demo.tasks:setup_arith_task"
+    rewards = {ep.name: ep.value for ep in entry_points(group="asyncrl.rewards")}
+    assert rewards["asyncrl/arith"] == "asyncrl.demo.tasks:arith_score"
+    from asyncrl.config import DataConfig
+    from asyncrl.demo.tasks import ArithmeticTask, ToolArithmeticTask, arith_score
+    from rollout_servers.rewards import REWARD_FNS
+
+    assert {"arith", "arith_tool"} <= set(TASKS.names())
+    assert setup_task(DataConfig(task="arith", task_max_operand=5, seed=3)) == ArithmeticTask(5, 3)
+    assert setup_task(DataConfig(task="arith_tool", seed=3)) == ToolArithmeticTask(seed=3)
+    assert REWARD_FNS["asyncrl/arith"] is REWARD_FNS["asyncrl/arith_tool"] is arith_score
+
+
+def test_an_explicit_registration_overrides_an_entry_point():
+    reg: Registry[object] = Registry("task", "asyncrl.tasks")
+    reg.register("arith", 7)
+    assert reg["arith"] == 7
+    assert "arith_tool" in reg  # the other entry points are still there
