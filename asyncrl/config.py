@@ -16,6 +16,8 @@ import pydantic
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from asyncrl.sandbox_config import SandboxConfig
+
 
 class _Section(BaseModel):
     """Base of every section: unknown keys are errors, assignments are validated."""
@@ -131,6 +133,8 @@ class RolloutConfig(_Section):
     """Tool agent: budget of response tokens, sampled plus tool/template tokens together."""
     vllm: VLLMConfig = VLLMConfig()
     """Options of the vLLM engine (used when engine=vllm)."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """The sandbox of all model-written code (the python tool and the code reward)."""
 
 
 class CustomRewardConfig(_Section):
@@ -420,11 +424,7 @@ class ConfigError(ValueError):
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
-
-
-def default_config_path() -> Path:
-    """`configs/default.yaml` of the source tree (the embedded default)."""
-    return CONFIG_DIR / "default.yaml"
+"""The source tree's configs; `configs/default.yaml` is the embedded default."""
 
 
 def parse_override(text: str) -> tuple[list[str], Any]:
@@ -475,7 +475,7 @@ def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> Config:
     """Load a YAML config (default: configs/default.yaml), apply overrides, validate."""
-    path = Path(path) if path is not None else default_config_path()
+    path = Path(path) if path is not None else CONFIG_DIR / "default.yaml"
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
     try:

@@ -45,7 +45,9 @@ from rollout_servers.agents.tools import load_tool_config
 from rollout_servers.engines.base import Engine, SamplingParams, SyncTarget
 from rollout_servers.engines.hf import HFEngine
 from rollout_servers.replay_client import AsyncReplayClient
-from rollout_servers.rewards import RewardComputer
+from rollout_servers.reward_computer import RewardComputer
+from rollout_servers.rewards import REWARD_FNS
+from rollout_servers.sandbox import SharedSandbox
 
 log = logging.getLogger("asyncrl.rollout")
 
@@ -60,6 +62,7 @@ class RolloutServer:
         agent_loop: AgentLoop,
         client: AsyncReplayClient,
         rewards: RewardComputer,
+        sandbox: SharedSandbox | None = None,
     ):
         self.cfg, self.spec, self.server_id = cfg, spec, server_id
         self.engine, self.agent_loop, self.client, self.rewards = (
@@ -85,6 +88,7 @@ class RolloutServer:
             else None
         )
         self.trajectory_log = TrajectoryMetricsLog(run_dir / "rollout_metrics.jsonl", server_id)
+        self.sandbox = sandbox  # the one sandbox of model code, closed with the server
 
     # ---- weight sync (a thread: the broadcast is a blocking collective) -----------------
     def start_weight_receiver(self, loop: asyncio.AbstractEventLoop) -> threading.Thread | None:
@@ -307,7 +311,7 @@ class TrajectoryMetricsLog:
             f.write(text)
 
 
-def setup_rewards(cfg: Config) -> RewardComputer:
+def setup_rewards(cfg: Config, sandbox: SharedSandbox | None = None) -> RewardComputer:
     r = cfg.reward
     return RewardComputer(
         r.timeout_s,
@@ -315,7 +319,31 @@ def setup_rewards(cfg: Config) -> RewardComputer:
         custom_path=r.custom.path,
         custom_name=r.custom.name,
         reward_kwargs=r.kwargs,
+        sandbox=sandbox,
     )
+
+
+def setup_sandbox(cfg: Config) -> SharedSandbox:
+    """The server's one sandbox for model code (the python tool, the code reward). Built now
+    when the run's data needs it, so a missing backend fails at start-up naming what to
+    install; tools that need it build it while their config loads; else on first use."""
+    shared = SharedSandbox(cfg.rollout.sandbox)
+    if sandboxed_sources(cfg):
+        shared.get()
+    return shared
+
+
+def sandboxed_sources(cfg: Config) -> list[str]:
+    """The data sources of `data.train_files` and `data.val_files` whose reward runs model code
+    (none when a custom reward function scores every row)."""
+    if cfg.reward.custom.path is not None:
+        return []
+    import pyarrow.parquet as pq
+
+    sources: set[str] = set()
+    for path in [*cfg.data.train_files, *cfg.data.val_files]:
+        sources.update(map(str, pq.read_table(path, columns=["data_source"]).column(0).to_pylist()))
+    return sorted(s for s in sources if getattr(REWARD_FNS.get(s), "needs_sandbox", False))
 
 
 def sampling_params(rc: RolloutConfig) -> SamplingParams:
@@ -345,7 +373,8 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
     rc = cfg.rollout
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
     engine = setup_engine(rc, spec.model_path, seed=cfg.trainer.seed + 1000 * (server_id + 1))
-    tools = load_tool_config(rc.tool_config) if rc.tool_config else None
+    sandbox = setup_sandbox(cfg)
+    tools = load_tool_config(rc.tool_config, sandbox) if rc.tool_config else None
     limits = ToolAgentLimits(
         rc.max_assistant_turns,
         rc.max_user_turns,
@@ -364,7 +393,8 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
         limits=limits,
     )
     client = AsyncReplayClient(spec.replay_address, ack_timeout_s=rc.ack_timeout_s)
-    return RolloutServer(cfg, spec, server_id, engine, agent, client, setup_rewards(cfg))
+    rewards = setup_rewards(cfg, sandbox)
+    return RolloutServer(cfg, spec, server_id, engine, agent, client, rewards, sandbox)
 
 
 def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
@@ -385,6 +415,8 @@ def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
             )
             server.client.close()
             server.rewards.close()
+            if server.sandbox is not None:
+                server.sandbox.close()
             server.trace.flush()
             await server.engine.close()
 

@@ -207,9 +207,10 @@ register_tool = TOOL_CLASSES.register
 """`@register_tool("my_tool")` over a Tool subclass, usable as class_name."""
 
 
-def load_tool_config(path: str | Path) -> ToolSet:
+def load_tool_config(path: str | Path, sandbox: Any = None) -> ToolSet:
     """The tools listed in the YAML file at `path` (layout in the module docstring); a bad
-    entry raises ValueError naming the entry."""
+    entry raises ValueError naming the entry. Tools that run model code (`needs_sandbox`) get
+    `sandbox.get()`, the server's one sandbox, when `sandbox` is given."""
     raw = yaml.safe_load(Path(path).read_text()) or {}
     entries = raw.get("tools") if isinstance(raw, dict) else None
     if not isinstance(entries, list):
@@ -224,8 +225,13 @@ def load_tool_config(path: str | Path) -> ToolSet:
         cls = TOOL_CLASSES.resolve(entry["class_name"])
         if not (isinstance(cls, type) and issubclass(cls, Tool)):
             raise ValueError(f"{where}: {entry['class_name']!r} is not a Tool subclass")
+        options = dict(entry.get("config") or {})
+        if getattr(cls, "needs_sandbox", False) and sandbox is not None:
+            if "sandbox" in options or "sandbox_config" in options:
+                raise ValueError(f"{where}: the sandbox is configured in rollout.sandbox")
+            options["sandbox"] = sandbox.get()
         try:
-            tools.append(cls(entry["tool_schema"], **(entry.get("config") or {})))
+            tools.append(cls(entry["tool_schema"], **options))
         except (TypeError, ValueError) as e:
             raise ValueError(f"{where}: {e}") from e
     return ToolSet(tools)
@@ -354,16 +360,17 @@ class PythonTool(Tool):
     """Runs `arguments["code"]` (with optional `arguments["stdin"]`) in the sandbox and returns
     the sandbox status, exit code, and stdout and stderr each cut to `max_output_chars`.
 
-    The sandbox is built from `sandbox_config` (SandboxConfig's fields) unless one is given;
-    one sandbox serves every trajectory of the server. Building it probes the isolation
-    backends (a blocking sub-second check), so the server loads tool configs in its setup step.
+    In a server the sandbox is the server's one sandbox (`rollout.sandbox`, shared with the code
+    reward), handed in by `load_tool_config`; standalone, the tool builds a default one (which
+    probes its backend, a blocking sub-second check).
     """
+
+    needs_sandbox = True
 
     def __init__(
         self,
         schema: Mapping[str, Any],
         max_output_chars: int = 2000,
-        sandbox_config: Mapping[str, Any] | None = None,
         sandbox: CodeRunner | None = None,
     ):
         super().__init__(schema)
@@ -374,7 +381,7 @@ class PythonTool(Tool):
         if sandbox is None:
             from rollout_servers.sandbox import Sandbox, SandboxConfig
 
-            sandbox = self._owned = Sandbox(SandboxConfig(**(sandbox_config or {})))
+            sandbox = self._owned = Sandbox(SandboxConfig())
         self.sandbox = sandbox
 
     async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResponse:

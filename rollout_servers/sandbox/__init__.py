@@ -33,6 +33,6 @@ Invariants:
 """
 
 from rollout_servers.sandbox.config import Backend, SandboxConfig, SandboxResult
-from rollout_servers.sandbox.runner import Sandbox
+from rollout_servers.sandbox.runner import Sandbox, SharedSandbox
 
-__all__ = ["Backend", "Sandbox", "SandboxConfig", "SandboxResult"]
+__all__ = ["Backend", "Sandbox", "SandboxConfig", "SandboxResult", "SharedSandbox"]

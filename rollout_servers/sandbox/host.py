@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import pwd
 import shutil
@@ -22,7 +23,8 @@ logger = logging.getLogger(__name__)
 
 def _limits(cfg: SandboxConfig, nproc: int) -> str:
     """The prelude's rlimits argument (a negative value leaves that limit as inherited)."""
-    values = (cfg.cpu_seconds, cfg.memory_mb * _MIB, cfg.file_size_mb * _MIB, cfg.open_files)
+    cpu = math.ceil(cfg.cpu_seconds)
+    values = (cpu, cfg.memory_mb * _MIB, cfg.file_size_mb * _MIB, cfg.open_files)
     return "limits=" + ",".join(str(v) for v in (*values, nproc))
 
 
@@ -195,6 +197,38 @@ def _sweep(match: Callable[[int], bool], what: str) -> None:
             _signal(pid, signal.SIGKILL)
         time.sleep(0.002)
     raise RuntimeError(f"sandbox processes ({what}) survive SIGKILL")
+
+
+def _pids_of_uid(uid: int) -> list[int]:
+    """Live processes whose real or effective uid is `uid`."""
+    wanted, found = str(uid).encode(), []
+    for name in os.listdir("/proc"):
+        with contextlib.suppress(OSError, IndexError):
+            if name.isdigit():
+                status = _read(f"/proc/{name}/status")
+                uids = status.split(b"\nUid:\t", 1)[1].split(b"\n", 1)[0].split()
+                if b"\nState:\tZ" not in status and wanted in uids[:2]:
+                    found.append(int(name))
+    return found
+
+
+def _descendants(pid: int) -> list[int]:
+    """`pid` and every process below it."""
+    found, todo = [], [pid]
+    while todo:
+        current = todo.pop()
+        found.append(current)
+        todo.extend(_children(current))
+    return found
+
+
+def _rss_bytes(pids: list[int]) -> int:
+    """Resident memory of `pids` together (processes that are gone count 0)."""
+    page, total = os.sysconf("SC_PAGE_SIZE"), 0
+    for pid in pids:
+        with contextlib.suppress(OSError, IndexError, ValueError):
+            total += int(_read(f"/proc/{pid}/statm").split()[1]) * page
+    return total
 
 
 def _sweep_uid(uid: int) -> None:

@@ -58,8 +58,10 @@ async def _wait_closed(*captures: _Capture) -> None:
 def _classify(ending: str, returncode: int | None, err_tail: bytes) -> tuple[Status, int | None]:
     """Status and exit code of a run. bwrap and the prelude's supervisor report a signal death
     as 128+N, so exit codes 129..192 of the code itself also read as signals."""
-    if ending == "timeout":
+    if ending in ("timeout", "cpu"):
         return "timeout", None
+    if ending == "oom":
+        return "oom", None
     if ending == "flood" or returncode is None:
         return "killed", None
     signum = -returncode if returncode < 0 else None

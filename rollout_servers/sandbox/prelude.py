@@ -1,23 +1,28 @@
 """The trusted Python that starts every sandboxed run, inside the sandbox, before the code."""
 
 # Runs inside the sandbox as `python -I -S -B -u -c _PRELUDE key=value...`, before the code:
+# 0. into the run's cgroups (descriptors the host opened), before any other process exists;
 # 1. (unshare as root) mounts: a tmpfs over each directory that hides the interpreter from other
 #    users (e.g. /root, mode 0700) with the interpreter bound back, private tmpfs on /tmp,
-#    /var/tmp, /dev/shm (an interpreter below them bound back read-only); 2. a supervisor fork: the code's parent and, under bwrap and unshare,
-#    PID 1; it reaps orphans and reports a signal death as exit code 128+N; 3. the drop to
-#    the sandbox uid, no_new_privs, rlimits; 4. the code as __main__, named ./main.py but never
-#    written to disk (tracebacks still show its lines, and not the prelude's frame).
+#    /var/tmp, /dev/shm (an interpreter below them bound back read-only);
+# 2. a supervisor fork: the code's parent and, under bwrap and unshare, PID 1; it reaps orphans
+#    and reports a signal death as exit code 128+N;
+# 3. the drop to the sandbox uid, no_new_privs, the seccomp filter (`seccomp.py`), rlimits;
+# 4. the code as __main__, named ./main.py but never written to disk (tracebacks still show its
+#    lines, and not the prelude's frame).
 _PRELUDE = r"""
-import os, sys
+import os, sys, ctypes
 arg = dict(a.split("=", 1) for a in sys.argv[1:])
+for cg in filter(None, arg.get("cgroup_fds", "").split(",")):
+    os.write(int(cg), b"0")  # this process, and so every later one, into the run's cgroups
+    os.close(int(cg))
+libc = ctypes.CDLL(None, use_errno=True)
+def check(name, *args):
+    args = [ctypes.c_ulong(a) if isinstance(a, int) else a for a in args]
+    if getattr(libc, name)(*args) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, name + ": " + os.strerror(err))
 if "nnp" in arg:
-    import ctypes
-    libc = ctypes.CDLL(None, use_errno=True)
-    def check(name, *args):
-        args = [ctypes.c_ulong(a) if isinstance(a, int) else a for a in args]
-        if getattr(libc, name)(*args) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, name + ": " + os.strerror(err))
     if "pdeath" in arg:
         check("prctl", 1, 9, 0, 0, 0)
         if os.getppid() != int(arg["pdeath"]):
@@ -72,8 +77,14 @@ if "uid" in arg:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
-if "nnp" in arg:
-    check("prctl", 38, 1, 0, 0, 0)
+check("prctl", 38, 1, 0, 0, 0)  # no_new_privs (bwrap sets it too)
+if "seccomp" in arg:
+    class _Prog(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+    bpf = bytes.fromhex(arg["seccomp"])
+    bpf_buf = ctypes.create_string_buffer(bpf, len(bpf))
+    prog = _Prog(len(bpf) // 8, ctypes.cast(bpf_buf, ctypes.c_void_p))
+    check("prctl", 22, 2, ctypes.addressof(prog), 0, 0)  # PR_SET_SECCOMP, FILTER
 import resource
 cpu, mem, fsize, nofile, nproc = map(int, arg["limits"].split(","))
 for what, soft, hard in (

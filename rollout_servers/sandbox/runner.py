@@ -15,7 +15,9 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
+from rollout_servers.sandbox.cgroup import CgroupRoot, RunCgroup
 from rollout_servers.sandbox.config import (
     _MIB,
     _PRIVATE_TMP,
@@ -30,6 +32,7 @@ from rollout_servers.sandbox.config import (
 from rollout_servers.sandbox.host import (
     _bwrap_prefix,
     _children,
+    _descendants,
     _has_account,
     _hidden_dirs,
     _host_workdir,
@@ -37,7 +40,9 @@ from rollout_servers.sandbox.host import (
     _is_under,
     _limits,
     _memfd,
+    _pids_of_uid,
     _read,
+    _rss_bytes,
     _sandbox_env,
     _signal,
     _site_dirs,
@@ -46,8 +51,23 @@ from rollout_servers.sandbox.host import (
 )
 from rollout_servers.sandbox.output import _Capture, _classify, _read_into, _wait_closed
 from rollout_servers.sandbox.prelude import _PRELUDE
+from rollout_servers.sandbox.seccomp import filter_program
 
 logger = logging.getLogger(__name__)
+
+_CGROUP_TICK_S = 0.05
+"""How often a run's CPU time is read from its cgroup."""
+_WATCHDOG_TICK_S = 0.1
+"""How often, without a cgroup, the run's resident memory is summed from /proc."""
+
+
+@dataclass
+class _Run:
+    """One run's identity: its slot (uid when root), its token, its cgroups (None without)."""
+
+    slot: int
+    token: str
+    cgroup: RunCgroup | None
 
 
 class Sandbox:
@@ -64,12 +84,21 @@ class Sandbox:
         self._slots: asyncio.Queue[int] | None = None
         self._slots_loop: asyncio.AbstractEventLoop | None = None
         self._running = 0
+        self.runs_started = 0
+        """Runs started so far (each is one sandboxed process tree)."""
+        self._cgroups = CgroupRoot.detect()
+        self._seccomp = filter_program().hex()
         try:
             self._slot_ids = self._claim_uids() if self._root else [0] * self.config.max_concurrent
             self._plan = self._choose_plan()
         except BaseException:
             self.close()
             raise
+        logger.info(
+            "sandbox: backend %s, whole-run limits by %s",
+            self._plan.backend,
+            self.whole_run_limits,
+        )
 
     @property
     def backend(self) -> str:
@@ -83,27 +112,46 @@ class Sandbox:
         return tuple(self._slot_ids) if self._plan.drops_uid else ()
 
     @property
+    def whole_run_limits(self) -> str:
+        """What bounds a run as a whole: "cgroup v1"/"cgroup v2" (the kernel counts memory,
+        tasks and CPU of all its processes), else "watchdog" (a poll of the run's resident
+        memory, per-process rlimits; docs/sandbox.md)."""
+        return f"cgroup v{self._cgroups.version}" if self._cgroups else "watchdog"
+
+    @property
     def limits_processes(self) -> bool:
         """Whether `max_processes` binds per execution, so a fork bomb stops there (else only
         the wall timeout ends it)."""
-        return self._plan.drops_uid or (not self._root and self._plan.pid_namespace)
+        return (
+            self._cgroups is not None
+            or self._plan.drops_uid
+            or (not self._root and self._plan.pid_namespace)
+        )
 
-    async def run(self, code: str, stdin: str = "") -> SandboxResult:
-        """Run `code` as __main__ with `stdin`, after waiting for a free slot."""
+    async def run(
+        self, code: str, stdin: str = "", wall_timeout_s: float | None = None
+    ) -> SandboxResult:
+        """Run `code` as __main__ with `stdin`, after waiting for a free slot; `wall_timeout_s`
+        overrides the configured wall timeout for this run."""
         if self._root and not self._uid_locks:
             raise RuntimeError("this Sandbox is closed (its uids are released)")
         slots = self._slot_pool()
         slot = await slots.get()
         self._running += 1
+        self.runs_started += 1
         try:
-            return await self._execute(code, stdin, slot)
+            return await self._execute(
+                code, stdin, slot, wall_timeout_s or self.config.wall_timeout_s
+            )
         finally:
             self._running -= 1
             slots.put_nowait(slot)
 
-    def run_sync(self, code: str, stdin: str = "") -> SandboxResult:
+    def run_sync(
+        self, code: str, stdin: str = "", wall_timeout_s: float | None = None
+    ) -> SandboxResult:
         """`run` for synchronous callers (tools, tests); not from inside a running event loop."""
-        return asyncio.run(self.run(code, stdin))
+        return asyncio.run(self.run(code, stdin, wall_timeout_s))
 
     def close(self) -> None:
         """Kill what still runs as the claimed uids and release them. Idempotent."""
@@ -129,97 +177,140 @@ class Sandbox:
                 self._slots.put_nowait(slot)
         return self._slots
 
-    async def _execute(self, code: str, stdin: str, slot: int) -> SandboxResult:
+    async def _execute(self, code: str, stdin: str, slot: int, wall_s: float) -> SandboxResult:
         cfg = self.config
         flood = asyncio.Event()
         budget = [cfg.output_kill_bytes]
         out = _Capture(cfg.output_limit_bytes, budget, flood)
         err = _Capture(cfg.output_limit_bytes, budget, flood)
         token = secrets.token_hex(8)
+        run = _Run(slot, token, None)
         with contextlib.ExitStack() as stack:
+            if self._cgroups is not None:
+                run.cgroup = self._cgroups.create(
+                    f"asyncrl-sandbox-{os.getpid()}-{slot}-{token}",
+                    cfg.memory_mb * _MIB,
+                    cfg.max_processes + 1,  # + the prelude's supervisor
+                )
+                stack.callback(run.cgroup.remove)
             code_fd = stack.enter_context(_memfd(code.encode()))
             stdin_fd = stack.enter_context(_memfd(stdin.encode()))
-            argv, env, cwd = stack.enter_context(self._launch(code_fd, slot, token))
-            write_fds = []
-            for capture in (out, err):
-                read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
-                write_fds.append(write_fd)
-                stack.callback((await _read_into(capture, read_fd)).close)
+            argv, env, cwd = stack.enter_context(self._launch(code_fd, run))
             start = time.monotonic()
-            try:
-                proc = await asyncio.create_subprocess_exec(
-                    *argv,
-                    stdin=stdin_fd,
-                    stdout=write_fds[0],
-                    stderr=write_fds[1],
-                    pass_fds=(code_fd,),
-                    env=env,
-                    cwd=cwd,
-                    start_new_session=True,
-                )
-            finally:
-                for write_fd in write_fds:  # the child holds its copies; EOF once all are gone
-                    os.close(write_fd)
+            proc = await self._spawn(stack, argv, env, cwd, stdin_fd, code_fd, run, (out, err))
             finished = False
             try:
-                ending = await self._wait(proc, flood)
+                ending = await self._wait(proc, flood, wall_s, run)
                 if ending != "exited":
-                    await asyncio.to_thread(self._kill_running, proc, slot, token)
+                    await asyncio.to_thread(self._kill_running, proc, run)
                 await self._reap(proc)
                 if not self._plan.pid_namespace:
                     await asyncio.to_thread(self._kill_stragglers, slot, token)
                 finished = True
             finally:
                 if not finished:  # cancelled or failed: nothing may outlive the call
-                    self._kill_running(proc, slot, token)
+                    self._kill_running(proc, run)
                     if proc.returncode is None:
                         _signal(proc.pid, signal.SIGKILL)
                     self._kill_stragglers(slot, token)
             await _wait_closed(out, err)
             wall_s = time.monotonic() - start
+            peak_mb = None
+            if run.cgroup is not None:
+                peak_mb = run.cgroup.peak_memory_bytes() / _MIB
+                if run.cgroup.oom_kills():
+                    ending = "oom"  # the kernel killed one of the run's processes at the limit
         status, exit_code = _classify(ending, proc.returncode, err.tail)
         stderr = err.text()
         if ending == "flood":
             stderr += f"\n[sandbox: killed after more than {cfg.output_kill_bytes} output bytes]"
-        return SandboxResult(status, out.text(), stderr, exit_code, wall_s)
+        return SandboxResult(status, out.text(), stderr, exit_code, wall_s, peak_mb)
+
+    async def _spawn(self, stack, argv, env, cwd, stdin_fd, code_fd, run: _Run, captures):
+        """Start the run's first process with its output pipes read into `captures`."""
+        write_fds = []
+        for capture in captures:
+            read_fd, write_fd = os.pipe2(os.O_CLOEXEC)
+            write_fds.append(write_fd)
+            stack.callback((await _read_into(capture, read_fd)).close)
+        cgroup_fds = tuple(run.cgroup.procs_fds) if run.cgroup is not None else ()
+        try:
+            return await asyncio.create_subprocess_exec(
+                *argv,
+                stdin=stdin_fd,
+                stdout=write_fds[0],
+                stderr=write_fds[1],
+                pass_fds=(code_fd, *cgroup_fds),
+                env=env,
+                cwd=cwd,
+                start_new_session=True,
+            )
+        finally:
+            for write_fd in write_fds:  # the child holds its copies; EOF once all are gone
+                os.close(write_fd)
 
     @contextlib.contextmanager
     def _launch(
-        self, code_fd: int, slot: int, token: str, plan: _Plan | None = None
+        self, code_fd: int, run: _Run, plan: _Plan | None = None
     ) -> Iterator[tuple[list[str], dict[str, str], str]]:
         """argv, environment and working directory of one run (the host directory, for
         backends that use one, is removed on exit)."""
         plan = plan or self._plan
         with contextlib.ExitStack() as stack:
-            workdir = stack.enter_context(_host_workdir(plan, slot)) if plan.host_workdir else None
+            workdir = (
+                stack.enter_context(_host_workdir(plan, run.slot)) if plan.host_workdir else None
+            )
             interpreter = [sys.executable, "-I", "-S", "-B", "-u", "-c", _PRELUDE]
             argv = [*plan.prefix, *interpreter, *plan.prelude_args, f"code_fd={code_fd}"]
+            argv.append(f"seccomp={self._seccomp}")
+            if run.cgroup is not None:
+                argv.append("cgroup_fds=" + ",".join(str(fd) for fd in run.cgroup.procs_fds))
             if plan.drops_uid:
-                argv.append(f"uid={slot}")
+                argv.append(f"uid={run.slot}")
             env = _sandbox_env(workdir or "/tmp")
             if plan.backend == "process":
                 argv.append(f"pdeath={os.getpid()}")
-                env[_TOKEN_VAR] = token
+                env[_TOKEN_VAR] = run.token
             if plan.backend == "bwrap":  # bwrap sets the code's environment itself
                 env = {"PATH": "/usr/bin:/bin"}
             yield argv, env, workdir or "/"
 
-    async def _wait(self, proc: asyncio.subprocess.Process, flood: asyncio.Event) -> str:
-        """How the run ended: "exited", "timeout" or "flood" (output past the kill budget)."""
+    async def _wait(
+        self, proc: asyncio.subprocess.Process, flood: asyncio.Event, wall_s: float, run: _Run
+    ) -> str:
+        """How the run ended: "exited", "timeout", "flood" (output past the kill budget), "cpu"
+        (the run's CPU time past cpu_seconds) or "oom" (the watchdog saw the run's resident
+        memory past memory_mb; only without a cgroup, where the kernel enforces it)."""
         exited = asyncio.ensure_future(proc.wait())
         flooded = asyncio.ensure_future(flood.wait())
+        deadline = time.monotonic() + wall_s
+        tick = _CGROUP_TICK_S if run.cgroup is not None else _WATCHDOG_TICK_S
         try:
-            done, _ = await asyncio.wait(
-                {exited, flooded},
-                timeout=self.config.wall_timeout_s,
-                return_when=asyncio.FIRST_COMPLETED,
-            )
+            while (left := deadline - time.monotonic()) > 0:
+                done, _ = await asyncio.wait(
+                    {exited, flooded}, timeout=min(tick, left), return_when=asyncio.FIRST_COMPLETED
+                )
+                if exited in done:
+                    return "exited"
+                if flooded in done:
+                    return "flood"
+                if run.cgroup is not None:
+                    if run.cgroup.cpu_seconds() > self.config.cpu_seconds:
+                        return "cpu"
+                elif (
+                    await asyncio.to_thread(self._run_rss, proc, run) > self.config.memory_mb * _MIB
+                ):
+                    return "oom"
+            return "timeout"
         finally:
             flooded.cancel()
             exited.cancel()
-        if exited in done:
-            return "exited"
-        return "flood" if flooded in done else "timeout"
+
+    def _run_rss(self, proc: asyncio.subprocess.Process, run: _Run) -> int:
+        """Resident bytes of the run's processes (the watchdog's view, without a cgroup)."""
+        if self._plan.drops_uid:
+            return _rss_bytes(_pids_of_uid(run.slot))
+        return _rss_bytes(_descendants(proc.pid))
 
     async def _reap(self, proc: asyncio.subprocess.Process) -> None:
         """Wait for the spawned process. With a PID namespace it exits only after the
@@ -231,13 +322,16 @@ class Sandbox:
             _signal(proc.pid, signal.SIGKILL)
             await proc.wait()
 
-    def _kill_running(self, proc: asyncio.subprocess.Process, slot: int, token: str) -> None:
-        """SIGKILL the code of a run that has not ended: the processes of the slot's uid when
-        there is one (the supervisor then exits on its own, reporting the signal), else the
-        namespace's first process (the namespace dies with it) or the process group."""
+    def _kill_running(self, proc: asyncio.subprocess.Process, run: _Run) -> None:
+        """SIGKILL the code of a run that has not ended: every process of its cgroup, else the
+        processes of the slot's uid when there is one (the supervisor then exits on its own,
+        reporting the signal), else the namespace's first process (the namespace dies with it)
+        or the process group."""
         plan = self._plan
+        if run.cgroup is not None:
+            run.cgroup.kill()
         if plan.drops_uid:
-            _sweep_uid(slot)
+            _sweep_uid(run.slot)
         pid = proc.pid if proc.returncode is None else None  # once reaped, the pid may be reused
         if pid is not None and not plan.drops_uid and plan.pid_namespace:
             for child in _children(pid):
@@ -284,34 +378,30 @@ class Sandbox:
         return list(self._uid_locks)
 
     def _choose_plan(self) -> _Plan:
-        """The first backend (in order of strength, for "auto") whose probe run works."""
-        wanted = self.config.backend
-        reasons: list[str] = []
-        for backend in ["bwrap", "unshare", "process"] if wanted == "auto" else [wanted]:
-            plan_or_reason = self._make_plan(backend)
-            reason = plan_or_reason if isinstance(plan_or_reason, str) else None
-            if isinstance(plan_or_reason, _Plan):
-                reason = self._probe(plan_or_reason)
-                if reason is None:
-                    self._warn_if_weak(plan_or_reason, reasons)
-                    return plan_or_reason
-            reasons.append(f"{backend}: {reason}")
-        raise RuntimeError("no sandbox backend works here: " + "; ".join(reasons))
-
-    def _warn_if_weak(self, plan: _Plan, reasons: list[str]) -> None:
-        if reasons:
-            logger.warning(
-                "SANDBOX FALLBACK: model code runs under %r, weaker than bubblewrap (%s); "
-                "see docs/sandbox.md",
-                plan.backend,
-                "; ".join(reasons),
+        """The configured backend, checked with a probe run. There is no fallback: a missing or
+        broken backend stops the sandbox here (at server start-up) with what to install."""
+        backend = self.config.backend
+        plan = self._make_plan(backend)
+        reason = plan if isinstance(plan, str) else self._probe(plan)
+        if reason is not None:
+            raise RuntimeError(
+                f"sandbox backend {backend!r} does not work here: {reason}. Install it, or name "
+                "a weaker backend explicitly in rollout.sandbox.backend (docs/sandbox.md)"
             )
-        if plan.backend == "process":
+        assert isinstance(plan, _Plan)
+        if backend != "bwrap":
+            logger.warning(
+                "SANDBOX BACKEND %r (named in the config): weaker than bubblewrap; "
+                "see docs/sandbox.md for what it does not isolate",
+                backend,
+            )
+        if backend == "process":
             logger.warning(
                 "SANDBOX IS NOT A SECURITY BOUNDARY: the 'process' backend gives model code the "
                 "network and a view of the host's files and processes%s",
                 "" if plan.drops_uid else ", as the server's own user (it can kill the server)",
             )
+        return plan
 
     def _make_plan(self, backend: str) -> _Plan | str:
         """The plan for `backend`, or why it cannot work here (a missing binary)."""
@@ -330,7 +420,7 @@ class Sandbox:
             tools = {name: shutil.which(name) for name in ("unshare", "setpriv")}
             missing = [name for name, path in tools.items() if path is None]
             if missing:
-                return f"{' and '.join(missing)} not found on PATH (util-linux)"
+                return f"{' and '.join(missing)} not found on PATH (apt-get install -y util-linux)"
             runner = [str(tools["setpriv"]), "--pdeathsig", "KILL", "--", str(tools["unshare"])]
             args = [*shared, "supervise=1", "nnp=1"]
             if root:
@@ -357,7 +447,9 @@ class Sandbox:
         slot, token = self._slot_ids[0], secrets.token_hex(8)
         with contextlib.ExitStack() as stack:
             code_fd = stack.enter_context(_memfd(b"print('sandbox-ok')"))
-            argv, env, cwd = stack.enter_context(self._launch(code_fd, slot, token, plan))
+            argv, env, cwd = stack.enter_context(
+                self._launch(code_fd, _Run(slot, token, None), plan)
+            )
             try:
                 done = subprocess.run(
                     argv,
@@ -377,3 +469,30 @@ class Sandbox:
             return None
         tail = done.stderr.decode(errors="replace").strip()[-300:]
         return f"probe run failed (exit {done.returncode}): {tail}"
+
+
+class SharedSandbox:
+    """The one `Sandbox` of a rollout server, shared by the python tool and the code reward:
+    built by the first `get` (the server calls it at start-up when its tools or data need it,
+    so a missing backend fails there), then reused; a failed build is remembered and raised
+    again, naming what to install."""
+
+    def __init__(self, config: SandboxConfig) -> None:
+        self.config = config
+        self._sandbox: Sandbox | None = None
+        self._error: str | None = None
+
+    def get(self) -> Sandbox:
+        if self._sandbox is None:
+            if self._error is not None:
+                raise RuntimeError(self._error)
+            try:
+                self._sandbox = Sandbox(self.config)
+            except RuntimeError as e:
+                self._error = str(e)
+                raise
+        return self._sandbox
+
+    def close(self) -> None:
+        if self._sandbox is not None:
+            self._sandbox.close()
