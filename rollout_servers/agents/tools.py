@@ -392,6 +392,8 @@ class PythonTool(Tool):
                 text = truncate_middle(stream.rstrip("\n"), self.max_output_chars)
                 parts.append(f"{label}:\n{text}")
         metrics = {f"status_{result.status}": 1.0, "wall_s": float(result.wall_s)}
+        if getattr(result, "peak_memory_mb", None) is not None:
+            metrics["peak_memory_mb"] = float(result.peak_memory_mb)
         return ToolResponse("\n".join(parts), metrics=metrics)
 
     def close(self) -> None:

@@ -1,21 +1,25 @@
 """Sandbox for model-written Python: run untrusted code, report how it ended apart from its output.
 
-Modules: `runner` (`SandboxConfig`, `SandboxResult`, `Sandbox`), `prelude` (the trusted code
-that starts every run inside the sandbox), `host` (command lines, directories, uids and the
-sweeping of leftover processes, on the host side).
+Modules: `runner` (`Sandbox`), `shared` (`SharedSandbox`, a server's one instance), `config`
+(`SandboxResult`; the limits are `asyncrl.sandbox_config.SandboxConfig`), `prelude` (the trusted
+code that starts every run inside the sandbox), `host` (command lines, directories, uids and the
+sweeping of leftover processes), `cgroup` (whole-run limits), `seccomp` (the system-call filter),
+`output` (bounded capture and the status of a run).
 
 Components:
 - `SandboxConfig`: the limits and which isolation backend to use.
-- `Sandbox`: picks the backend at construction (probing the strongest first, warning loudly on
-  a fallback) and runs programs with `run` on the caller's event loop, at most `max_concurrent`
-  at once, each in a fresh sandbox.
+- `Sandbox`: checks the configured backend at construction (no fallback: a missing one fails
+  with its install command; a weaker one named in the config is logged loudly) and runs
+  programs with `run` on the caller's event loop, at most `max_concurrent` at once, each in a
+  fresh sandbox with fresh cgroups.
 - backends, strongest first (docs/sandbox.md says what each isolates): `bwrap` (bubblewrap: own
   PID/network/IPC/UTS/mount namespaces, a read-only view of the system and the interpreter, a
   private size-bounded tmpfs), `unshare` (util-linux: own PID/network/IPC/UTS/mount namespaces,
   but the host filesystem stays readable), `process` (rlimits and a private directory: NOT a
   security boundary).
-- `_PRELUDE`: trusted Python that runs inside the sandbox first (mounts for `unshare`, a
-  supervisor, the drop to the sandbox uid, rlimits), then runs the code in the same interpreter.
+- `_PRELUDE`: trusted Python that runs inside the sandbox first (joins the run's cgroups, mounts
+  for `unshare`, a supervisor, the drop to the sandbox uid, the seccomp filter, rlimits), then
+  runs the code in the same interpreter.
 
 Invariants:
 1. Nothing the code started is alive when `run` returns or is cancelled. Under bwrap/unshare the
@@ -27,12 +31,16 @@ Invariants:
    the excess is only counted; past `output_kill_bytes` in all the code is killed.
 3. The code gets an empty environment (none of the server's secrets) and, under `bwrap` and
    `unshare`, sees no process and no network interface of the host.
-4. RLIMIT_NPROC binds only for a uid other than 0, so as root the code never runs as uid 0 under
-   `bwrap`/`unshare`: each slot owns a uid claimed with a lock file, so the limit counts exactly
-   one sandbox. That, not cgroups, is what stops a fork bomb (the wall timeout is the backstop).
+4. Limits bind the whole run: its memory, tasks and CPU time are counted by cgroups made for it
+   (a watchdog and per-process rlimits where the server cannot make cgroups). As root the code
+   never runs as uid 0: each slot owns a uid claimed with a lock file, so RLIMIT_NPROC also
+   counts exactly one sandbox.
+5. Nothing passes from one run to the next: fresh tmpfs, IPC and network namespaces each run,
+   and keyrings (per uid, not per namespace) denied by the seccomp filter.
 """
 
 from rollout_servers.sandbox.config import Backend, SandboxConfig, SandboxResult
-from rollout_servers.sandbox.runner import Sandbox, SharedSandbox
+from rollout_servers.sandbox.runner import Sandbox
+from rollout_servers.sandbox.shared import SharedSandbox
 
 __all__ = ["Backend", "Sandbox", "SandboxConfig", "SandboxResult", "SharedSandbox"]

@@ -11,22 +11,22 @@
 # 4. the code as __main__, named ./main.py but never written to disk (tracebacks still show its
 #    lines, and not the prelude's frame).
 _PRELUDE = r"""
-import os, sys, ctypes
+import os, sys
 arg = dict(a.split("=", 1) for a in sys.argv[1:])
 for cg in filter(None, arg.get("cgroup_fds", "").split(",")):
     os.write(int(cg), b"0")  # this process, and so every later one, into the run's cgroups
     os.close(int(cg))
-libc = ctypes.CDLL(None, use_errno=True)
 def check(name, *args):
+    import ctypes  # only backends that need libc pay for the import (not bwrap)
+    libc = ctypes.CDLL(None, use_errno=True)
     args = [ctypes.c_ulong(a) if isinstance(a, int) else a for a in args]
     if getattr(libc, name)(*args) != 0:
         err = ctypes.get_errno()
         raise OSError(err, name + ": " + os.strerror(err))
-if "nnp" in arg:
-    if "pdeath" in arg:
-        check("prctl", 1, 9, 0, 0, 0)
-        if os.getppid() != int(arg["pdeath"]):
-            os._exit(70)
+if "pdeath" in arg:
+    check("prctl", 1, 9, 0, 0, 0)
+    if os.getppid() != int(arg["pdeath"]):
+        os._exit(70)
 for line in filter(None, arg.get("expose", "").split("\n")):
     top, *paths = line.split("\t")
     fds = [os.open(p, os.O_PATH) for p in paths]
@@ -77,8 +77,9 @@ if "uid" in arg:
     os.setgroups([])
     os.setresgid(uid, uid, uid)
     os.setresuid(uid, uid, uid)
-check("prctl", 38, 1, 0, 0, 0)  # no_new_privs (bwrap sets it too)
-if "seccomp" in arg:
+if "seccomp" in arg:  # bwrap installs the filter itself (--seccomp)
+    import ctypes
+    check("prctl", 38, 1, 0, 0, 0)  # no_new_privs, which an unprivileged filter needs
     class _Prog(ctypes.Structure):
         _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
     bpf = bytes.fromhex(arg["seccomp"])

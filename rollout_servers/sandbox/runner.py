@@ -68,6 +68,7 @@ class _Run:
     slot: int
     token: str
     cgroup: RunCgroup | None
+    seccomp_fd: int | None = None  # bwrap's filter (other backends: the prelude installs it)
 
 
 class Sandbox:
@@ -87,7 +88,7 @@ class Sandbox:
         self.runs_started = 0
         """Runs started so far (each is one sandboxed process tree)."""
         self._cgroups = CgroupRoot.detect()
-        self._seccomp = filter_program().hex()
+        self._seccomp = filter_program()
         try:
             self._slot_ids = self._claim_uids() if self._root else [0] * self.config.max_concurrent
             self._plan = self._choose_plan()
@@ -195,6 +196,8 @@ class Sandbox:
                 stack.callback(run.cgroup.remove)
             code_fd = stack.enter_context(_memfd(code.encode()))
             stdin_fd = stack.enter_context(_memfd(stdin.encode()))
+            if self._plan.backend == "bwrap":  # bwrap reads the filter from a descriptor
+                run.seccomp_fd = stack.enter_context(_memfd(self._seccomp))
             argv, env, cwd = stack.enter_context(self._launch(code_fd, run))
             start = time.monotonic()
             proc = await self._spawn(stack, argv, env, cwd, stdin_fd, code_fd, run, (out, err))
@@ -234,13 +237,15 @@ class Sandbox:
             write_fds.append(write_fd)
             stack.callback((await _read_into(capture, read_fd)).close)
         cgroup_fds = tuple(run.cgroup.procs_fds) if run.cgroup is not None else ()
+        if run.seccomp_fd is not None:
+            cgroup_fds += (run.seccomp_fd,)
         try:
             return await asyncio.create_subprocess_exec(
                 *argv,
                 stdin=stdin_fd,
                 stdout=write_fds[0],
                 stderr=write_fds[1],
-                pass_fds=(code_fd, *cgroup_fds),
+                pass_fds=(code_fd, *cgroup_fds),  # and bwrap's seccomp filter
                 env=env,
                 cwd=cwd,
                 start_new_session=True,
@@ -261,8 +266,12 @@ class Sandbox:
                 stack.enter_context(_host_workdir(plan, run.slot)) if plan.host_workdir else None
             )
             interpreter = [sys.executable, "-I", "-S", "-B", "-u", "-c", _PRELUDE]
-            argv = [*plan.prefix, *interpreter, *plan.prelude_args, f"code_fd={code_fd}"]
-            argv.append(f"seccomp={self._seccomp}")
+            argv = list(plan.prefix)
+            if run.seccomp_fd is not None:
+                argv += ["--seccomp", str(run.seccomp_fd)]
+            argv += [*interpreter, *plan.prelude_args, f"code_fd={code_fd}"]
+            if plan.backend != "bwrap":
+                argv.append(f"seccomp={self._seccomp.hex()}")
             if run.cgroup is not None:
                 argv.append("cgroup_fds=" + ",".join(str(fd) for fd in run.cgroup.procs_fds))
             if plan.drops_uid:
@@ -422,7 +431,7 @@ class Sandbox:
             if missing:
                 return f"{' and '.join(missing)} not found on PATH (apt-get install -y util-linux)"
             runner = [str(tools["setpriv"]), "--pdeathsig", "KILL", "--", str(tools["unshare"])]
-            args = [*shared, "supervise=1", "nnp=1"]
+            args = [*shared, "supervise=1"]
             if root:
                 hidden = _hidden_dirs(dirs)
                 args += [_limits(cfg, cfg.max_processes), f"tmp_bytes={cfg.tmp_size_mb * _MIB}"]
@@ -440,7 +449,7 @@ class Sandbox:
         # process: RLIMIT_NPROC would count every process of the server's user: left unset then.
         drops = root and not _hidden_dirs(dirs)
         limits = _limits(cfg, cfg.max_processes if drops else -1)
-        return _Plan("process", (), (limits, *shared, "supervise=1", "nnp=1"), True, drops, False)
+        return _Plan("process", (), (limits, *shared, "supervise=1"), True, drops, False)
 
     def _probe(self, plan: _Plan) -> str | None:
         """Run a tiny program through `plan` (blocking); None when it printed what it should."""
@@ -469,30 +478,3 @@ class Sandbox:
             return None
         tail = done.stderr.decode(errors="replace").strip()[-300:]
         return f"probe run failed (exit {done.returncode}): {tail}"
-
-
-class SharedSandbox:
-    """The one `Sandbox` of a rollout server, shared by the python tool and the code reward:
-    built by the first `get` (the server calls it at start-up when its tools or data need it,
-    so a missing backend fails there), then reused; a failed build is remembered and raised
-    again, naming what to install."""
-
-    def __init__(self, config: SandboxConfig) -> None:
-        self.config = config
-        self._sandbox: Sandbox | None = None
-        self._error: str | None = None
-
-    def get(self) -> Sandbox:
-        if self._sandbox is None:
-            if self._error is not None:
-                raise RuntimeError(self._error)
-            try:
-                self._sandbox = Sandbox(self.config)
-            except RuntimeError as e:
-                self._error = str(e)
-                raise
-        return self._sandbox
-
-    def close(self) -> None:
-        if self._sandbox is not None:
-            self._sandbox.close()

@@ -200,3 +200,53 @@ def test_reference_solutions_pass_and_planted_bugs_fail(shared, problem):
     cases = {"test_cases": {"asserts": problem.asserts}}
     assert score(shared, fenced(problem.solution), "", cases)[0] == 1.0
     assert score(shared, fenced(problem.buggy), "", cases)[0] == 0.0
+
+
+# ---- no silent fallback ------------------------------------------------------------------------
+def _no_bwrap(monkeypatch):
+    import shutil
+
+    from rollout_servers.sandbox import runner
+
+    real = shutil.which
+    monkeypatch.setattr(
+        runner.shutil, "which", lambda name: None if name == "bwrap" else real(name)
+    )
+
+
+def test_a_server_whose_backend_is_missing_fails_at_start_up_naming_the_install(
+    monkeypatch, tmp_path
+):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from asyncrl.config import load_config
+    from rollout_servers.server import sandboxed_sources, setup_sandbox
+
+    rows = [{"data_source": "code", "prompt": [{"role": "user", "content": "q"}],
+             "reward_model": {"ground_truth": "{}", "style": "rule"}}]  # fmt: skip
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "code.parquet")
+    cfg = load_config(None, [f"data.train_files=[{tmp_path / 'code.parquet'}]"])
+    assert sandboxed_sources(cfg) == ["code"]
+    _no_bwrap(monkeypatch)
+    with pytest.raises(
+        RuntimeError, match=r"'bwrap' does not work here.*apt-get install -y bubblewrap"
+    ):
+        setup_sandbox(cfg)
+    # without code in its data the server starts; the first code reward then fails loudly
+    plain = load_config(None, [])
+    shared = setup_sandbox(plain)
+    score_, extras, failures = score(shared, fenced(RIGHT_ADD), "", ADD)
+    assert (score_, failures) == (0.0, {"sandbox_unavailable": 1})
+
+
+def test_a_weaker_backend_runs_only_when_named_and_says_so(caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    sandbox = SharedSandbox(SandboxConfig(backend="unshare"))
+    try:
+        assert sandbox.get().backend == "unshare"
+    finally:
+        sandbox.close()
+    assert "SANDBOX BACKEND 'unshare' (named in the config): weaker than bubblewrap" in caplog.text
