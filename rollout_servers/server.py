@@ -326,9 +326,10 @@ def setup_rewards(cfg: Config, sandbox: SharedSandbox | None = None) -> RewardCo
 def setup_sandbox(cfg: Config) -> SharedSandbox:
     """The server's one sandbox for model code (the python tool, the code reward). Built now
     when the run's data needs it, so a missing backend fails at start-up naming what to
-    install; tools that need it build it while their config loads; else on first use."""
+    install, and when a weaker backend is named, so the warning is in the start-up log; tools
+    that need it build it while their config loads; else on first use."""
     shared = SharedSandbox(cfg.rollout.sandbox)
-    if sandboxed_sources(cfg):
+    if cfg.rollout.sandbox.backend != "bwrap" or sandboxed_sources(cfg):
         shared.get()
     return shared
 

@@ -240,13 +240,17 @@ def test_a_server_whose_backend_is_missing_fails_at_start_up_naming_the_install(
     assert (score_, failures) == (0.0, {"sandbox_unavailable": 1})
 
 
-def test_a_weaker_backend_runs_only_when_named_and_says_so(caplog):
+def test_a_weaker_backend_runs_only_when_named_and_says_so_at_start_up(caplog):
     import logging
 
+    from asyncrl.config import load_config
+    from rollout_servers.server import setup_sandbox
+
+    assert load_config(None, []).rollout.sandbox.backend == "bwrap"  # the default
     caplog.set_level(logging.WARNING)
-    sandbox = SharedSandbox(SandboxConfig(backend="unshare"))
+    shared = setup_sandbox(load_config(None, ["rollout.sandbox.backend=unshare"]))
     try:
-        assert sandbox.get().backend == "unshare"
+        assert "SANDBOX BACKEND 'unshare' (named in the config): weaker" in caplog.text
+        assert shared.get().backend == "unshare"
     finally:
-        sandbox.close()
-    assert "SANDBOX BACKEND 'unshare' (named in the config): weaker than bubblewrap" in caplog.text
+        shared.close()
