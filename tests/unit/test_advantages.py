@@ -208,3 +208,18 @@ def test_compute_advantages_errors():
         compute_advantages("gae", **kwargs)
     with pytest.raises(ValueError, match="baseline_rewards"):
         compute_advantages("remax", **kwargs)
+
+
+def test_mask_holes_are_skipped_as_verl_0_9_1_does():
+    """Numbers from verl 0.9.1's `compute_gae_advantage_return` and
+    `compute_reinforce_plus_plus_outcome_advantage` on the same inputs (run on its wheel): a
+    mask hole is skipped, carrying the next sampled token's value and return through it."""
+    mask = torch.tensor([[1.0, 0.0, 0.0, 1.0]])
+    values = torch.tensor([[0.5, 9.0, 9.0, 0.2]])
+    rewards = torch.tensor([[0.0, 0.0, 0.0, 1.0]])
+    _, returns = gae_advantages(rewards, values, mask, gamma=0.9, lam=0.95)
+    # verl: advantages [0.364, ., ., 0.8], returns = advantages + values at sampled tokens
+    torch.testing.assert_close(returns[0, [0, 3]], torch.tensor([0.364 + 0.5, 0.8 + 0.2]))
+    rpp = reinforce_plus_plus_advantages(torch.tensor([[0.0, 5.0, 0.0, 1.0]]), mask, gamma=0.9)
+    # verl: returns [0.9, 0, 0, 1.0] (the reward inside the hole is dropped), then whitened
+    torch.testing.assert_close(rpp[0, [0, 3]], torch.tensor([-0.7071, 0.7071]), atol=1e-4, rtol=0)
