@@ -394,7 +394,7 @@ def setup_task(data_cfg: Any) -> Task:
 
 
 # ---- rows -> leases ---------------------------------------------------------------------------
-def new_group_id(row_index: int) -> str:
+def new_group_id(row_index: int | str) -> str:
     """`"{row_index}-{8 hex digits}"`: readable in logs, unique per lease."""
     return f"{row_index}-{uuid.uuid4().hex[:8]}"
 

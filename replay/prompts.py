@@ -14,12 +14,11 @@ sample of a newer lease of the same row.
 from __future__ import annotations
 
 import dataclasses
-import uuid
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.config import Config
-from asyncrl.data import PromptReader, Task, setup_task
+from asyncrl.data import PromptReader, Task, new_group_id, setup_task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -123,4 +122,4 @@ def setup_prompt_source(
 def reissue(item: PromptItem) -> PromptItem:
     """The same prompt under a fresh group id (its row index is kept), for a lease that expired."""
     row_index = item.group_id.rsplit("-", 1)[0]
-    return dataclasses.replace(item, group_id=f"{row_index}-{uuid.uuid4().hex[:8]}")
+    return dataclasses.replace(item, group_id=new_group_id(row_index))
