@@ -9,14 +9,18 @@ MessagePack header frame followed by one raw frame per array field:
 Invariants:
 - Nothing is ever unpickled: the header is MessagePack with strict limits and arrays are raw bytes
   reinterpreted with `numpy.frombuffer` after their dtype and size have been checked.
-- Decoding checks the wire version, the message type, the exact set of fields, the type of every
-  value against the dataclass annotations, and every array's dtype, shape and byte length.
-  Anything else raises `ProtocolError`, which receivers count and answer; they never crash.
+- Decoding checks the header's nesting depth first (so nothing after it can recurse too deep),
+  then the wire version, the message type, the exact set of fields, the type of every value
+  against the dataclass annotations (ints within int64), every array's name, dtype, shape
+  (at most MAX_ARRAY_DIMS dimensions) and byte length, and last the message's own `validate()`
+  (ranges and sizes). Anything else raises `ProtocolError`, which receivers count and answer;
+  they never crash. Error texts quote sender input only through `short_repr`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import reprlib
 import types
 from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
 
@@ -61,6 +65,23 @@ JsonObject = Annotated[dict, ("json",)]
 """Annotation for a free-form JSON object (a dataset row's extra_info): string keys; values
 None, bool, int, float, str, lists and objects, nested at most MAX_JSON_DEPTH deep."""
 MAX_JSON_DEPTH = 32
+MAX_HEADER_DEPTH = MAX_JSON_DEPTH + 8  # message -> fields -> list -> struct -> JsonObject ...
+MAX_ARRAY_DIMS = 8
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 80, 80, 6, 6
+
+
+def short_repr(value: Any) -> str:
+    """A bounded repr of sender input, safe to put in an error text or a log line."""
+    return _REPR.repr(value)
+
+
+def check(condition: bool, reason: str) -> None:
+    """Raise ProtocolError(reason) unless `condition` (for a message's `validate()`)."""
+    if not condition:
+        raise ProtocolError(reason)
 
 
 def _hints(cls: type) -> dict[str, Any]:
@@ -126,14 +147,17 @@ def decode(frames: list[bytes], max_bytes: int | None = None) -> Any:
     try:
         header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
     except Exception as e:  # any msgpack failure is the sender's fault, never ours
-        raise ProtocolError(f"header is not valid MessagePack ({type(e).__name__}: {e})") from None
+        reason = f"{type(e).__name__}: {str(e)[:200]}"
+        raise ProtocolError(f"header is not valid MessagePack ({reason})") from None
+    if _too_deep(header, MAX_HEADER_DEPTH):
+        raise ProtocolError(f"header nested deeper than {MAX_HEADER_DEPTH}")
     if not isinstance(header, dict) or set(header) != {"v", "type", "fields", "arrays"}:
         raise ProtocolError("header must be a map with keys v, type, fields, arrays")
-    if header["v"] != WIRE_VERSION:
-        raise ProtocolError(f"wire version {header['v']!r} != {WIRE_VERSION}")
+    if type(header["v"]) is not int or header["v"] != WIRE_VERSION:
+        raise ProtocolError(f"wire version {short_repr(header['v'])} != {WIRE_VERSION}")
     cls = _REGISTRY.get(header["type"]) if isinstance(header["type"], str) else None
     if cls is None:
-        raise ProtocolError(f"unknown message type {header['type']!r}")
+        raise ProtocolError(f"unknown message type {short_repr(header['type'])}")
     hints = _hints(cls)
     array_names = {k for k, tp in hints.items() if _array_dtype(tp) is not None}
     fields, arrays = header["fields"], header["arrays"]
@@ -141,7 +165,8 @@ def decode(frames: list[bytes], max_bytes: int | None = None) -> Any:
         raise ProtocolError(f"{cls.TYPE}: fields must be a map and arrays a list")
     expected = set(hints) - array_names
     if set(fields) != expected:
-        missing, extra = sorted(expected - set(fields)), sorted(set(fields) - expected)
+        missing = sorted(expected - set(fields))
+        extra = short_repr(sorted(map(repr, set(fields) - expected)))
         raise ProtocolError(f"{cls.TYPE}: missing fields {missing}, unexpected fields {extra}")
     if len(arrays) != len(array_names) or len(frames) != 1 + len(array_names):
         raise ProtocolError(
@@ -153,23 +178,55 @@ def decode(frames: list[bytes], max_bytes: int | None = None) -> Any:
         values.update(_decode_array(cls, spec, frame, hints, array_names, values))
     if set(values) != set(hints):
         raise ProtocolError(f"{cls.TYPE}: arrays {sorted(array_names - set(values))} missing")
-    return cls(**values)
+    msg = cls(**values)
+    validate = getattr(msg, "validate", None)
+    if validate is not None:
+        validate()
+    return msg
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """Whether containers in `value` nest deeper than `limit` (iterative: no recursion)."""
+    stack = [(value, 0)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (list, dict)):
+            if depth >= limit:
+                return True
+            items = v.values() if isinstance(v, dict) else v
+            stack.extend((x, depth + 1) for x in items)
+            if isinstance(v, dict):
+                stack.extend((k, depth + 1) for k in v)
+    return False
 
 
 def _decode_array(cls, spec, frame, hints, array_names, seen) -> dict[str, np.ndarray]:
-    if not (isinstance(spec, list) and len(spec) == 3 and spec[0] in array_names):
-        raise ProtocolError(f"{cls.TYPE}: bad array descriptor {spec!r}")
+    if not (
+        isinstance(spec, list)
+        and len(spec) == 3
+        and isinstance(spec[0], str)
+        and spec[0] in array_names
+    ):
+        raise ProtocolError(f"{cls.TYPE}: bad array descriptor {short_repr(spec)}")
     name, dtype, shape = spec
     if name in seen:
         raise ProtocolError(f"{cls.TYPE}.{name}: array sent twice")
     want = _array_dtype(hints[name])
-    if dtype != want:
-        raise ProtocolError(f"{cls.TYPE}.{name}: dtype {dtype!r}, expected {want!r}")
-    if not (isinstance(shape, list) and all(isinstance(d, int) and d >= 0 for d in shape)):
-        raise ProtocolError(f"{cls.TYPE}.{name}: bad shape {shape!r}")
-    itemsize = np.dtype(want).itemsize
-    if int(np.prod(shape, dtype=np.int64)) * itemsize != len(frame):
-        raise ProtocolError(f"{cls.TYPE}.{name}: {len(frame)} bytes do not fit shape {shape}")
+    if not isinstance(dtype, str) or dtype != want:
+        raise ProtocolError(f"{cls.TYPE}.{name}: dtype {short_repr(dtype)}, expected {want!r}")
+    if not (
+        isinstance(shape, list)
+        and len(shape) <= MAX_ARRAY_DIMS
+        and all(type(d) is int and d >= 0 for d in shape)
+    ):
+        raise ProtocolError(f"{cls.TYPE}.{name}: bad shape {short_repr(shape)}")
+    count = 1
+    for d in shape:  # Python ints: no overflow, whatever the sender claims
+        count *= d
+    if count * np.dtype(want).itemsize != len(frame):
+        raise ProtocolError(
+            f"{cls.TYPE}.{name}: {len(frame)} bytes do not fit shape {short_repr(shape)}"
+        )
     return {name: np.frombuffer(frame, dtype=np.dtype(want)).reshape(shape)}
 
 
@@ -188,7 +245,7 @@ def _check(value: Any, tp: Any, path: str) -> Any:
                 return _check(value, arg, path)
             except ProtocolError:
                 continue
-        raise ProtocolError(f"{path}: {value!r} matches none of {tp}")
+        raise ProtocolError(f"{path}: {short_repr(value)} matches none of {tp}")
     if tp is type(None):
         if value is None:
             return None
@@ -197,7 +254,9 @@ def _check(value: Any, tp: Any, path: str) -> Any:
             return value
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
-            return value
+            if INT64_MIN <= value <= INT64_MAX:
+                return value
+            raise ProtocolError(f"{path}: {value} does not fit in int64")
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
@@ -213,14 +272,15 @@ def _check(value: Any, tp: Any, path: str) -> Any:
     elif origin is dict:
         if isinstance(value, dict):
             return {
-                _check(k, args[0], f"{path}.key"): _check(v, args[1], f"{path}[{k!r}]")
+                _check(k, args[0], f"{path}.key"): _check(v, args[1], f"{path}[{short_repr(k)}]")
                 for k, v in value.items()
             }
     elif dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
             hints = _hints(tp)
             if set(value) != set(hints):
-                raise ProtocolError(f"{path}: fields {sorted(value)} != {sorted(hints)}")
+                got = short_repr(sorted(map(str, value)))
+                raise ProtocolError(f"{path}: fields {got} != {sorted(hints)}")
             return tp(**{k: _check(value[k], hints[k], f"{path}.{k}") for k in hints})
     else:
         raise TypeError(f"{path}: unsupported annotation {tp!r}")
@@ -240,7 +300,7 @@ def _check_json(value: Any, path: str, depth: int) -> Any:
     if isinstance(value, dict):
         if not all(isinstance(k, str) for k in value):
             raise ProtocolError(f"{path}: JSON object keys must be strings")
-        return {k: _check_json(v, f"{path}.{k}", depth + 1) for k, v in value.items()}
+        return {k: _check_json(v, f"{path}.{short_repr(k)}", depth + 1) for k, v in value.items()}
     raise ProtocolError(f"{path}: {type(value).__name__} is not a JSON value")
 
 
@@ -254,8 +314,10 @@ __all__ = [
     "JsonObject",
     "ProtocolError",
     "WIRE_VERSION",
+    "check",
     "decode",
     "encode",
     "message",
+    "short_repr",
     "struct",
 ]

@@ -15,16 +15,46 @@ Who sends what (replies echo the request's `request_id`):
                                            WeightReceiverFailed   (one-way notices, PUSH/PULL)
 
 Token ids, masks, log-probs and versions always travel as raw array frames (see `codec`).
+Every message's `validate()` bounds its fields (the codec runs it on every decode); whether a
+trajectory can be trained on is the replay's check (`replay.buffer.check_trajectory`), so its
+sender gets an `Ack(rejected)` and stops resending.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import field
 from typing import Literal
 
 import numpy as np
 
-from asyncrl.codec import Array, JsonObject, message, struct
+from asyncrl.codec import Array, JsonObject, check, message, struct
+
+MAX_ID_CHARS = 256  # traj_id, group_id, job_id, data_source, agent names
+MAX_SAMPLES_PER_PROMPT = 1024  # PromptItem.n
+MAX_METRICS = 256  # Trajectory.metrics entries
+MAX_INDEX = 2**31 - 1  # server ids, sample indices, versions, counts (they travel as int32)
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+
+
+def _check_id(value: str, name: str, empty_ok: bool = False) -> None:
+    check(
+        (empty_ok or bool(value)) and len(value) <= MAX_ID_CHARS,
+        f"{name} must have {0 if empty_ok else 1}..{MAX_ID_CHARS} characters, got {len(value)}",
+    )
+
+
+def _check_index(value: int, name: str, low: int = 0) -> None:
+    check(low <= value <= MAX_INDEX, f"{name} {value} outside {low}..{MAX_INDEX}")
+
+
+def finite32(value: float) -> bool:
+    """Whether `value` stays a finite number once stored as float32 (1e39 does not)."""
+    return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+
+
+def _check_seconds(value: float, name: str) -> None:
+    check(math.isfinite(value) and value >= 0, f"{name} must be finite and >= 0, got {value}")
 
 
 @struct
@@ -47,6 +77,15 @@ class PromptItem:
     eval_job: str = ""  # "" for training; else the evaluation job this prompt belongs to
     temperature: float = -1.0  # sampling temperature for this prompt; < 0: the server's default
 
+    def validate(self) -> None:
+        _check_id(self.group_id, "PromptItem.group_id")
+        _check_index(self.n, "PromptItem.n", low=1)
+        check(self.n <= MAX_SAMPLES_PER_PROMPT, f"PromptItem.n {self.n} > {MAX_SAMPLES_PER_PROMPT}")
+        _check_id(self.data_source, "PromptItem.data_source", empty_ok=True)
+        _check_id(self.agent_name, "PromptItem.agent_name", empty_ok=True)
+        _check_id(self.eval_job, "PromptItem.eval_job", empty_ok=True)
+        check(math.isfinite(self.temperature), f"PromptItem.temperature {self.temperature}")
+
 
 @message("lease_request")
 class LeaseRequest:
@@ -58,11 +97,24 @@ class LeaseRequest:
     weight_apply_s: float = 0.0  # cumulative seconds generation was paused applying weights
     uptime_s: float = 0.0  # seconds since the server's main loop started
 
+    def validate(self) -> None:
+        _check_index(self.request_id, "request_id")
+        _check_index(self.server_id, "server_id")
+        _check_index(self.server_version, "server_version")
+        _check_index(self.max_groups, "max_groups")
+        _check_seconds(self.engine_busy_s, "engine_busy_s")
+        _check_seconds(self.weight_apply_s, "weight_apply_s")
+        _check_seconds(self.uptime_s, "uptime_s")
+
 
 @message("lease_grant")
 class LeaseGrant:
     request_id: int  # the LeaseRequest answered
     prompts: list[PromptItem]  # may be empty: admission control or capacity said wait
+
+    def validate(self) -> None:
+        for p in self.prompts:
+            p.validate()
 
 
 @message("trajectory")
@@ -84,6 +136,19 @@ class Trajectory:
     finish_reason: str  # "stop" | "length" | agent-specific
     metrics: dict[str, float]  # per-trajectory extras (reward parts, turns, tool calls)
 
+    def validate(self) -> None:
+        """Ids and bounds only: whether it can be trained on (equal lengths, finite numbers) is
+        `replay.buffer.check_trajectory`, answered with Ack(rejected)."""
+        _check_id(self.traj_id, "traj_id")
+        _check_id(self.group_id, "group_id")
+        _check_id(self.finish_reason, "finish_reason", empty_ok=True)
+        _check_index(self.attempt, "attempt")
+        _check_index(self.sample_index, "sample_index")
+        _check_index(self.server_id, "server_id")
+        check(len(self.metrics) <= MAX_METRICS, f"{len(self.metrics)} metrics > {MAX_METRICS}")
+        for key in self.metrics:
+            _check_id(key, "metric name")
+
 
 @message("ack")
 class Ack:
@@ -99,6 +164,11 @@ class BatchRequest:
     request_id: int  # echoed in the reply
     learner_version: int  # the version the learner will train at (staleness is checked against it)
     num_groups: int  # whole groups wanted
+
+    def validate(self) -> None:
+        _check_index(self.request_id, "request_id")
+        _check_index(self.learner_version, "learner_version")
+        _check_index(self.num_groups, "num_groups", low=1)
 
 
 @message("batch")
@@ -125,11 +195,38 @@ class Batch:
     fleet: dict[str, float]  # replay occupancy, servers' idle ratio and pause, sample latency
     stale_dropped: int  # groups dropped as too stale while assembling this batch
 
+    def validate(self) -> None:
+        """The learner's edge: offsets that index inside the arrays, one entry per sample in
+        every list, and numbers that are numbers (a reward, a log-prob or a metric that is not
+        finite in float32 names itself here instead of poisoning a step)."""
+        b, k = len(self.traj_ids), len(self.metric_names)
+        for name in ("group_ids", "data_sources", "finish_reasons"):
+            check(len(getattr(self, name)) == b, f"Batch.{name}: {b} entries expected")
+        for name in ("rewards", "baseline_rewards"):
+            check(getattr(self, name).shape == (b,), f"Batch.{name} must have shape [{b}]")
+        check(self.metric_values.shape == (b * k,), f"Batch.metric_values must be [{b * k}]")
+        r = len(self.response_ids)
+        for name in ("loss_mask", "behaviour_logprobs", "versions"):
+            check(getattr(self, name).shape == (r,), f"Batch.{name} must have shape [{r}]")
+        _check_offsets(self.prompt_offsets, b, len(self.prompt_ids), "prompt_offsets")
+        _check_offsets(self.response_offsets, b, r, "response_offsets")
+        check(bool(np.isfinite(self.rewards).all()), "Batch.rewards: a reward is not finite")
+        sampled = self.loss_mask == 1
+        check(
+            bool(np.isfinite(self.behaviour_logprobs[sampled]).all()),
+            "Batch.behaviour_logprobs: a sampled token's log-prob is not finite",
+        )
+        check(not np.isinf(self.metric_values).any(), "Batch.metric_values: an infinite metric")
+
 
 @message("version_update")
 class VersionUpdate:
     request_id: int  # echoed in the Ack
     version: int  # the learner's new policy version (its weights are on every server)
+
+    def validate(self) -> None:
+        _check_index(self.request_id, "request_id")
+        _check_index(self.version, "version")
 
 
 @message("stats_request")
@@ -149,11 +246,22 @@ class EvalSubmit:
     job_id: str  # unique name of the job (prompts carry it as eval_job)
     prompts: list[PromptItem]  # each sampled prompt.n times; never trained on
 
+    def validate(self) -> None:
+        _check_index(self.request_id, "request_id")
+        _check_id(self.job_id, "job_id")
+        for p in self.prompts:
+            p.validate()
+            check(p.eval_job == self.job_id, f"prompt {p.group_id!r} not marked for this job")
+
 
 @message("eval_poll")
 class EvalPoll:
     request_id: int  # echoed in the reply
     job_id: str  # the job asked about
+
+    def validate(self) -> None:
+        _check_index(self.request_id, "request_id")
+        _check_id(self.job_id, "job_id")
 
 
 @message("eval_results")
@@ -167,12 +275,23 @@ class EvalResults:
     response_lengths: Array("int32")  # [S] response tokens of each sample
     versions: Array("int32")  # [S] oldest policy version of each sample
 
+    def validate(self) -> None:
+        s = len(self.group_ids)
+        check(len(self.data_sources) == s, f"EvalResults.data_sources: {s} entries expected")
+        for name in ("scores", "response_lengths", "versions"):
+            check(getattr(self, name).shape == (s,), f"EvalResults.{name} must have shape [{s}]")
+
 
 @message("checkpoint_request")
 class CheckpointRequest:
     request_id: int  # echoed in the Ack
-    path: str  # JSON file the replay writes its data position to
+    path: str  # JSON file the replay writes its data position to (inside the run directory)
     version: int  # the learner version the checkpoint is taken at
+
+    def validate(self) -> None:
+        _check_index(self.request_id, "request_id")
+        _check_index(self.version, "version")
+        check(0 < len(self.path) <= 4096 and "\0" not in self.path, "bad checkpoint path")
 
 
 @message("error")
@@ -194,6 +313,14 @@ class WeightReceiverClosed:
 @message("weight_receiver_failed")
 class WeightReceiverFailed:
     error: str  # the exception and traceback that stopped the worker's weight receiver
+
+
+def _check_offsets(offsets: np.ndarray, b: int, total: int, name: str) -> None:
+    check(offsets.shape == (b + 1,), f"Batch.{name} must have shape [{b + 1}]")
+    check(
+        offsets[0] == 0 and offsets[-1] == total and bool((np.diff(offsets) >= 0).all()),
+        f"Batch.{name} must rise from 0 to {total}",
+    )
 
 
 def empty_batch(request_id: int, stale_dropped: int = 0) -> Batch:

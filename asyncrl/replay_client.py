@@ -3,6 +3,7 @@
 Rollout servers use the asyncio client in `rollout_servers.replay_client`; this one is for
 callers that have nothing else to do while they wait. Replies are matched by request id, so a
 late reply to an abandoned request is discarded rather than mistaken for the current one.
+Requests are signed with this process's role key and replies checked with it (`asyncrl.auth`).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 
 import zmq
 
+from asyncrl.auth import RoleKey
 from asyncrl.protocol import (
     Ack,
     Batch,
@@ -29,7 +31,7 @@ from asyncrl.protocol import (
     StatsRequest,
     VersionUpdate,
 )
-from asyncrl.transport import decode_frames, send_msg, setup_socket
+from asyncrl.transport import decode_signed, send_msg, setup_socket
 
 
 class ReplayUnavailable(RuntimeError):
@@ -37,7 +39,14 @@ class ReplayUnavailable(RuntimeError):
 
 
 class ReplayClient:
-    def __init__(self, address: str, reply_timeout_s: float = 60.0, max_bytes: int = 1 << 30):
+    def __init__(
+        self,
+        address: str,
+        auth: RoleKey,
+        reply_timeout_s: float = 60.0,
+        max_bytes: int = 1 << 30,
+    ):
+        self.auth = auth
         self._ctx = zmq.Context.instance()
         self._sock = setup_socket(self._ctx, zmq.DEALER, connect=address)
         self._ids = itertools.count(1)
@@ -45,12 +54,12 @@ class ReplayClient:
 
     def _request(self, make: Callable[[int], Any], reply_type: type) -> Any:
         request_id = next(self._ids)
-        send_msg(self._sock, make(request_id))
+        send_msg(self._sock, make(request_id), auth=self.auth)
         deadline = time.monotonic() + self.reply_timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not self._sock.poll(int(left * 1000)):
                 break
-            reply = decode_frames(self._sock.recv_multipart(), self.max_bytes)
+            reply = decode_signed(self._sock.recv_multipart(), self.auth, self.max_bytes)
             if isinstance(reply, Error):
                 raise RuntimeError(f"replay rejected {reply_type.__name__} request: {reply.reason}")
             if isinstance(reply, reply_type) and reply.request_id == request_id:

@@ -1,8 +1,9 @@
 """ZeroMQ plumbing shared by every fleet: addresses, the loopback rule, framed send/receive.
 
 Sockets bind to loopback (or ipc) unless the config explicitly allows a wider address. Every
-message is sent as `codec.encode` frames; receivers decode with a size limit and turn anything
-malformed into a `ProtocolError` that they count and answer.
+message is sent as `codec.encode` frames, preceded on the replay's socket by an authentication
+frame (`asyncrl.auth`); receivers check it, decode with a size limit and turn anything else
+into an `AuthError` or `ProtocolError` that they count and answer.
 """
 
 from __future__ import annotations
@@ -13,7 +14,9 @@ from typing import Any
 
 import zmq
 
-from asyncrl.codec import decode, encode
+from asyncrl.auth import AuthError, RoleKey
+from asyncrl.codec import ProtocolError, decode, encode
+from asyncrl.protocol import Error
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
@@ -67,10 +70,15 @@ def setup_socket(
     return sock
 
 
-def send_msg(sock: zmq.Socket, msg: Any, identity: bytes | None = None) -> Any:
-    """Send one message (prefixed by a ROUTER identity when given). Returns what zmq returns
-    (an awaitable on an asyncio socket)."""
+def send_msg(
+    sock: zmq.Socket, msg: Any, identity: bytes | None = None, *, auth: RoleKey | None
+) -> Any:
+    """Send one message (prefixed by a ROUTER identity when given), signed with `auth` (None:
+    unsigned, for sockets that carry no authentication frame). Returns what zmq returns (an
+    awaitable on an asyncio socket)."""
     frames = encode(msg)
+    if auth is not None:
+        frames = [auth.sign(frames), *frames]
     if identity is not None:
         frames = [identity, *frames]
     return sock.send_multipart(frames, copy=False)
@@ -79,3 +87,22 @@ def send_msg(sock: zmq.Socket, msg: Any, identity: bytes | None = None) -> Any:
 def decode_frames(frames: list[bytes], max_bytes: int | None = None) -> Any:
     """Decode received frames (bytes or zmq.Frame) into a message; raises ProtocolError."""
     return decode([f.bytes if isinstance(f, zmq.Frame) else f for f in frames], max_bytes=max_bytes)
+
+
+def decode_signed(frames: list[Any], auth: RoleKey, max_bytes: int | None = None) -> Any:
+    """Decode a reply from the replay: checked against this process's key. An unsigned `Error`
+    is the replay saying it could not authenticate us, returned as is so the caller can say so;
+    anything else unsigned or signed wrongly is an AuthError."""
+    raw = [f.bytes if isinstance(f, zmq.Frame) else f for f in frames]
+    if not raw:
+        raise ProtocolError("empty message")
+    size = sum(len(f) for f in raw)
+    if max_bytes is not None and size > max_bytes:
+        raise ProtocolError(f"oversized message: {size} bytes > limit {max_bytes}")
+    if raw[0] == b"":
+        msg = decode(raw[1:], max_bytes=max_bytes)
+        if isinstance(msg, Error):
+            return msg
+        raise AuthError(f"unsigned {type(msg).TYPE!r} reply")
+    auth.check(raw[0], raw[1:])
+    return decode(raw[1:], max_bytes=max_bytes)

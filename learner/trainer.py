@@ -28,6 +28,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from asyncrl.advantages import ESTIMATORS, compute_advantages, outcome_token_rewards
+from asyncrl.auth import key_from_env
 from asyncrl.config import Config
 from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
 from asyncrl.loggers import setup_loggers
@@ -104,7 +105,7 @@ class Learner:
         self.replay: ReplayClient | None = None
         self.broadcaster: WeightBroadcaster | None = None
         if rank == 0:
-            self.replay = ReplayClient(spec.replay_address)
+            self.replay = ReplayClient(spec.replay_address, key_from_env("learner"))
             group = SyncGroup(
                 spec.sync_host, spec.sync_port, 0, 1 + cfg.rollout.num_servers, device
             )

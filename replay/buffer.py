@@ -28,7 +28,7 @@ from typing import Literal
 
 import numpy as np
 
-from asyncrl.protocol import Batch, PromptItem, Trajectory
+from asyncrl.protocol import Batch, PromptItem, Trajectory, finite32
 
 AddStatus = Literal["accepted", "duplicate", "late"]
 
@@ -50,6 +50,7 @@ class Group:
     item: PromptItem
     lease_version: int  # the version admission judged the lease by
     opened_at: float  # monotonic time the lease was granted
+    server_id: int  # the server it was leased to
     samples: list[Trajectory | None]  # by sample_index; None until it arrives
     traj_ids: set[str] = field(default_factory=set)
     filled: int = 0
@@ -87,12 +88,18 @@ class GroupBuffer:
         """The prompt of every group held (in flight or ready), oldest lease first."""
         return [g.item for g in self._groups.values()]
 
-    def open_group(self, item: PromptItem, now: float, lease_version: int) -> None:
+    def in_flight_of(self, server_id: int) -> int:
+        """Groups leased to `server_id` and not yet complete."""
+        return sum(1 for g in self._groups.values() if not g.ready and g.server_id == server_id)
+
+    def open_group(
+        self, item: PromptItem, now: float, lease_version: int, server_id: int = 0
+    ) -> None:
         if item.group_id in self._groups:
             raise ValueError(f"group {item.group_id!r} is already open")
         if item.n < 1:
             raise ValueError(f"group {item.group_id!r}: n must be >= 1, got {item.n}")
-        self._groups[item.group_id] = Group(item, lease_version, now, [None] * item.n)
+        self._groups[item.group_id] = Group(item, lease_version, now, server_id, [None] * item.n)
 
     def add(self, traj: Trajectory) -> AddStatus:
         """Place one sample. `duplicate`: this traj_id was seen before (any attempt), or its slot
@@ -176,8 +183,9 @@ def _version(group: Group) -> int:
 
 def check_trajectory(traj: Trajectory) -> None:
     """Raise MalformedTrajectory unless the arrays are 1-D, the response arrays have one length,
-    the mask is 0/1, sampled tokens carry a version >= 0 and finite log-probs, and the reward is
-    finite (a NaN reward would poison the whole group's advantages)."""
+    the mask is 0/1, sampled tokens carry a version >= 0 and finite log-probs, and the reward,
+    the baseline (NaN: absent) and the metrics are finite in float32, the dtype the batch
+    stores them in (a NaN or 1e39 reward would poison the whole group's advantages)."""
     arrays = {
         "prompt_ids": traj.prompt_ids,
         "response_ids": traj.response_ids,
@@ -198,8 +206,13 @@ def check_trajectory(traj: Trajectory) -> None:
         raise MalformedTrajectory("a sampled token has a negative policy version")
     if not np.isfinite(traj.behaviour_logprobs[sampled]).all():
         raise MalformedTrajectory("a sampled token has a non-finite behaviour log-prob")
-    if not math.isfinite(traj.reward):
-        raise MalformedTrajectory(f"reward {traj.reward} is not finite")
+    if not finite32(traj.reward):
+        raise MalformedTrajectory(f"reward {traj.reward} is not finite in float32")
+    if not (math.isnan(traj.baseline_reward) or finite32(traj.baseline_reward)):
+        raise MalformedTrajectory(f"baseline_reward {traj.baseline_reward} is not finite")
+    bad = [k for k, v in traj.metrics.items() if not finite32(v)]
+    if bad:
+        raise MalformedTrajectory(f"metrics {bad[:5]} are not finite in float32")
     if not traj.traj_id or not traj.group_id:
         raise MalformedTrajectory("traj_id and group_id must be non-empty")
 

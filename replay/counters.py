@@ -5,9 +5,15 @@ from __future__ import annotations
 
 COUNTERS = (
     "received",
+    "handled",
     "rejected_malformed",
     "rejected_oversized",
+    "rejected_unauthenticated",
     "rejected_unexpected",
+    "rejected_forbidden",
+    "rejected_invalid",
+    "rejected_quota",
+    "handler_errors",
     "lease_requests",
     "leases_granted",
     "leases_reissued",
@@ -15,6 +21,8 @@ COUNTERS = (
     "eval_jobs",
     "eval_leases_granted",
     "eval_samples",
+    "eval_jobs_freed",
+    "servers_forgotten",
     "expired",
     "accepted",
     "duplicates",
@@ -36,7 +44,8 @@ def summarize(counters: dict[str, float]) -> str:
     rejected = sum(v for k, v in c.items() if k.startswith("rejected_"))
     return (
         f"{c.get('accepted', 0)} trajectories accepted ({c.get('duplicates', 0)} duplicate, "
-        f"{c.get('late', 0)} late, {rejected} rejected messages); "
+        f"{c.get('late', 0)} late, {rejected} rejected messages, "
+        f"{c.get('handler_errors', 0)} handler errors); "
         f"{c.get('leases_granted', 0)} leases granted, {c.get('expired', 0)} expired; "
         f"{c.get('batches_served', 0)} batches / {c.get('samples_served', 0)} samples served; "
         f"{c.get('stale_dropped', 0)} groups dropped as stale; "

@@ -4,6 +4,11 @@ An evaluator (`asyncrl eval`, or the learner's validation) submits a job of prom
 leases them before any training prompt, outside admission control (they cannot go stale: they
 are never trained), and collects each returned sample's score instead of buffering it.
 Invariant: an evaluation sample never reaches a training batch, and each is counted once.
+
+Bounds: at most MAX_OPEN_JOBS unfinished jobs and MAX_JOB_SAMPLES samples per job (over them:
+`EvalQuotaExceeded`); a finished job is freed FINISHED_KEEP_S after its last poll, and any job
+nobody has polled for `forget_after_s` is freed with its unleased prompts (samples of a freed
+job arriving later are answered `late`).
 """
 
 from __future__ import annotations
@@ -16,10 +21,19 @@ import numpy as np
 
 from asyncrl.protocol import EvalResults, PromptItem, Trajectory
 
+MAX_OPEN_JOBS = 16
+MAX_JOB_SAMPLES = 1 << 20
+FINISHED_KEEP_S = 60.0
+
+
+class EvalQuotaExceeded(ValueError):
+    """An evaluation job over the replay's bounds (too many open jobs, too many samples)."""
+
 
 @dataclass
 class _Job:
     expected: int
+    touched: float  # monotonic time of submission, of the last poll or sample
     seen: set[str] = field(default_factory=set)
     group_ids: list[str] = field(default_factory=list)
     data_sources: list[str] = field(default_factory=list)
@@ -29,20 +43,53 @@ class _Job:
 
 
 class EvalJobs:
-    def __init__(self) -> None:
+    def __init__(self, forget_after_s: float) -> None:
         self._jobs: dict[str, _Job] = {}
         self._pending: deque[PromptItem] = deque()
         self._group_job: dict[str, tuple[str, str]] = {}  # group_id -> (job_id, data_source)
+        self.forget_after_s = forget_after_s
+        self.freed = 0
 
-    def submit(self, job_id: str, prompts: list[PromptItem]) -> None:
+    def submit(self, job_id: str, prompts: list[PromptItem], now: float) -> None:
+        """Queue a job; ValueError (or its EvalQuotaExceeded) if it cannot be, with nothing of
+        it kept."""
         if job_id in self._jobs:
             raise ValueError(f"evaluation job {job_id!r} already exists")
-        self._jobs[job_id] = _Job(expected=sum(p.n for p in prompts))
+        open_jobs = sum(1 for j in self._jobs.values() if len(j.seen) < j.expected)
+        if open_jobs >= MAX_OPEN_JOBS:
+            raise EvalQuotaExceeded(
+                f"{open_jobs} evaluation jobs are open (at most {MAX_OPEN_JOBS})"
+            )
+        expected = sum(p.n for p in prompts)
+        if expected > MAX_JOB_SAMPLES:
+            raise EvalQuotaExceeded(f"{expected} samples in one job (at most {MAX_JOB_SAMPLES})")
+        groups = {p.group_id for p in prompts}
+        if len(groups) != len(prompts) or any(g in self._group_job for g in groups):
+            raise ValueError(f"job {job_id!r}: group ids must be unique and new")
         for p in prompts:
             if p.eval_job != job_id:
                 raise ValueError(f"prompt {p.group_id!r} is not marked for job {job_id!r}")
+        self._jobs[job_id] = _Job(expected=expected, touched=now)
+        for p in prompts:
             self._group_job[p.group_id] = (job_id, p.data_source)
         self._pending.extend(prompts)
+
+    def expire(self, now: float) -> None:
+        """Free finished jobs polled FINISHED_KEEP_S ago and any job untouched for
+        `forget_after_s` (its submitter is gone), with the prompts not leased yet."""
+        gone = {
+            job_id
+            for job_id, job in self._jobs.items()
+            if now - job.touched
+            > (FINISHED_KEEP_S if len(job.seen) >= job.expected else self.forget_after_s)
+        }
+        if not gone:
+            return
+        for job_id in gone:
+            del self._jobs[job_id]
+        self._group_job = {g: v for g, v in self._group_job.items() if v[0] not in gone}
+        self._pending = deque(p for p in self._pending if p.eval_job not in gone)
+        self.freed += len(gone)
 
     @property
     def pending(self) -> int:
@@ -55,11 +102,13 @@ class EvalJobs:
     def owns(self, group_id: str) -> bool:
         return group_id in self._group_job
 
-    def add(self, traj: Trajectory) -> Literal["accepted", "duplicate"]:
+    def add(self, traj: Trajectory, now: float) -> Literal["accepted", "duplicate"]:
+        """Score one sample of an owned group (`owns`); the caller checked it is well formed."""
         job_id, source = self._group_job[traj.group_id]
         job = self._jobs[job_id]
-        if traj.traj_id in job.seen:
+        if traj.traj_id in job.seen or len(job.seen) >= job.expected:
             return "duplicate"
+        job.touched = now
         job.seen.add(traj.traj_id)
         sampled = traj.versions[traj.loss_mask == 1]
         job.group_ids.append(traj.group_id)
@@ -69,10 +118,11 @@ class EvalJobs:
         job.versions.append(int(sampled.min()) if len(sampled) else -1)
         return "accepted"
 
-    def results(self, request_id: int, job_id: str) -> EvalResults:
+    def results(self, request_id: int, job_id: str, now: float) -> EvalResults:
         job = self._jobs.get(job_id)
         if job is None:
             raise KeyError(job_id)
+        job.touched = now
         return EvalResults(
             request_id=request_id,
             job_id=job_id,

@@ -19,10 +19,22 @@ class FleetStats:
     def __init__(self) -> None:
         self._now: dict[int, tuple[float, float, float]] = {}
         self._at_last_batch: dict[int, tuple[float, float, float]] = {}
+        self._last_seen: dict[int, float] = {}
+        self.forgotten = 0
 
-    def report(self, server_id: int, busy_s: float, paused_s: float, uptime_s: float) -> None:
+    def report(
+        self, server_id: int, busy_s: float, paused_s: float, uptime_s: float, now: float
+    ) -> None:
         """A server's cumulative counters, as its latest lease request carried them."""
         self._now[server_id] = (busy_s, paused_s, uptime_s)
+        self._last_seen[server_id] = now
+
+    def forget_silent(self, now: float, silent_s: float) -> None:
+        """Drop the servers not heard from for `silent_s` (they no longer count as idle)."""
+        for server_id in [s for s, t in self._last_seen.items() if now - t > silent_s]:
+            del self._last_seen[server_id], self._now[server_id]
+            self._at_last_batch.pop(server_id, None)
+            self.forgotten += 1
 
     def for_batch(
         self, latencies: Iterable[float], groups_ready: int, groups_in_flight: int

@@ -15,9 +15,10 @@ Messages (see `asyncrl.protocol`):
   trained on: uneven arrays, NaN reward, ...) is also logged and counted here.
 - BatchRequest -> Batch: exactly `num_groups` whole groups trainable at the request's
   `learner_version` (authoritative), or an empty batch after the wait.
-- VersionUpdate -> Ack(ok); StatsRequest -> Stats.
-Anything that does not decode, is too large, or is a message the replay does not accept is
-answered with `Error` and counted; the loop keeps serving.
+- VersionUpdate -> Ack(ok); StatsRequest -> Stats; EvalSubmit -> Ack; EvalPoll -> EvalResults;
+  CheckpointRequest -> Ack (the file must lie inside the run directory).
+Every message is authenticated first and its role must be allowed to send it; each ends in
+exactly one outcome counter, and nothing a peer sends stops the loop (`replay.endpoint`).
 """
 
 from __future__ import annotations
@@ -30,14 +31,14 @@ import signal
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import zmq
 
-from asyncrl.codec import ProtocolError
+from asyncrl.auth import secret_from_env
+from asyncrl.codec import short_repr
 from asyncrl.config import Config
 from asyncrl.data import row_to_prompt_item
 from asyncrl.metrics import peak_rss_mb, write_json_atomic
@@ -46,7 +47,6 @@ from asyncrl.protocol import (
     BatchRequest,
     ChatMessage,
     CheckpointRequest,
-    Error,
     EvalPoll,
     EvalSubmit,
     LeaseGrant,
@@ -58,11 +58,12 @@ from asyncrl.protocol import (
     VersionUpdate,
     empty_batch,
 )
-from asyncrl.transport import decode_frames, send_msg, setup_socket
+from replay.access import Peer, confine
 from replay.admission import AdmissionController
-from replay.buffer import GroupBuffer, MalformedTrajectory, to_batch
+from replay.buffer import GroupBuffer, MalformedTrajectory, check_trajectory, to_batch
 from replay.counters import COUNTERS, summarize
-from replay.eval_jobs import EvalJobs
+from replay.endpoint import Endpoint
+from replay.eval_jobs import EvalJobs, EvalQuotaExceeded
 from replay.fleet_stats import FleetStats
 from replay.prompts import PromptSource, reissue, setup_prompt_source
 
@@ -78,24 +79,41 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class _Held:
     """A request that could not be answered yet."""
 
-    identity: bytes
+    peer: Peer
     request: LeaseRequest | BatchRequest
     deadline: float  # monotonic time of the empty answer
     stale_dropped: int = 0  # batch requests: groups dropped as stale while it waited
 
 
-class ReplayService:
-    """The replay's main loop over a bound ROUTER socket (see the module docstring)."""
+class ReplayService(Endpoint):
+    """The replay's main loop over an authenticated ROUTER socket (see the module docstring)."""
 
-    def __init__(self, cfg: Config, address: str, prompts: PromptSource) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        address: str,
+        prompts: PromptSource,
+        secret: bytes,
+        run_dir: str | Path | None = None,
+    ) -> None:
+        """`secret`: the run secret every peer's key derives from; `run_dir`: where checkpoint
+        files may be written (None: nowhere)."""
         rc = cfg.replay
         if rc.capacity_groups < cfg.data.train_batch_size:
             raise ValueError(
                 f"replay.capacity_groups={rc.capacity_groups} < data.train_batch_size="
                 f"{cfg.data.train_batch_size}: a batch could never be assembled"
             )
+        super().__init__(
+            address,
+            secret,
+            int(rc.max_message_mb * 2**20),
+            cfg.launch.allow_remote,
+            Counter(dict.fromkeys(COUNTERS, 0)),
+        )
         self.cfg = cfg
         self.address = address
+        self.run_dir = None if run_dir is None else Path(run_dir)
         self.prompts = prompts
         self.admission = AdmissionController(
             rc.max_staleness, cfg.data.train_batch_size, rc.capacity_groups
@@ -103,16 +121,14 @@ class ReplayService:
         self.buffer = GroupBuffer(
             seen_ids_limit=max(1 << 16, 16 * rc.capacity_groups * cfg.rollout.n)
         )
-        self.max_bytes = int(rc.max_message_mb * 2**20)
         self.learner_version = 0
-        self.counters: Counter[str] = Counter(dict.fromkeys(COUNTERS, 0))
         self._rows_drawn = 0
         self._retry: deque[PromptItem] = deque()  # expired leases, granted again before new rows
         self._held_leases: list[_Held] = []
         self._held_batches: list[_Held] = []
         self._changed = False  # something happened that may let a held request be answered
         self._next_expire_at = 0.0
-        self._handlers: dict[type, Callable[[bytes, Any], None]] = {
+        self._handlers = {
             LeaseRequest: self._on_lease_request,
             Trajectory: self._on_trajectory,
             BatchRequest: self._on_batch_request,
@@ -122,13 +138,9 @@ class ReplayService:
             EvalPoll: self._on_eval_poll,
             CheckpointRequest: self._on_checkpoint,
         }
-        self.eval_jobs = EvalJobs()
+        self.eval_jobs = EvalJobs(forget_after_s=rc.lease_timeout_s)
         # per server: (engine busy s, weight-apply pause s, uptime s), latest and at last batch
         self.fleet = FleetStats()
-        self._ctx = zmq.Context()
-        self._sock = setup_socket(
-            self._ctx, zmq.ROUTER, bind=address, allow_remote=cfg.launch.allow_remote
-        )
         log.info(
             "replay listening on %s (max_staleness=%d, groups/batch=%d, capacity=%d groups)",
             address,
@@ -177,6 +189,8 @@ class ReplayService:
             "held_lease_requests": float(len(self._held_leases)),
             "held_batch_requests": float(len(self._held_batches)),
             "learner_version": float(self.learner_version),
+            "eval_jobs_freed": float(self.eval_jobs.freed),
+            "servers_forgotten": float(self.fleet.forgotten),
             "peak_rss_mb": peak_rss_mb(),
         }
 
@@ -186,92 +200,59 @@ class ReplayService:
         for held in self._held_leases + self._held_batches:
             self._answer_empty(held)
         self._held_leases, self._held_batches = [], []
-        self._sock.close(linger=100)
-        self._ctx.term()
+        super().close(linger_ms=100)
 
     # ---- one message ------------------------------------------------------------------------
-    def _handle(self, frames: list[zmq.Frame]) -> None:
-        self.counters["received"] += 1
-        if len(frames) < 2:  # a ROUTER always prepends the identity; nothing after it
-            self._reject(frames[0].bytes if frames else b"", "rejected_malformed", "no message")
-            return
-        identity, body = frames[0].bytes, frames[1:]
-        size = sum(len(f) for f in body)
-        if size > self.max_bytes:
-            reason = f"oversized message: {size} bytes > limit {self.max_bytes}"
-            self._reject(identity, "rejected_oversized", reason)
-            return
-        try:
-            msg = decode_frames(body, max_bytes=self.max_bytes)
-        except ProtocolError as e:
-            self._reject(identity, "rejected_malformed", str(e))
-            return
-        handler = self._handlers.get(type(msg))
-        if handler is None:
-            self._reject(
-                identity, "rejected_unexpected", f"the replay does not accept {type(msg).TYPE!r}"
+    def _on_lease_request(self, peer: Peer, req: LeaseRequest) -> None:
+        if req.server_id >= self.cfg.rollout.num_servers:
+            reason = (
+                f"server_id {req.server_id} >= rollout.num_servers={self.cfg.rollout.num_servers}"
             )
-            return
-        handler(identity, msg)
-
-    def _reject(self, identity: bytes, counter: str, reason: str, reply: bool = True) -> None:
-        reason = reason if len(reason) <= 500 else reason[:500] + "..."  # it echoes sender input
-        self.counters[counter] += 1
-        n = self.counters[counter]
-        if n <= 10 or n % 1000 == 0:  # enough to diagnose, never a flood
-            log.warning("rejected message #%d (%s): %s", n, counter, reason)
-        if identity and reply:
-            send_msg(self._sock, Error(reason=reason), identity)
-
-    def _on_lease_request(self, identity: bytes, req: LeaseRequest) -> None:
-        if req.max_groups < 0:
-            self._reject(identity, "rejected_malformed", f"max_groups {req.max_groups} < 0")
+            self._reject(peer, "rejected_invalid", reason)
             return
         self.counters["lease_requests"] += 1
-        self.fleet.report(req.server_id, req.engine_busy_s, req.weight_apply_s, req.uptime_s)
+        self.fleet.report(
+            req.server_id, req.engine_busy_s, req.weight_apply_s, req.uptime_s, time.monotonic()
+        )
         # a newer request from the same server carries its current version and free slots
-        self._held_leases = self._supersede(self._held_leases, identity)
+        self._held_leases = self._supersede(self._held_leases, peer)
         prompts = self._grant(req)
         if prompts or req.max_groups == 0:
-            send_msg(self._sock, LeaseGrant(req.request_id, prompts), identity)
+            self._send(peer, LeaseGrant(req.request_id, prompts))
         else:
-            self._hold(self._held_leases, identity, req)
+            self._hold(self._held_leases, peer, req)
 
-    def _on_trajectory(self, identity: bytes, traj: Trajectory) -> None:
-        if self.eval_jobs.owns(traj.group_id):
-            status = self.eval_jobs.add(traj)
-            self.counters["eval_samples" if status == "accepted" else "duplicates"] += 1
-            send_msg(self._sock, Ack(request_id=0, traj_id=traj.traj_id, status=status), identity)
-            return
+    def _on_trajectory(self, peer: Peer, traj: Trajectory) -> None:
         try:
-            status = self.buffer.add(traj)
+            if self.eval_jobs.owns(traj.group_id):
+                check_trajectory(traj)
+                status = self.eval_jobs.add(traj, time.monotonic())
+                self.counters["eval_samples" if status == "accepted" else "duplicates"] += 1
+            else:
+                status = self.buffer.add(traj)
+                self.counters[_ACK_COUNTERS[status]] += 1
         except MalformedTrajectory as e:
-            self._reject(
-                identity, "rejected_malformed", f"trajectory {traj.traj_id!r}: {e}", reply=False
-            )
-            send_msg(
-                self._sock, Ack(request_id=0, traj_id=traj.traj_id, status="rejected"), identity
-            )
-            return
-        self.counters[_ACK_COUNTERS[status]] += 1
+            reason = f"trajectory {short_repr(traj.traj_id)}: {e}"
+            self._reject(peer, "rejected_invalid", reason, reply=False)
+            status = "rejected"
         self._changed |= status == "accepted"
-        send_msg(self._sock, Ack(request_id=0, traj_id=traj.traj_id, status=status), identity)
+        self._send(peer, Ack(request_id=0, traj_id=traj.traj_id, status=status))
 
-    def _on_batch_request(self, identity: bytes, req: BatchRequest) -> None:
-        if not 1 <= req.num_groups <= self.cfg.replay.capacity_groups:
+    def _on_batch_request(self, peer: Peer, req: BatchRequest) -> None:
+        if req.num_groups > self.cfg.replay.capacity_groups:
             reason = (
                 f"num_groups {req.num_groups} outside 1..{self.cfg.replay.capacity_groups} "
                 "(replay.capacity_groups)"
             )
-            self._reject(identity, "rejected_malformed", reason)
+            self._reject(peer, "rejected_invalid", reason)
             return
         self.counters["batch_requests"] += 1
-        self._held_batches = self._supersede(self._held_batches, identity)
-        held = _Held(identity, req, time.monotonic() + self.cfg.replay.wait_timeout_s)
+        self._held_batches = self._supersede(self._held_batches, peer)
+        held = _Held(peer, req, time.monotonic() + self.cfg.replay.wait_timeout_s)
         if not self._maybe_serve_batch(held):
             self._held_batches.append(held)
 
-    def _on_version_update(self, identity: bytes, msg: VersionUpdate) -> None:
+    def _on_version_update(self, peer: Peer, msg: VersionUpdate) -> None:
         if msg.version < self.learner_version:
             log.warning(
                 "learner version went back from %d to %d", self.learner_version, msg.version
@@ -279,27 +260,45 @@ class ReplayService:
         self.learner_version = msg.version
         self.counters["version_updates"] += 1
         self._changed = True
-        send_msg(self._sock, Ack(request_id=msg.request_id, traj_id="", status="ok"), identity)
+        self._send(peer, Ack(request_id=msg.request_id, traj_id="", status="ok"))
 
-    def _on_eval_submit(self, identity: bytes, msg: EvalSubmit) -> None:
+    def _on_eval_submit(self, peer: Peer, msg: EvalSubmit) -> None:
         try:
-            self.eval_jobs.submit(msg.job_id, msg.prompts)
+            self.eval_jobs.submit(msg.job_id, msg.prompts, time.monotonic())
+        except EvalQuotaExceeded as e:
+            self._reject(peer, "rejected_quota", str(e))
+            return
         except ValueError as e:
-            self._reject(identity, "rejected_malformed", str(e))
+            self._reject(peer, "rejected_invalid", str(e))
             return
         self.counters["eval_jobs"] += 1
         self._changed = True  # held lease requests can now be answered with these prompts
-        send_msg(self._sock, Ack(request_id=msg.request_id, traj_id="", status="ok"), identity)
+        self._send(peer, Ack(request_id=msg.request_id, traj_id="", status="ok"))
 
-    def _on_eval_poll(self, identity: bytes, msg: EvalPoll) -> None:
+    def _on_eval_poll(self, peer: Peer, msg: EvalPoll) -> None:
         try:
-            send_msg(self._sock, self.eval_jobs.results(msg.request_id, msg.job_id), identity)
+            results = self.eval_jobs.results(msg.request_id, msg.job_id, time.monotonic())
         except KeyError:
-            self._reject(identity, "rejected_malformed", f"unknown evaluation job {msg.job_id!r}")
+            reason = f"unknown evaluation job {short_repr(msg.job_id)} (never submitted, or freed)"
+            self._reject(peer, "rejected_invalid", reason)
+            return
+        self._send(peer, results)
 
-    def _on_checkpoint(self, identity: bytes, msg: CheckpointRequest) -> None:
-        write_json_atomic(msg.path, self.data_state(msg.version))
-        send_msg(self._sock, Ack(request_id=msg.request_id, traj_id="", status="ok"), identity)
+    def _on_checkpoint(self, peer: Peer, msg: CheckpointRequest) -> None:
+        try:
+            path = confine(msg.path, self.run_dir)
+        except ValueError as e:
+            self._reject(peer, "rejected_forbidden", str(e))
+            return
+        try:
+            write_json_atomic(path, self.data_state(msg.version))
+        except OSError as e:
+            self._reject(peer, "rejected_invalid", f"cannot write checkpoint {path}: {e}")
+            return
+        self._send(peer, Ack(request_id=msg.request_id, traj_id="", status="ok"))
+
+    def _on_stats_request(self, peer: Peer, msg: StatsRequest) -> None:
+        self._send(peer, Stats(request_id=msg.request_id, counters=self.stats()))
 
     def data_state(self, version: int) -> dict[str, Any]:
         """What a resumed run needs to neither repeat nor skip a prompt: the source's position
@@ -328,14 +327,16 @@ class ReplayService:
             len(self._retry),
         )
 
-    def _on_stats_request(self, identity: bytes, msg: StatsRequest) -> None:
-        send_msg(self._sock, Stats(request_id=msg.request_id, counters=self.stats()), identity)
-
     # ---- leases -----------------------------------------------------------------------------
     def _grant(self, req: LeaseRequest) -> list[PromptItem]:
-        evals = self.eval_jobs.take(req.max_groups)  # evaluation first, outside admission
+        """Evaluation prompts first (outside admission), then training prompts; never more
+        than the server's quota: rollout.max_concurrent_groups less the training groups it
+        holds already (so no peer can take the whole capacity)."""
+        quota = self.cfg.rollout.max_concurrent_groups - self.buffer.in_flight_of(req.server_id)
+        wanted = min(req.max_groups, max(0, quota))
+        evals = self.eval_jobs.take(wanted)
         self.counters["eval_leases_granted"] += len(evals)
-        return evals + self._grant_training(req, req.max_groups - len(evals))
+        return evals + self._grant_training(req, wanted - len(evals))
 
     def _grant_training(self, req: LeaseRequest, wanted: int) -> list[PromptItem]:
         if wanted <= 0:
@@ -345,7 +346,7 @@ class ReplayService:
         now = time.monotonic()
         prompts = [self._next_prompt() for _ in range(k)]
         for item in prompts:
-            self.buffer.open_group(item, now, lease_version=version)
+            self.buffer.open_group(item, now, lease_version=version, server_id=req.server_id)
         self.admission.on_issued(k)
         self.counters["leases_granted"] += k
         return prompts
@@ -363,6 +364,8 @@ class ReplayService:
             return
         timeout = self.cfg.replay.lease_timeout_s
         self._next_expire_at = now + min(1.0, timeout / 4)
+        self.fleet.forget_silent(now, timeout)
+        self.eval_jobs.expire(now)
         expired = self.buffer.expire(now, timeout)
         if expired:
             self.counters["expired"] += len(expired)
@@ -398,18 +401,18 @@ class ReplayService:
         self.counters["groups_served"] += len(groups)
         self.counters["samples_served"] += len(batch.traj_ids)
         self._changed = True  # capacity was freed
-        send_msg(self._sock, batch, held.identity)
+        self._send(held.peer, batch)
         return True
 
     # ---- held requests ----------------------------------------------------------------------
-    def _hold(self, queue: list[_Held], identity: bytes, req: LeaseRequest) -> None:
-        queue.append(_Held(identity, req, time.monotonic() + self.cfg.replay.wait_timeout_s))
+    def _hold(self, queue: list[_Held], peer: Peer, req: LeaseRequest) -> None:
+        queue.append(_Held(peer, req, time.monotonic() + self.cfg.replay.wait_timeout_s))
 
-    def _supersede(self, queue: list[_Held], identity: bytes) -> list[_Held]:
-        """Answer empty any request `identity` still has waiting in `queue`; return the rest."""
+    def _supersede(self, queue: list[_Held], peer: Peer) -> list[_Held]:
+        """Answer empty any request `peer` still has waiting in `queue`; return the rest."""
         keep = []
         for held in queue:
-            if held.identity == identity:
+            if held.peer.identity == peer.identity:
                 self._answer_empty(held)
             else:
                 keep.append(held)
@@ -423,7 +426,7 @@ class ReplayService:
             assert isinstance(held.request, LeaseRequest)
             prompts = self._grant(held.request)
             if prompts:
-                send_msg(self._sock, LeaseGrant(held.request.request_id, prompts), held.identity)
+                self._send(held.peer, LeaseGrant(held.request.request_id, prompts))
             else:
                 waiting.append(held)
         self._held_leases = waiting
@@ -438,19 +441,20 @@ class ReplayService:
         req = held.request
         if isinstance(req, BatchRequest):
             self.counters["empty_batches"] += 1
-            send_msg(self._sock, empty_batch(req.request_id, held.stale_dropped), held.identity)
+            self._send(held.peer, empty_batch(req.request_id, held.stale_dropped))
         else:
             self.counters["empty_grants"] += 1
-            send_msg(self._sock, LeaseGrant(req.request_id, []), held.identity)
+            self._send(held.peer, LeaseGrant(req.request_id, []))
 
 
-def run_replay(
-    cfg: Config, address: str, stats_path: str | None, model_path: str | None = None
-) -> None:
+def run_replay(cfg: Config, address: str, run_dir: str, model_path: str | None = None) -> None:
     """Entry point of the replay process: serve until SIGTERM/SIGINT, then write the final
-    counters to `stats_path` (atomically) and log a one-line summary. `model_path` gives the
-    tokenizer for `data.max_prompt_length`."""
-    service = ReplayService(cfg, address, setup_prompt_source(cfg, model_path))
+    counters to `run_dir/stats/replay.json` (atomically) and log a one-line summary.
+    `model_path` gives the tokenizer for `data.max_prompt_length`; the run secret comes from
+    the environment (`asyncrl.auth`)."""
+    prompts = setup_prompt_source(cfg, model_path)
+    service = ReplayService(cfg, address, prompts, secret_from_env(), run_dir)
+    stats_path = Path(run_dir) / "stats" / "replay.json"
     if cfg.trainer.resume_from is not None:
         service.restore(json.loads((Path(cfg.trainer.resume_from) / "replay.json").read_text()))
     stop = threading.Event()
@@ -462,6 +466,5 @@ def run_replay(
         service.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        if stats_path is not None:
-            write_json_atomic(stats_path, counters)
+        write_json_atomic(stats_path, counters)
         log.info("replay done: %s", summarize(counters))

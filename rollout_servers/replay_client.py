@@ -18,15 +18,19 @@ from collections import Counter
 import zmq
 import zmq.asyncio
 
+from asyncrl.auth import AuthError, RoleKey
 from asyncrl.codec import ProtocolError
 from asyncrl.protocol import Ack, Error, LeaseGrant, LeaseRequest, PromptItem, Trajectory
-from asyncrl.transport import decode_frames, send_msg, setup_socket
+from asyncrl.transport import decode_signed, send_msg, setup_socket
 
 log = logging.getLogger("asyncrl.rollout.replay_client")
 
 
 class AsyncReplayClient:
-    def __init__(self, address: str, ack_timeout_s: float, reply_timeout_s: float = 60.0):
+    def __init__(
+        self, address: str, auth: RoleKey, ack_timeout_s: float, reply_timeout_s: float = 60.0
+    ):
+        self.auth = auth
         self._ctx = zmq.asyncio.Context()
         self._sock = setup_socket(self._ctx, zmq.DEALER, connect=address)
         self._ids = itertools.count(1)
@@ -64,7 +68,7 @@ class AsyncReplayClient:
         request = LeaseRequest(
             request_id, server_id, version, max_groups, busy_s, apply_s, uptime_s
         )
-        await send_msg(self._sock, request)
+        await send_msg(self._sock, request, auth=self.auth)
         try:
             grant: LeaseGrant = await asyncio.wait_for(fut, self.reply_timeout_s)
         except asyncio.TimeoutError:
@@ -79,14 +83,14 @@ class AsyncReplayClient:
         """Send a trajectory and keep it until acknowledged."""
         self.outbox[traj.traj_id] = (traj, time.monotonic())
         self.counters["sent"] += 1
-        await send_msg(self._sock, traj)
+        await send_msg(self._sock, traj, auth=self.auth)
 
     async def _read_replies(self) -> None:
         while True:
             frames = await self._sock.recv_multipart()
             try:
-                msg = decode_frames(frames)
-            except ProtocolError as e:
+                msg = decode_signed(frames, self.auth)
+            except (ProtocolError, AuthError) as e:
                 self.counters["bad_replies"] += 1
                 log.error("undecodable reply from replay: %s", e)
                 continue
@@ -117,7 +121,7 @@ class AsyncReplayClient:
                 again = dataclasses.replace(traj, attempt=traj.attempt + 1)
                 self.outbox[traj_id] = (again, now)
                 self.counters["resent"] += 1
-                await send_msg(self._sock, again)
+                await send_msg(self._sock, again, auth=self.auth)
 
     async def drain(self, timeout_s: float) -> int:
         """Wait until everything sent is acknowledged (or timeout); returns what is left."""

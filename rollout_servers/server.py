@@ -32,6 +32,7 @@ import numpy as np
 import torch
 
 from asyncrl.advantages import ESTIMATORS
+from asyncrl.auth import key_from_env
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.metrics import JsonlWriter, peak_rss_mb, write_json_atomic
 from asyncrl.protocol import PromptItem, Trajectory
@@ -393,7 +394,9 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
         interactions=load_interaction_config(rc.interaction_config or None),
         limits=limits,
     )
-    client = AsyncReplayClient(spec.replay_address, ack_timeout_s=rc.ack_timeout_s)
+    client = AsyncReplayClient(
+        spec.replay_address, key_from_env("server"), ack_timeout_s=rc.ack_timeout_s
+    )
     rewards = setup_rewards(cfg, sandbox)
     return RolloutServer(cfg, spec, server_id, engine, agent, client, rewards, sandbox)
 

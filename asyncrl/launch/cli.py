@@ -2,7 +2,7 @@
 
     asyncrl launch [CONFIG] [section.key=value ...] [--dry-run]   train
     asyncrl serve  [CONFIG] [section.key=value ...]               rollout fleet only
-    asyncrl eval --data FILE [--address ADDR] [CONFIG] [overrides] evaluate a checkpoint
+    asyncrl eval --data FILE [--address ADDR --run-dir DIR] [CONFIG] [overrides]   evaluate
     asyncrl data gsm8k --input DIR --output DIR                   GSM8K -> verl parquet
     asyncrl data arith --output DIR                               embedded task -> parquet
     asyncrl data inspect FILE [--tokenizer PATH]                  look at a parquet file
@@ -16,6 +16,7 @@ on CPU). Overrides are validated with the file before anything starts.
 from __future__ import annotations
 
 import argparse
+import os
 import shlex
 import signal
 import sys
@@ -71,7 +72,8 @@ def cmd_serve(ns: argparse.Namespace) -> int:
     fleet, run_dir = serve(cfg, command="asyncrl serve " + shlex.join(ns.args))
     print(
         f"asyncrl: serving {cfg.rollout.num_servers} rollout server(s) through the replay at "
-        f"{fleet.spec.replay_address}; logs in {run_dir / 'logs'}; Ctrl-C stops",
+        f"{fleet.spec.replay_address} (its secret: {run_dir / 'run.secret'}); "
+        f"logs in {run_dir / 'logs'}; Ctrl-C stops",
         flush=True,
     )
     try:
@@ -89,6 +91,7 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 def cmd_eval(ns: argparse.Namespace) -> int:
     """Send a dataset through running servers (--address) or a fleet started for it."""
     from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
+    from asyncrl.launch.fleet import client_key
     from asyncrl.launch.run import serve
     from asyncrl.metrics import write_json_atomic
     from asyncrl.replay_client import ReplayClient
@@ -103,16 +106,20 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _interrupt)
     try:
         if ns.address:
-            address = ns.address
+            address, auth = ns.address, _eval_key(ns)
         else:
             fleet, _ = serve(cfg, command="asyncrl eval " + shlex.join(ns.args))
-            address = fleet.spec.replay_address
+            address, auth = fleet.spec.replay_address, client_key(fleet.spec)
         print(
             f"asyncrl: evaluating {len(prompts)} prompts x {n} samples through {address}",
             flush=True,
         )
         summary = run_eval_job(
-            ReplayClient(address), prompts, job, cfg.trainer.val_timeout_s, progress=_eval_progress
+            ReplayClient(address, auth),
+            prompts,
+            job,
+            cfg.trainer.val_timeout_s,
+            progress=_eval_progress,
         )
     except KeyboardInterrupt:
         print("\nasyncrl: interrupted", file=sys.stderr)
@@ -127,6 +134,24 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     write_json_atomic(out, {"data": ns.data, "n": n, "temperature": temperature, **summary})
     print(f"asyncrl: results written to {out}")
     return 0
+
+
+def _eval_key(ns: argparse.Namespace):
+    """The client key for a replay started elsewhere: from --secret-file, --run-dir, or
+    $ASYNCRL_RUN_SECRET."""
+    from asyncrl.auth import SECRET_ENV, AuthError, key_from_env, read_secret, role_key
+
+    if ns.secret_file or ns.run_dir:
+        try:
+            return role_key(read_secret(ns.secret_file or ns.run_dir), "client")
+        except AuthError as e:
+            raise ConfigError(str(e)) from None
+    if os.environ.get(SECRET_ENV):
+        return key_from_env("client")
+    raise ConfigError(
+        "asyncrl eval --address needs the run's secret: --run-dir RUN_DIR (of the `asyncrl "
+        f"serve`/`launch` run), --secret-file FILE, or ${SECRET_ENV}"
+    )
 
 
 def _eval_progress(done: int, expected: int) -> None:
@@ -190,6 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="score a dataset with the rollout servers (mean, pass@k)")
     p.add_argument("--data", nargs="+", required=True, help="parquet file(s) in the verl schema")
     p.add_argument("--address", help="replay address of a running `asyncrl serve` / launch")
+    p.add_argument("--run-dir", help="with --address: that run's directory (holds run.secret)")
+    p.add_argument("--secret-file", help="with --address: the run's run.secret file")
     p.add_argument("--n", type=int, default=0, help="samples per prompt (default data.val_n)")
     p.add_argument("--temperature", type=float, help="default data.val_temperature")
     p.add_argument("--output", default="eval_results.json", help="where to save the summary")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from asyncrl.auth import RoleKey, auth_env, new_secret, read_secret, role_key, write_secret
 from asyncrl.config import Config, config_to_yaml
 from asyncrl.data import setup_task
 from asyncrl.launch.progress import Progress
@@ -63,11 +64,18 @@ def log_tail(path: Path, lines: int = 15) -> str:
 
 
 def prepare_run_dir(cfg: Config, command: str) -> Path:
-    """Create the run directory and write the resolved config (with the command on top)."""
+    """Create the run directory and write the resolved config (with the command on top) and a
+    new run secret (`asyncrl.auth`: every process of the run derives its key from it)."""
     run_dir = Path(cfg.trainer.run_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(f"# {command}\n" + config_to_yaml(cfg))
+    write_secret(run_dir, new_secret())
     return run_dir
+
+
+def client_key(spec: RunSpec) -> RoleKey:
+    """The launcher's own key (progress, readiness, `asyncrl eval` on a fleet it started)."""
+    return role_key(read_secret(spec.run_dir), "client")
 
 
 def prepare_model(cfg: Config, log=print) -> str:
@@ -96,8 +104,9 @@ def threads_per_process(cfg: Config) -> int:
 
 def process_env(spec: RunSpec, name: str) -> dict[str, str]:
     """What every fleet process has in its environment, whichever backend starts it: its
-    thread counts, and its name and run (so `ps e` or a test can tell whose process it is)."""
-    return {
+    thread counts, its name and run (so `ps e` or a test can tell whose process it is), and
+    its key (`asyncrl.auth.auth_env`: the run secret for the replay, a role key for others)."""
+    return auth_env(read_secret(spec.run_dir), name) | {
         "OMP_NUM_THREADS": str(spec.threads),
         "MKL_NUM_THREADS": str(spec.threads),
         "TOKENIZERS_PARALLELISM": "false",
@@ -120,9 +129,9 @@ def learner_env(
     }
 
 
-def replay_answers(address: str) -> bool:
+def replay_answers(address: str, auth: RoleKey) -> bool:
     """Whether the replay at `address` answers a stats request within half a second."""
-    client = ReplayClient(address, reply_timeout_s=0.5)
+    client = ReplayClient(address, auth, reply_timeout_s=0.5)
     try:
         client.stats()
         return True

@@ -20,6 +20,7 @@ from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.launch.fleet import (
+    client_key,
     learner_env,
     log_tail,
     process_env,
@@ -125,7 +126,9 @@ def start_local_fleets(
     try:
         fleet.start("replay", [*worker, "replay", str(spec_path)], process_env(spec, "replay"))
         wait_for_replay(
-            fleet, lambda: replay_answers(spec.replay_address), cfg.launch.startup_timeout_s
+            fleet,
+            lambda: replay_answers(spec.replay_address, client_key(spec)),
+            cfg.launch.startup_timeout_s,
         )
         for i in range(cfg.rollout.num_servers):
             name = f"server_{i}"

@@ -13,6 +13,7 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from asyncrl.auth import RoleKey
 from asyncrl.config import Config
 from asyncrl.launch.fleet import log_tail, replay_answers
 from asyncrl.launch.worker import run_process
@@ -81,8 +82,8 @@ def signal_processes(pids: list[int], sig: int) -> None:
 
 
 @ray.remote(num_cpus=0)
-def replay_answers_on_node(address: str) -> bool:
-    return replay_answers(address)
+def replay_answers_on_node(address: str, auth: RoleKey) -> bool:
+    return replay_answers(address, auth)
 
 
 def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:

@@ -53,6 +53,7 @@ from ray.util.scheduling_strategies import (
 from asyncrl.config import Config, RayLaunchConfig
 from asyncrl.launch.fleet import (
     LaunchError,
+    client_key,
     learner_env,
     log_tail,
     process_env,
@@ -433,7 +434,7 @@ def run_roles(fleet: RayFleet, cfg: Config) -> None:
 
     def answers() -> bool:
         try:
-            return ray.get(probe.remote(spec.replay_address), timeout=10)
+            return ray.get(probe.remote(spec.replay_address, client_key(spec)), timeout=10)
         except GetTimeoutError:
             return False
 

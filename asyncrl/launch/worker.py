@@ -12,7 +12,6 @@ import argparse
 import logging
 import os
 import sys
-from pathlib import Path
 
 from asyncrl.config import Config, load_config
 from asyncrl.run_spec import RunSpec
@@ -39,8 +38,7 @@ def run_role(role: str, spec: RunSpec, cfg: Config, index: int = 0) -> None:
     if role == "replay":
         from replay.service import run_replay
 
-        stats = str(Path(spec.run_dir) / "stats" / "replay.json")
-        run_replay(cfg, spec.replay_address, stats, spec.model_path)
+        run_replay(cfg, spec.replay_address, spec.run_dir, spec.model_path)
     elif role == "server":
         from rollout_servers.server import run_server
 

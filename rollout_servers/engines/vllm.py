@@ -25,6 +25,7 @@ Invariants (those of `Engine`, and how they are kept here):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import tempfile
 import threading
@@ -215,7 +216,9 @@ class VLLMEngine(Engine):
     def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
         ctx = zmq.Context.instance()
         notices = ctx.socket(zmq.PULL)
-        address = f"ipc://{tempfile.gettempdir()}/asyncrl-vllm-{uuid.uuid4().hex[:12]}"
+        # in a directory only this uid can enter: no other local user can send a notice
+        private = Path(tempfile.mkdtemp(prefix="asyncrl-vllm-"))
+        address = f"ipc://{private}/notices-{uuid.uuid4().hex[:12]}"
         notices.bind(address)
         try:
             specs = [(s.name, list(s.shape), str(s.dtype)) for s in self._specs]
@@ -247,6 +250,8 @@ class VLLMEngine(Engine):
         finally:
             notices.close(linger=0)
             Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                private.rmdir()
 
     async def _apply(self, version: int) -> float:
         """On the engine loop: close the gate, drain, load, reset the prefix cache, reopen."""

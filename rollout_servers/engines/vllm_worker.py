@@ -85,14 +85,14 @@ class WeightSyncExtension:
                 start = time.perf_counter()
                 got = receiver.receive()
                 if got is None:
-                    send_msg(notify, WeightReceiverClosed(staged))
+                    send_msg(notify, WeightReceiverClosed(staged), auth=None)
                     return
                 self._asyncrl_staged, staged = got, got.version
                 self._asyncrl_applied.clear()
-                send_msg(notify, WeightsStaged(got.version, time.perf_counter() - start))
+                send_msg(notify, WeightsStaged(got.version, time.perf_counter() - start), auth=None)
                 self._asyncrl_applied.wait()  # the learner's next broadcast waits for this one
         except BaseException as e:  # the server surfaces it and stops
-            send_msg(notify, WeightReceiverFailed(f"{e!r}\n{traceback.format_exc()}"))
+            send_msg(notify, WeightReceiverFailed(f"{e!r}\n{traceback.format_exc()}"), auth=None)
         finally:
             notify.close()
 

@@ -6,16 +6,15 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
+from replay_peers import SECRET, ask, dealer, recv, running_replay, send
 
 from asyncrl.codec import encode
 from asyncrl.config import Config
@@ -32,10 +31,8 @@ from asyncrl.protocol import (
     Trajectory,
     VersionUpdate,
 )
-from asyncrl.transport import decode_frames, free_port, tcp_address
+from asyncrl.transport import free_port, tcp_address
 from replay.counters import COUNTERS
-from replay.prompts import setup_prompt_source
-from replay.service import ReplayService
 
 pytestmark = pytest.mark.integration
 
@@ -54,52 +51,23 @@ def _config(**replay) -> Config:
     )
 
 
-@contextmanager
-def running_replay(cfg: Config) -> Iterator[str]:
-    """A ReplayService looping in a thread on a free loopback port; yields its address."""
-    address = tcp_address("127.0.0.1", free_port())
-    service = ReplayService(cfg, address, setup_prompt_source(cfg))
-    stop = threading.Event()
-    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
-    thread.start()
-    try:
-        yield address
-    finally:
-        stop.set()
-        thread.join(timeout=5)
-        assert not thread.is_alive(), "the replay loop did not stop"
-        service.close()
-
-
-@contextmanager
-def dealer(address: str) -> Iterator[zmq.Socket]:
-    sock = zmq.Context.instance().socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
-    try:
-        yield sock
-    finally:
-        sock.close()
-
-
 @pytest.fixture
 def client() -> Iterator[zmq.Socket]:
     with running_replay(_config(max_message_mb=0.01)) as address, dealer(address) as sock:
         yield sock  # 10 KiB messages at most: easy to exceed
 
 
-def _send_raw(sock: zmq.Socket, frames: list[bytes]) -> object:
-    sock.send_multipart(frames)
-    return _recv(sock)
+def _send_raw(sock: zmq.Socket, frames: list[bytes], role: str = "server") -> object:
+    """Raw frames, signed (so they reach the decoder), and the reply."""
+    return ask(sock, frames, role)
 
 
 def _recv(sock: zmq.Socket, timeout_s: float = 3.0) -> object:
-    assert sock.poll(int(timeout_s * 1000)), "the replay did not answer"
-    return decode_frames(sock.recv_multipart())
+    return recv(sock, timeout_s)
 
 
 def _ask(sock: zmq.Socket, msg: object) -> object:
-    return _send_raw(sock, [bytes(f) for f in encode(msg)])
+    return ask(sock, msg)
 
 
 def _stats(sock: zmq.Socket) -> dict[str, float]:
@@ -188,7 +156,8 @@ def test_bad_messages_are_rejected_counted_and_the_service_keeps_serving(client)
     assert isinstance(reply, Error) and "does not accept" in reply.reason
 
     stats = _stats(sock)
-    assert stats["rejected_malformed"] == len(malformed) + 1  # + the untrainable trajectory
+    assert stats["rejected_malformed"] == len(malformed)
+    assert stats["rejected_invalid"] == 1  # the untrainable trajectory
     assert stats["rejected_oversized"] == 1
     assert stats["rejected_unexpected"] == 1
     assert stats["received"] == len(malformed) + 4
@@ -221,12 +190,12 @@ def test_bad_messages_are_rejected_counted_and_the_service_keeps_serving(client)
 def test_held_batch_request_is_answered_when_the_groups_complete(client):
     prompts = _lease(client, 1, version=0, max_groups=B)
     _complete(client, prompts[:1])
-    client.send_multipart([bytes(f) for f in encode(BatchRequest(5, 0, B))])
+    send(client, BatchRequest(5, 0, B))
     assert not client.poll(100), "one group short: the request must wait"
     last = prompts[1]
     _ask(client, _traj(last.group_id, 0))
     started = time.monotonic()
-    client.send_multipart([bytes(f) for f in encode(_traj(last.group_id, 1))])
+    send(client, _traj(last.group_id, 1))
     replies = [_recv(client), _recv(client)]
     assert time.monotonic() - started < WAIT_S  # answered by the completion, not the timeout
     batch = next(r for r in replies if isinstance(r, Batch))
@@ -236,7 +205,7 @@ def test_held_batch_request_is_answered_when_the_groups_complete(client):
 def test_held_lease_request_is_superseded_by_one_at_the_new_version(client):
     first = _lease(client, 1, version=0, max_groups=4)
     assert len(first) == B
-    client.send_multipart([bytes(f) for f in encode(LeaseRequest(2, 0, 0, 4))])
+    send(client, LeaseRequest(2, 0, 0, 4))
     assert not client.poll(100), "admission is full at version 0: the request must wait"
     _complete(client, first)
     assert isinstance(_ask(client, BatchRequest(3, 0, B)), Batch)
@@ -244,7 +213,7 @@ def test_held_lease_request_is_superseded_by_one_at_the_new_version(client):
     assert not client.poll(100), "the server still holds version 0: admission must not grant"
     started = time.monotonic()
     # the server's engine moved to version 1: it asks again, which supersedes the held request
-    client.send_multipart([bytes(f) for f in encode(LeaseRequest(5, 0, 1, 4))])
+    send(client, LeaseRequest(5, 0, 1, 4))
     replies = {r.request_id: r for r in (_recv(client), _recv(client))}
     assert time.monotonic() - started < WAIT_S
     assert replies[2].prompts == [] and len(replies[5].prompts) == B
@@ -296,26 +265,28 @@ def _rows(prompts: list[PromptItem]) -> list[str]:
 
 def test_run_replay_writes_its_counters_on_sigterm(tmp_path: Path):
     address = tcp_address("127.0.0.1", free_port())
-    stats_path = tmp_path / "stats" / "replay.json"
     code = (
         "import logging, sys; logging.basicConfig(level=logging.INFO);"
         "from asyncrl.config import Config; from replay.service import run_replay;"
         "run_replay(Config(), sys.argv[1], sys.argv[2])"
     )
     root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": str(root)}
+    env = {**os.environ, "PYTHONPATH": str(root), "ASYNCRL_RUN_SECRET": SECRET.hex()}
     proc = subprocess.Popen(
-        [sys.executable, "-c", code, address, str(stats_path)], env=env, stderr=subprocess.PIPE
+        [sys.executable, "-c", code, address, str(tmp_path)], env=env, stderr=subprocess.PIPE
     )
     try:
         with dealer(address) as sock:
-            sock.send_multipart([b"garbage"])
-            assert isinstance(_recv(sock, timeout_s=30), Error)
+            sock.send_multipart([b"garbage"])  # not even an authentication frame
+            reply = _recv(sock, timeout_s=30)
+            assert isinstance(reply, Error) and "authentication" in reply.reason
+            assert isinstance(_send_raw(sock, [b"garbage"]), Error)  # signed, but not a message
         proc.send_signal(signal.SIGTERM)
         _, err = proc.communicate(timeout=10)
     finally:
         proc.kill()
     assert proc.returncode == 0, err.decode()
-    stats = json.loads(stats_path.read_text())
-    assert stats["received"] == 1 and stats["rejected_malformed"] == 1
+    stats = json.loads((tmp_path / "stats" / "replay.json").read_text())
+    assert (stats["received"], stats["rejected_malformed"]) == (2, 1)
+    assert stats["rejected_unauthenticated"] == 1
     assert "replay done" in err.decode()

@@ -1,0 +1,172 @@
+"""Who may talk to a run: a secret made at launch, one key per role, an HMAC on every message.
+
+The launcher makes a random 32-byte run secret and writes it to `run_dir/run.secret` (mode
+0600). From it each role gets its own key, `HMAC-SHA256(secret, "asyncrl role <role>")`:
+
+    learner  may take batches, publish versions, ask for checkpoints, evaluate, read stats
+    server   may lease prompts, send trajectories, read stats
+    client   may evaluate and read stats (`asyncrl eval`, the launcher's progress, tools)
+
+A process gets only what it needs, in its environment (never on its command line): the replay
+gets the run secret (it checks every role); a learner rank or a rollout server gets its role's
+key. `asyncrl eval --address` reads the secret from `--run-dir` or `--secret-file`.
+
+On the wire every message is preceded by one authentication frame:
+
+    b"<role>:" + HMAC-SHA256(role key, "asyncrl-auth-v1" + for each frame: len (8 bytes) + bytes)
+
+so a frame can be neither changed, dropped, added nor moved, and a message signed for one role
+cannot be passed off as another's. Replies are signed with the key of the role that asked. A
+message whose frame is missing or wrong is rejected and counted, and the only answer is an
+unsigned `Error` saying so: a peer without the secret can neither read nor change anything.
+
+Not covered (documented in docs/pipeline.md): a message captured on the wire could be sent
+again (capturing loopback traffic needs root on the machine), and processes of one run share
+one uid, so the role keys separate duties, they do not wall off a compromised run process.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import os
+import secrets
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ROLES = ("learner", "server", "client")
+SECRET_FILE = "run.secret"
+SECRET_ENV = "ASYNCRL_RUN_SECRET"  # the run secret, hex (the replay; a user's shell)
+KEY_ENV = "ASYNCRL_AUTH_KEY"  # "<role>:<key hex>" (a learner rank or a rollout server)
+_DOMAIN = b"asyncrl-auth-v1"
+_MAC_BYTES = 32
+MAX_AUTH_FRAME = 64
+
+
+class AuthError(ValueError):
+    """A message without a valid authentication frame, or no key where one is needed."""
+
+
+@dataclass(frozen=True)
+class RoleKey:
+    """The key of one role: signs what this process sends, checks what it is sent back."""
+
+    role: str
+    key: bytes
+
+    def __repr__(self) -> str:  # never print a key into a log
+        return f"RoleKey(role={self.role!r})"
+
+    def sign(self, frames: Sequence[bytes | memoryview]) -> bytes:
+        """The authentication frame for message `frames`."""
+        return self.role.encode() + b":" + _mac(self.key, self.role, frames)
+
+    def check(self, auth_frame: bytes, frames: Sequence[bytes | memoryview]) -> None:
+        """Raise AuthError unless `auth_frame` signs `frames` with this key."""
+        if not hmac.compare_digest(auth_frame, self.sign(frames)):
+            raise AuthError(f"message not signed with the {self.role} key of this run")
+
+
+def _mac(key: bytes, role: str, frames: Sequence[bytes | memoryview]) -> bytes:
+    h = hmac.new(key, _DOMAIN + role.encode() + b"\0", hashlib.sha256)
+    for frame in frames:
+        h.update(len(frame).to_bytes(8, "little"))
+        h.update(frame)
+    return h.digest()
+
+
+def role_key(secret: bytes, role: str) -> RoleKey:
+    """The key of `role` derived from the run secret."""
+    if role not in ROLES:
+        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+    return RoleKey(role, hmac.new(secret, b"asyncrl role " + role.encode(), "sha256").digest())
+
+
+class Keyring:
+    """Every role's key (the replay's view): tells which role signed a message."""
+
+    def __init__(self, secret: bytes) -> None:
+        self._keys = {role: role_key(secret, role) for role in ROLES}
+
+    def key(self, role: str) -> RoleKey:
+        return self._keys[role]
+
+    def verify(self, auth_frame: bytes, frames: Sequence[bytes | memoryview]) -> str:
+        """The role whose key signed `frames`; AuthError if none did."""
+        if not auth_frame:
+            raise AuthError("no authentication frame (is the run secret configured?)")
+        if len(auth_frame) > MAX_AUTH_FRAME:
+            raise AuthError(f"authentication frame of {len(auth_frame)} bytes")
+        role = auth_frame.partition(b":")[0].decode("ascii", "replace")
+        if role not in self._keys:
+            raise AuthError("authentication frame names no known role")
+        self._keys[role].check(auth_frame, frames)
+        return role
+
+
+def new_secret() -> bytes:
+    return secrets.token_bytes(32)
+
+
+def write_secret(run_dir: str | Path, secret: bytes) -> Path:
+    """Write the run secret to `run_dir/run.secret`, readable by its owner only."""
+    path = Path(run_dir) / SECRET_FILE
+    tmp = path.with_name(f".{SECRET_FILE}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secret.hex() + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def read_secret(path: str | Path) -> bytes:
+    """The run secret from a file written by `write_secret` (or a run directory holding one)."""
+    path = Path(path)
+    if path.is_dir():
+        path = path / SECRET_FILE
+    try:
+        return _parse_hex(path.read_text().strip(), str(path))
+    except OSError as e:
+        raise AuthError(f"cannot read the run secret: {e}") from None
+
+
+def _parse_hex(text: str, source: str) -> bytes:
+    try:
+        secret = bytes.fromhex(text)
+    except ValueError:
+        raise AuthError(f"{source} does not hold a hex run secret") from None
+    if len(secret) < 16:
+        raise AuthError(f"{source}: a run secret has at least 16 bytes, got {len(secret)}")
+    return secret
+
+
+def secret_from_env() -> bytes:
+    """The run secret from $ASYNCRL_RUN_SECRET (the replay's environment)."""
+    text = os.environ.get(SECRET_ENV)
+    if not text:
+        raise AuthError(f"${SECRET_ENV} is not set: start the replay with `asyncrl launch/serve`")
+    return _parse_hex(text, f"${SECRET_ENV}")
+
+
+def key_from_env(role: str) -> RoleKey:
+    """This process's role key: from $ASYNCRL_AUTH_KEY, or derived from $ASYNCRL_RUN_SECRET."""
+    text = os.environ.get(KEY_ENV)
+    if not text:
+        if os.environ.get(SECRET_ENV):
+            return role_key(secret_from_env(), role)
+        raise AuthError(f"neither ${KEY_ENV} nor ${SECRET_ENV} is set: no key to talk to the run")
+    got, _, key_hex = text.partition(":")
+    if got != role:
+        raise AuthError(f"${KEY_ENV} holds the {got!r} key, this process needs the {role!r} key")
+    return RoleKey(role, _parse_hex(key_hex, f"${KEY_ENV}"))
+
+
+def auth_env(secret: bytes, process: str) -> dict[str, str]:
+    """What a fleet process named `process` (replay, server_<i>, learner_<rank>) gets in its
+    environment: the run secret for the replay, its role's key for the others."""
+    if process == "replay":
+        return {SECRET_ENV: secret.hex()}
+    role = process.rpartition("_")[0] or process
+    key = role_key(secret, role)
+    return {KEY_ENV: f"{role}:{key.key.hex()}"}

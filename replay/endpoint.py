@@ -1,0 +1,144 @@
+"""An authenticated ZeroMQ ROUTER endpoint that no message can stop (the replay's socket).
+
+`Endpoint` owns the socket, the run's keyring and the counters, and takes every message to
+exactly one outcome:
+
+    handled                    a handler took it (and answered, now or later)
+    rejected_malformed         it does not decode: framing, header, a field's type or range
+    rejected_oversized         larger than replay.max_message_mb
+    rejected_unauthenticated   no valid authentication frame (`asyncrl.auth`); answered with
+                               an unsigned Error and nothing else
+    rejected_unexpected        a type this endpoint does not accept
+    rejected_forbidden         its role may not send it (`replay.access.PERMISSIONS`), or it
+                               asks for something outside the run (a checkpoint path)
+    rejected_invalid           it decoded but cannot be done (an unknown job, an untrainable
+                               trajectory, ...); set by the handler through `_reject`
+    rejected_quota             over a per-peer quota
+    handler_errors             the handler raised: a bug, logged with the message type and
+                               answered with Error; the loop goes on
+
+so `received` is always the sum of the others (`accounted`). Replies are signed with the key of
+the role that asked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections import Counter
+from collections.abc import Callable
+from typing import Any
+
+import zmq
+
+from asyncrl.auth import AuthError, Keyring
+from asyncrl.codec import ProtocolError, encode
+from asyncrl.protocol import Error
+from asyncrl.transport import decode_frames, send_msg, setup_socket
+from replay.access import PERMISSIONS, Peer
+
+log = logging.getLogger("asyncrl.replay")
+
+OUTCOMES = (
+    "handled",
+    "rejected_malformed",
+    "rejected_oversized",
+    "rejected_unauthenticated",
+    "rejected_unexpected",
+    "rejected_forbidden",
+    "rejected_invalid",
+    "rejected_quota",
+    "handler_errors",
+)
+"""The counters one received message ends in (exactly one of them)."""
+
+
+def accounted(counters: dict[str, float]) -> bool:
+    """Whether every message received ended in exactly one outcome counter."""
+    return counters["received"] == sum(counters[k] for k in OUTCOMES)
+
+
+class Endpoint:
+    """A bound ROUTER that authenticates, decodes, authorizes and dispatches (see above)."""
+
+    def __init__(
+        self, address: str, secret: bytes, max_bytes: int, allow_remote: bool, counters: Counter
+    ) -> None:
+        self.keyring = Keyring(secret)
+        self.max_bytes = max_bytes
+        self.counters = counters
+        self._handlers: dict[type, Callable[[Peer, Any], None]] = {}
+        self._rejected = False  # the message being handled was rejected (counted as such)
+        self._ctx = zmq.Context()
+        self._sock = setup_socket(self._ctx, zmq.ROUTER, bind=address, allow_remote=allow_remote)
+
+    def close(self, linger_ms: int = 100) -> None:
+        self._sock.close(linger=linger_ms)
+        self._ctx.term()
+
+    def _handle(self, frames: list[zmq.Frame]) -> None:
+        """One message, to exactly one outcome counter (see the module docstring)."""
+        self.counters["received"] += 1
+        self._rejected = False
+        peer, kind = Peer(frames[0].bytes if frames else b"", None), "message"
+        try:
+            peer, kind = self._dispatch(peer, frames[1:])
+        except Exception:  # a bug in the replay: counted, logged, answered; the loop goes on
+            self.counters["handler_errors"] += 1
+            if self.counters["handler_errors"] <= 10:
+                log.exception("BUG: handling a %s message raised", kind)
+            with contextlib.suppress(
+                Exception
+            ):  # the answer is a courtesy; the count is what matters
+                self._send(peer, Error(reason=f"internal error handling {kind} (logged)"))
+            return
+        if not self._rejected:
+            self.counters["handled"] += 1
+
+    def _dispatch(self, peer: Peer, body: list[zmq.Frame]) -> tuple[Peer, str]:
+        """Authenticate, decode, authorize and handle; returns the peer and the message kind."""
+        if len(body) < 2:  # an authentication frame and a header at least
+            self._reject(peer, "rejected_unauthenticated", "no authentication frame")
+            return peer, "message"
+        size = sum(len(f) for f in body)
+        if size > self.max_bytes:
+            reason = f"oversized message: {size} bytes > limit {self.max_bytes}"
+            self._reject(peer, "rejected_oversized", reason)
+            return peer, "message"
+        try:
+            role = self.keyring.verify(body[0].bytes, [f.buffer for f in body[1:]])
+        except AuthError as e:
+            self._reject(peer, "rejected_unauthenticated", f"not authenticated: {e}")
+            return peer, "message"
+        peer = Peer(peer.identity, role)
+        try:
+            msg = decode_frames(body[1:], max_bytes=self.max_bytes)
+        except ProtocolError as e:
+            self._reject(peer, "rejected_malformed", str(e))
+            return peer, "message"
+        kind = type(msg).TYPE
+        handler = self._handlers.get(type(msg))
+        if handler is None:
+            self._reject(peer, "rejected_unexpected", f"the replay does not accept {kind!r}")
+        elif type(msg) not in PERMISSIONS[role]:
+            self._reject(peer, "rejected_forbidden", f"a {role} may not send {kind!r}")
+        else:
+            handler(peer, msg)
+        return peer, kind
+
+    def _send(self, peer: Peer, msg: Any) -> None:
+        """Reply to `peer`, signed with the key of its role (unsigned if it has none)."""
+        if peer.role is None:
+            self._sock.send_multipart([peer.identity, b"", *encode(msg)], copy=False)
+        else:
+            send_msg(self._sock, msg, peer.identity, auth=self.keyring.key(peer.role))
+
+    def _reject(self, peer: Peer, counter: str, reason: str, reply: bool = True) -> None:
+        reason = reason if len(reason) <= 500 else reason[:500] + "..."  # it echoes sender input
+        self._rejected = True
+        self.counters[counter] += 1
+        n = self.counters[counter]
+        if n <= 10 or n % 1000 == 0:  # enough to diagnose, never a flood
+            log.warning("rejected message #%d (%s): %s", n, counter, reason)
+        if peer.identity and reply:
+            self._send(peer, Error(reason=reason))

@@ -1,0 +1,82 @@
+"""Talking to a live ReplayService from tests: a service in a thread on a loopback port, and
+DEALER peers that sign what they send with a role's key of the test run secret (or do not)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import zmq
+
+from asyncrl.auth import Keyring, role_key
+from asyncrl.codec import encode
+from asyncrl.config import Config
+from asyncrl.protocol import LeaseRequest, Trajectory
+from asyncrl.transport import decode_signed, free_port, tcp_address
+from replay.prompts import setup_prompt_source
+from replay.service import ReplayService
+
+SECRET = bytes(range(32))  # the test run's secret
+KEYRING = Keyring(SECRET)
+_SERVER_TYPES = (LeaseRequest, Trajectory)
+
+
+@contextmanager
+def running_replay(cfg: Config, run_dir: Path | None = None) -> Iterator[str]:
+    """A ReplayService looping in a thread on a free loopback port; yields its address."""
+    address = tcp_address("127.0.0.1", free_port())
+    service = ReplayService(cfg, address, setup_prompt_source(cfg), SECRET, run_dir)
+    stop = threading.Event()
+    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        yield address
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        assert not thread.is_alive(), "the replay loop did not stop"
+        service.close()
+
+
+@contextmanager
+def dealer(address: str) -> Iterator[zmq.Socket]:
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(address)
+    try:
+        yield sock
+    finally:
+        sock.close()
+
+
+def role_of(msg: object) -> str:
+    """The role that sends `msg` in a run: a server's messages, else the learner's."""
+    return "server" if isinstance(msg, _SERVER_TYPES) else "learner"
+
+
+def signed(frames: list[bytes], role: str | None) -> list[bytes]:
+    """`frames` behind an authentication frame of `role` (None: an empty one)."""
+    return [b"" if role is None else role_key(SECRET, role).sign(frames), *frames]
+
+
+def send(sock: zmq.Socket, msg: object, role: str | None = "") -> None:
+    """Send a message (or raw frames) signed as `role` ("": the role that sends it in a run)."""
+    frames = [bytes(f) for f in encode(msg)] if not isinstance(msg, list) else msg
+    sock.send_multipart(signed(frames, role_of(msg) if role == "" else role))
+
+
+def recv(sock: zmq.Socket, timeout_s: float = 3.0) -> object:
+    """The next reply, checked: signed with some role's key, or an unsigned Error."""
+    assert sock.poll(int(timeout_s * 1000)), "the replay did not answer"
+    frames = sock.recv_multipart()
+    if frames[0] == b"":
+        return decode_signed(frames, KEYRING.key("client"))
+    role = KEYRING.verify(frames[0], frames[1:])
+    return decode_signed(frames, KEYRING.key(role))
+
+
+def ask(sock: zmq.Socket, msg: object, role: str | None = "") -> object:
+    send(sock, msg, role)
+    return recv(sock)
