@@ -17,7 +17,8 @@ exactly one outcome:
     handler_errors             the handler raised: a bug, logged with the message type and
                                answered with Error; the loop goes on
 
-so `received` is always the sum of the others (`accounted`). Replies are signed with the key of
+so `received` is always the sum of the others (`accounted`); a message is counted once it is
+done with, so a `Stats` reply does not count the request it answers. Replies are signed with the key of
 the role that asked.
 """
 
@@ -69,6 +70,7 @@ class Endpoint:
         self.counters = counters
         self._handlers: dict[type, Callable[[Peer, Any], None]] = {}
         self._rejected = False  # the message being handled was rejected (counted as such)
+        self._peer, self._kind = Peer(b"", None), "message"  # the message being handled
         self._ctx = zmq.Context()
         self._sock = setup_socket(self._ctx, zmq.ROUTER, bind=address, allow_remote=allow_remote)
 
@@ -78,45 +80,47 @@ class Endpoint:
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         """One message, to exactly one outcome counter (see the module docstring)."""
-        self.counters["received"] += 1
         self._rejected = False
-        peer, kind = Peer(frames[0].bytes if frames else b"", None), "message"
+        self._peer, self._kind = Peer(frames[0].bytes if frames else b"", None), "message"
         try:
-            peer, kind = self._dispatch(peer, frames[1:])
+            self._dispatch(frames[1:])
         except Exception:  # a bug in the replay: counted, logged, answered; the loop goes on
             self.counters["handler_errors"] += 1
             if self.counters["handler_errors"] <= 10:
-                log.exception("BUG: handling a %s message raised", kind)
-            with contextlib.suppress(
-                Exception
-            ):  # the answer is a courtesy; the count is what matters
-                self._send(peer, Error(reason=f"internal error handling {kind} (logged)"))
-            return
-        if not self._rejected:
-            self.counters["handled"] += 1
+                log.exception("BUG: handling a %s message raised", self._kind)
+            reason = f"internal error handling {self._kind} (logged)"
+            with contextlib.suppress(Exception):  # a courtesy; the count is what matters
+                self._send(self._peer, Error(reason=reason))
+        else:
+            if not self._rejected:
+                self.counters["handled"] += 1
+        # counted with its outcome, so any snapshot (a Stats reply included) adds up
+        self.counters["received"] += 1
 
-    def _dispatch(self, peer: Peer, body: list[zmq.Frame]) -> tuple[Peer, str]:
-        """Authenticate, decode, authorize and handle; returns the peer and the message kind."""
+    def _dispatch(self, body: list[zmq.Frame]) -> None:
+        """Authenticate, decode, authorize and handle (`self._peer` and `self._kind` say who
+        sent what, as far as known, should it raise)."""
+        peer = self._peer
         if len(body) < 2:  # an authentication frame and a header at least
             self._reject(peer, "rejected_unauthenticated", "no authentication frame")
-            return peer, "message"
+            return
         size = sum(len(f) for f in body)
         if size > self.max_bytes:
             reason = f"oversized message: {size} bytes > limit {self.max_bytes}"
             self._reject(peer, "rejected_oversized", reason)
-            return peer, "message"
+            return
         try:
             role = self.keyring.verify(body[0].bytes, [f.buffer for f in body[1:]])
         except AuthError as e:
             self._reject(peer, "rejected_unauthenticated", f"not authenticated: {e}")
-            return peer, "message"
-        peer = Peer(peer.identity, role)
+            return
+        peer = self._peer = Peer(peer.identity, role)
         try:
             msg = decode_frames(body[1:], max_bytes=self.max_bytes)
         except ProtocolError as e:
             self._reject(peer, "rejected_malformed", str(e))
-            return peer, "message"
-        kind = type(msg).TYPE
+            return
+        kind = self._kind = type(msg).TYPE
         handler = self._handlers.get(type(msg))
         if handler is None:
             self._reject(peer, "rejected_unexpected", f"the replay does not accept {kind!r}")
@@ -124,7 +128,6 @@ class Endpoint:
             self._reject(peer, "rejected_forbidden", f"a {role} may not send {kind!r}")
         else:
             handler(peer, msg)
-        return peer, kind
 
     def _send(self, peer: Peer, msg: Any) -> None:
         """Reply to `peer`, signed with the key of its role (unsigned if it has none)."""

@@ -136,3 +136,98 @@ def test_oversized_message_is_rejected_before_parsing():
     frames = _wire(_traj(prompt_ids=np.zeros(10_000, np.int32)))
     with pytest.raises(ProtocolError, match="oversized"):
         decode(frames, max_bytes=1000)
+
+
+def _header_mutated(msg, change) -> list[bytes]:
+    frames = _wire(msg)
+    header = msgpack.unpackb(frames[0])
+    change(header)
+    return [msgpack.packb(header)] + frames[1:]
+
+
+def _nested(depth: int, leaf=1):
+    value = leaf
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@pytest.mark.parametrize(
+    "change, reason",
+    [
+        # seen crashing the replay (issue 13): an unhashable array name
+        (lambda h: h["arrays"][0].__setitem__(0, ["prompt_ids"]), "bad array descriptor"),
+        (lambda h: h["arrays"][0].__setitem__(0, {"a": 1}), "bad array descriptor"),
+        (lambda h: h["arrays"][0].__setitem__(1, ["<i4"]), "dtype"),
+        # element counts that overflow int64, and more dimensions than numpy has
+        (lambda h: h["arrays"][0].__setitem__(2, [2**62, 2**62, 0]), "do not fit"),
+        (lambda h: h["arrays"][0].__setitem__(2, [2**63 - 1] * 4), "do not fit"),
+        (lambda h: h["arrays"][0].__setitem__(2, [1] * 65), "bad shape"),
+        (lambda h: h["arrays"][0].__setitem__(2, [True, 3]), "bad shape"),
+        # `type` and `v` nested ~1000 deep: a RecursionError while writing the error text
+        (lambda h: h.__setitem__("type", _nested(1000)), "nested deeper"),
+        (lambda h: h.__setitem__("v", _nested(1000)), "nested deeper"),
+        (lambda h: h["fields"].__setitem__("metrics", _nested(100, {})), "nested deeper"),
+        # ints beyond int64 (msgpack carries up to 2**64 - 1) and out-of-range fields
+        (lambda h: h["fields"].__setitem__("sample_index", 2**64 - 1), "int64"),
+        (lambda h: h["fields"].__setitem__("sample_index", -1), "sample_index"),
+        (lambda h: h["fields"].__setitem__("traj_id", "x" * 10_000), "traj_id"),
+        (lambda h: h["fields"].__setitem__("group_id", ""), "group_id"),
+        (
+            lambda h: h["fields"].__setitem__("metrics", {f"m{i}": 1.0 for i in range(300)}),
+            "metrics",
+        ),
+        (lambda h: h["fields"].__setitem__(b"bytes key", 1), "unexpected fields"),
+    ],
+)
+def test_hostile_headers_raise_protocol_error_only(change, reason):
+    with pytest.raises(ProtocolError, match=reason):
+        decode(_header_mutated(_traj(), change))
+
+
+def test_error_texts_quote_sender_input_bounded():
+    frames = _header_mutated(_traj(), lambda h: h.__setitem__("type", "x" * 100_000))
+    with pytest.raises(ProtocolError) as e:
+        decode(frames)
+    assert len(str(e.value)) < 200
+
+
+def test_prompt_items_and_eval_submits_are_bounded():
+    from asyncrl.protocol import EvalSubmit
+
+    item = PromptItem("g", 1, "src", [ChatMessage("user", "q")], "1", {}, eval_job="job")
+    for change, reason in [
+        (lambda p: p.__setitem__("n", 10**12), "PromptItem.n"),
+        (lambda p: p.__setitem__("n", 0), "PromptItem.n"),
+        (lambda p: p.__setitem__("temperature", float("nan")), "temperature"),
+        (lambda p: p.__setitem__("eval_job", "other"), "not marked for this job"),
+    ]:
+        frames = _wire(EvalSubmit(1, "job", [item]))
+        header = msgpack.unpackb(frames[0])
+        change(header["fields"]["prompts"][0])
+        with pytest.raises(ProtocolError, match=reason):
+            decode([msgpack.packb(header)])
+
+
+def test_a_batch_that_indexes_outside_its_arrays_or_carries_inf_is_rejected_at_the_learner():
+    good = _wire(empty_batch(1))
+    assert isinstance(decode(good), Batch)
+    one = dict(
+        request_id=1, traj_ids=["t"], group_ids=["g"], data_sources=["s"], finish_reasons=["stop"],
+        rewards=np.ones(1, np.float32), baseline_rewards=np.full(1, np.nan, np.float32),
+        prompt_offsets=np.array([0, 2]), response_offsets=np.array([0, 2]),
+        prompt_ids=np.ones(2, np.int32), response_ids=np.ones(2, np.int32),
+        loss_mask=np.ones(2, np.uint8), behaviour_logprobs=np.full(2, -1.0, np.float32),
+        versions=np.zeros(2, np.int32), metric_names=[], metric_values=np.zeros(0, np.float32),
+        fleet={}, stale_dropped=0,
+    )  # fmt: skip
+    assert decode(_wire(Batch(**one))).traj_ids == ["t"]
+    for change, reason in [
+        ({"response_offsets": np.array([0, 5])}, "response_offsets"),
+        ({"prompt_offsets": np.array([1, 2])}, "prompt_offsets"),
+        ({"rewards": np.array([np.inf], np.float32)}, "rewards"),
+        ({"behaviour_logprobs": np.array([-1.0, np.nan], np.float32)}, "log-prob"),
+        ({"group_ids": []}, "group_ids"),
+    ]:
+        with pytest.raises(ProtocolError, match=reason):
+            decode(_wire(Batch(**{**one, **change})))
