@@ -339,7 +339,8 @@ def compute_advantages(
     `outcome_token_rewards(rewards, mask)`. Estimators read the sequence reward as
     `(token_rewards * mask).sum(-1)` when token_rewards is given (so a KL penalty in the reward
     reaches them), else `rewards`; a sequence-level estimator's advantage is broadcast over the
-    sampled tokens.
+    sampled tokens. A non-finite advantage or return on a sampled token raises
+    FloatingPointError naming the estimator, never reaching a step.
     """
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(ESTIMATORS)}")
@@ -367,4 +368,8 @@ def compute_advantages(
     advantages, returns = out if isinstance(out, tuple) else (out, None)
     if est.level == "sequence":
         advantages = advantages[:, None] * m
+    for what, tensor in (("advantages", advantages), ("returns", returns)):
+        if tensor is not None and not bool(torch.isfinite(tensor[mask.bool()]).all()):
+            source = "rewards" if not bool(torch.isfinite(seq_rewards).all()) else "the estimator"
+            raise FloatingPointError(f"{name} {what} are not finite (from {source})")
     return advantages, returns

@@ -22,7 +22,6 @@ import importlib
 import inspect
 import json
 import logging
-import math
 import numbers
 import queue
 import signal
@@ -37,6 +36,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
 
+from asyncrl.protocol import finite32
 from rollout_servers.rewards import REWARD_FNS, RewardFn, load_custom_reward
 
 log = logging.getLogger("asyncrl.rewards")
@@ -336,9 +336,13 @@ class RewardComputer:
         if score is None:
             self._count("non_number", f"reward function for {data_source!r} returned no number")
             return 0.0, extras
-        if not math.isfinite(score):
+        if not finite32(score):  # the batch stores rewards as float32: 1e39 would be inf
             self._count("non_finite", f"reward function for {data_source!r} returned {score}")
             return 0.0, extras
+        bad = [k for k, v in extras.items() if not finite32(v)]
+        if bad:
+            self._count("non_finite", f"reward function for {data_source!r}: extras {bad[:5]}")
+            extras = {k: v for k, v in extras.items() if k not in bad}
         return score, extras
 
     def _options_for(self, fn: RewardFn) -> dict[str, Any]:

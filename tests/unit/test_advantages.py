@@ -208,6 +208,14 @@ def test_compute_advantages_errors():
         compute_advantages("gae", **kwargs)
     with pytest.raises(ValueError, match="baseline_rewards"):
         compute_advantages("remax", **kwargs)
+    # a reward that overflowed on its way in names itself instead of reaching a step
+    inf = {
+        **kwargs,
+        "rewards": torch.tensor([math.inf, 1.0]),
+        "group_index": torch.zeros(2, dtype=torch.long),
+    }
+    with pytest.raises(FloatingPointError, match="grpo advantages are not finite .from rewards"):
+        compute_advantages("grpo", **{**inf, "mask": torch.ones(2, 2)})
 
 
 def test_mask_holes_are_skipped_as_verl_0_9_1_does():

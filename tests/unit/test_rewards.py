@@ -34,6 +34,10 @@ CUSTOM = textwrap.dedent(
                 time.sleep(1)
         if solution_str == "nan":
             return math.nan
+        if solution_str == "huge":  # finite in float64, +inf once stored as float32
+            return {"score": 1e39, "length": 1.0}
+        if solution_str == "huge extra":
+            return {"score": 1.0, "length": 1e39, "ok": 2.0}
         if solution_str == "text":
             return "one"
         bonus = kwargs.get("bonus", 0.0)
@@ -133,6 +137,8 @@ async def test_failures_score_zero_are_counted_and_the_pool_keeps_working(custom
         assert await rc.score("any/source", "a", "a", None) == (1.0, {"length": 1.0})
         assert await rc.score("any/source", "raise", "a", None) == (0.0, {})
         assert await rc.score("any/source", "nan", "a", None) == (0.0, {})
+        assert (await rc.score("any/source", "huge", "a", None))[0] == 0.0
+        assert await rc.score("any/source", "huge extra", "a", None) == (1.0, {"ok": 2.0})
         assert await rc.score("any/source", "text", "a", None) == (0.0, {})
 
         ticks = 0
@@ -154,7 +160,7 @@ async def test_failures_score_zero_are_counted_and_the_pool_keeps_working(custom
         start = time.monotonic()  # the single worker was replaced: later calls succeed quickly
         assert await rc.score("any/source", "b", "b", None) == (1.0, {"length": 1.0})
         assert time.monotonic() - start < 1.0
-        assert rc.failures == {"exception": 1, "non_finite": 1, "non_number": 1, "timeout": 1}
+        assert rc.failures == {"exception": 1, "non_finite": 3, "non_number": 1, "timeout": 1}
     finally:
         rc.close()
 
