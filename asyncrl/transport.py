@@ -90,9 +90,9 @@ def decode_frames(frames: list[bytes], max_bytes: int | None = None) -> Any:
 
 
 def decode_signed(frames: list[Any], auth: RoleKey, max_bytes: int | None = None) -> Any:
-    """Decode a reply from the replay: checked against this process's key. An unsigned `Error`
-    is the replay saying it could not authenticate us, returned as is so the caller can say so;
-    anything else unsigned or signed wrongly is an AuthError."""
+    """Decode a reply from the replay, checked against this process's key. Raises AuthError
+    when it is unsigned or signed wrongly, quoting the replay's reason when it is the replay's
+    unsigned `Error` (it could not authenticate us: a wrong or missing run secret)."""
     raw = [f.bytes if isinstance(f, zmq.Frame) else f for f in frames]
     if not raw:
         raise ProtocolError("empty message")
@@ -102,7 +102,7 @@ def decode_signed(frames: list[Any], auth: RoleKey, max_bytes: int | None = None
     if raw[0] == b"":
         msg = decode(raw[1:], max_bytes=max_bytes)
         if isinstance(msg, Error):
-            return msg
+            raise AuthError(f"the replay refused this process's {auth.role} key: {msg.reason}")
         raise AuthError(f"unsigned {type(msg).TYPE!r} reply")
     auth.check(raw[0], raw[1:])
     return decode(raw[1:], max_bytes=max_bytes)

@@ -90,7 +90,13 @@ class AsyncReplayClient:
             frames = await self._sock.recv_multipart()
             try:
                 msg = decode_signed(frames, self.auth)
-            except (ProtocolError, AuthError) as e:
+            except AuthError as e:  # nothing this server sends can succeed: say so at once
+                log.error("%s", e)
+                for fut in self._waiting.values():
+                    if not fut.done():
+                        fut.set_exception(RuntimeError(str(e)))
+                continue
+            except ProtocolError as e:
                 self.counters["bad_replies"] += 1
                 log.error("undecodable reply from replay: %s", e)
                 continue

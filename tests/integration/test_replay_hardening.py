@@ -311,3 +311,19 @@ def test_replies_are_signed_for_the_role_that_asked(sock):
     with pytest.raises(ValueError):
         role_key(SECRET, "learner").check(frames[0], frames[1:])
     assert isinstance(decode(frames[1:]), Stats)
+
+
+def test_a_client_with_the_wrong_secret_is_told_at_once(sock):
+    from asyncrl.auth import AuthError, new_secret
+    from asyncrl.replay_client import ReplayClient
+
+    address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    client = ReplayClient(address, role_key(new_secret(), "client"), reply_timeout_s=30)
+    try:
+        with pytest.raises(AuthError, match="refused this process's client key"):
+            client.stats()
+    finally:
+        client.close()
+    assert (
+        ReplayClient(address, role_key(SECRET, "client")).stats()["rejected_unauthenticated"] == 1
+    )

@@ -1,0 +1,74 @@
+"""The run secret and role keys: derivation, files, environment, and what a signature covers."""
+
+import os
+import stat
+
+import pytest
+
+from asyncrl.auth import (
+    KEY_ENV,
+    SECRET_ENV,
+    AuthError,
+    Keyring,
+    auth_env,
+    key_from_env,
+    new_secret,
+    read_secret,
+    role_key,
+    write_secret,
+)
+
+
+def test_roles_have_distinct_keys_and_a_signature_covers_every_frame():
+    secret = new_secret()
+    keys = {role: role_key(secret, role) for role in ("learner", "server", "client")}
+    assert len({k.key for k in keys.values()}) == 3
+    ring = Keyring(secret)
+    frames = [b"header", b"array-1", b"array-2"]
+    auth = keys["server"].sign(frames)
+    assert ring.verify(auth, frames) == "server"
+    for tampered in (
+        [b"header", b"array-1"],
+        [b"header", b"array-1", b"array-2", b""],
+        [b"header", b"array-2", b"array-1"],
+        [b"headerarray-1", b"array-2"],  # moving a frame boundary changes the signature
+    ):
+        with pytest.raises(AuthError):
+            ring.verify(auth, tampered)
+    with pytest.raises(AuthError):  # a server's signature relabelled as the learner's
+        ring.verify(b"learner:" + auth.partition(b":")[2], frames)
+    with pytest.raises(AuthError):
+        Keyring(new_secret()).verify(auth, frames)
+    assert "key" not in repr(keys["learner"]).replace("RoleKey", "")
+
+
+def test_the_secret_file_is_private_and_read_back(tmp_path):
+    secret = new_secret()
+    path = write_secret(tmp_path, secret)
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert read_secret(path) == secret == read_secret(tmp_path)
+    (tmp_path / "bad").write_text("not hex")
+    with pytest.raises(AuthError, match="hex"):
+        read_secret(tmp_path / "bad")
+    with pytest.raises(AuthError, match="cannot read"):
+        read_secret(tmp_path / "missing")
+
+
+def test_each_process_gets_only_its_own_key(monkeypatch):
+    secret = new_secret()
+    assert auth_env(secret, "replay") == {SECRET_ENV: secret.hex()}
+    server_env = auth_env(secret, "server_3")
+    assert set(server_env) == {KEY_ENV} and secret.hex() not in server_env[KEY_ENV]
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.setenv(KEY_ENV, server_env[KEY_ENV])
+    assert key_from_env("server") == role_key(secret, "server")
+    with pytest.raises(AuthError, match="holds the 'server' key"):
+        key_from_env("learner")
+    monkeypatch.setenv(KEY_ENV, auth_env(secret, "learner_1")[KEY_ENV])
+    assert key_from_env("learner") == role_key(secret, "learner")
+    monkeypatch.delenv(KEY_ENV)
+    with pytest.raises(AuthError, match="neither"):
+        key_from_env("learner")
+    monkeypatch.setenv(SECRET_ENV, secret.hex())
+    assert key_from_env("client") == role_key(secret, "client")
+    assert os.environ[SECRET_ENV] == secret.hex()
