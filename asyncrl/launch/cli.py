@@ -64,26 +64,32 @@ def _config(args: list[str]):
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from asyncrl.launch.fleet import watch_serving
     from asyncrl.launch.run import LaunchError, serve
 
     cfg = _config(ns.args)
     signal.signal(signal.SIGTERM, _interrupt)
-    fleet, run_dir = serve(cfg, command="asyncrl serve " + shlex.join(ns.args))
+    try:
+        fleet, run_dir = serve(cfg, command="asyncrl serve " + shlex.join(ns.args))
+    except LaunchError as e:
+        print(f"asyncrl: serve failed: {e}", file=sys.stderr)
+        return 1
     print(
         f"asyncrl: serving {cfg.rollout.num_servers} rollout server(s) through the replay at "
         f"{fleet.spec.replay_address}; logs in {run_dir / 'logs'}; Ctrl-C stops",
         flush=True,
     )
     try:
-        while (dead := fleet.first_dead()) is None:
-            time.sleep(0.5)
-        print(f"asyncrl: serve failed: {LaunchError(dead.describe_exit())}", file=sys.stderr)
+        watch_serving(fleet)
+    except LaunchError as e:
+        print(f"asyncrl: serve failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nasyncrl: stopped", file=sys.stderr)
         return 130
     finally:
         fleet.stop_all()
+    return 0  # not reached: serving ends by a failure or an interrupt
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:

@@ -1,8 +1,8 @@
 """`launch` and `serve`: prepare a run, start the fleets with the configured backend, watch
-them, and stop everything at the end, on Ctrl-C, or as soon as any process dies (naming it and
-why). Both backends hand back a `Fleet` (`fleet.py`) and run the same role functions
-(`worker.run_process`), so the data plane (ZeroMQ, torch.distributed) does not depend on the
-backend.
+them, and stop everything at the end, on Ctrl-C, or as soon as any process dies (naming the
+first to die, why, and the deaths that followed it). Both backends hand back a `Fleet`
+(`fleet.py`) and run the same role functions (`worker.run_process`), so the data plane (ZeroMQ,
+torch.distributed) does not depend on the backend.
 """
 
 from __future__ import annotations
