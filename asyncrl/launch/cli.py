@@ -94,17 +94,22 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 def cmd_eval(ns: argparse.Namespace) -> int:
     """Send a dataset through running servers (--address) or a fleet started for it."""
+    from asyncrl.data_check import DataError
     from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
-    from asyncrl.launch.run import serve
+    from asyncrl.launch.run import LaunchError, check_eval_data, serve
     from asyncrl.metrics import write_json_atomic
     from asyncrl.replay_client import ReplayClient
 
     cfg = _config(ns.args)
     n = ns.n or cfg.data.val_n
     temperature = cfg.data.val_temperature if ns.temperature is None else ns.temperature
+    check_eval_data(ns.data, cfg)
     rows = load_eval_rows(ns.data, cfg.data)
     job = f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
-    prompts = eval_prompts(rows, n, temperature, job)
+    try:
+        prompts = eval_prompts(rows, n, temperature, job)
+    except ValueError as e:  # a bad row after the first (rows counted across the files)
+        raise DataError(f"--data {' '.join(ns.data)}: {e}") from None
     fleet = None
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -120,6 +125,9 @@ def cmd_eval(ns: argparse.Namespace) -> int:
         summary = run_eval_job(
             ReplayClient(address), prompts, job, cfg.trainer.val_timeout_s, progress=_eval_progress
         )
+    except LaunchError as e:
+        print(f"asyncrl: eval failed: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\nasyncrl: interrupted", file=sys.stderr)
         return 130

@@ -1,5 +1,6 @@
 """The launcher stops every process when one dies or on Ctrl-C, and leaves no orphans; it names
-the first process to die in time (and lists the deaths that followed)."""
+the first process to die in time (and lists the deaths that followed); a dataset it cannot use
+fails before any process starts."""
 
 import os
 import re
@@ -10,8 +11,10 @@ import time
 from pathlib import Path
 
 import psutil
+import pyarrow.parquet as pq
 import pytest
 
+from asyncrl.data import write_rows
 from asyncrl.launch.fleet import LaunchError, raise_on_failure
 from asyncrl.launch.local import LocalFleet
 from asyncrl.run_spec import RunSpec
@@ -177,3 +180,73 @@ def test_exits_seen_together_are_ordered_by_their_logs(tmp_path):
     lines = str(e.value).splitlines()
     assert lines[0] == "process server_1 was killed by signal SIGKILL"
     assert lines[1].startswith("then: server_0 exited with code 0 (seen together with it;")
+
+
+# ---- a dataset the run cannot use fails before any process starts ----------------------------
+def _cli(tmp_path: Path, command: str, *args: str) -> subprocess.CompletedProcess:
+    argv = [sys.executable, "-m", "asyncrl.launch.cli", command, *args]
+    if command != "eval":
+        argv += [
+            f"trainer.run_dir={tmp_path / 'run'}",
+            f"trainer.cache_dir={tmp_path / 'cache'}",
+            "trainer.total_steps=2",
+            "trainer.warmstart_steps=10",
+        ]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=300)
+
+
+def _assert_failed_fast(result: subprocess.CompletedProcess, tmp_path: Path, *named: str) -> None:
+    """Exit code 2, one line naming each of `named`, and nothing started or created."""
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("asyncrl: "), result.stderr
+    for text in named:
+        assert text in lines[0], result.stderr
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def _row(source: str, i: int = 0) -> dict:
+    return {
+        "data_source": source,
+        "prompt": [{"role": "user", "content": f"{i}+1="}],
+        "reward_model": {"style": "rule", "ground_truth": str(i + 1)},
+    }
+
+
+def test_a_missing_validation_file_is_named_before_anything_starts(tmp_path):
+    missing = tmp_path / "val.parquet"
+    result = _cli(tmp_path, "launch", f"data.val_files=[{missing}]")
+    _assert_failed_fast(result, tmp_path, "data.val_files", str(missing), "does not exist")
+
+
+def test_an_unknown_data_source_fails_fast_naming_it(tmp_path):
+    """Without the check the run trained to its end on a reward of 0, and exited 0."""
+    train = write_rows([_row("asyncrl/arith"), _row("mystery/source", 1)], tmp_path / "t.parquet")
+    result = _cli(tmp_path, "launch", f"data.train_files=[{train}]")
+    _assert_failed_fast(result, tmp_path, "'mystery/source'", str(train), "'asyncrl/arith'")
+    result = _cli(tmp_path, "serve", f"data.val_files=[{train}]")
+    _assert_failed_fast(result, tmp_path, "'mystery/source'")
+
+
+def test_a_missing_empty_or_wrong_schema_training_file_fails_fast(tmp_path):
+    empty = tmp_path / "empty.parquet"
+    write_rows([_row("asyncrl/arith")], empty)
+    pq.write_table(pq.read_table(empty).slice(0, 0), empty)
+    no_prompt = write_rows(
+        [{"data_source": "asyncrl/arith", "reward_model": {"ground_truth": "1"}}],
+        tmp_path / "np.parquet",
+    )
+    cases = {
+        tmp_path / "absent.parquet": "does not exist",
+        empty: "has no rows",
+        no_prompt: "no column 'prompt'",
+    }
+    for path, why in cases.items():
+        result = _cli(tmp_path, "launch", f"data.train_files=[{path}]")
+        _assert_failed_fast(result, tmp_path, "data.train_files", str(path), why)
+
+
+def test_eval_checks_its_files_before_starting_a_fleet(tmp_path):
+    bad = write_rows([_row("mystery/source")], tmp_path / "eval.parquet")
+    result = _cli(tmp_path, "eval", f"trainer.run_dir={tmp_path / 'run'}", "--data", str(bad))
+    _assert_failed_fast(result, tmp_path, "'mystery/source'", str(bad))
