@@ -1,10 +1,11 @@
 """The launch layer: the only code that imports the fleets; it wires them and watches them.
 
 - `cli`: the `asyncrl` command (launch, serve, eval, data, model, plot).
-- `run`: `launch` and `serve`, which prepare a run, start the fleets with the configured
-  backend and watch them until the end or the first failure.
+- `run`: `launch` and `serve`, which check the run's data, prepare a run, start the fleets
+  with the configured backend and watch them until the end or the first failure.
 - `fleet`: what both backends share (the `Fleet` they return, the run directory, the model,
   each process's environment, the watch loop).
+- `failures`: which process died first, and which deaths followed it (the failure report).
 - `local`: the fleets as child processes; `ray_cluster` (with `ray_actors`): as Ray actors.
 - `worker`: every fleet process's entry point, dispatching a role to its fleet.
 - `progress`: the live progress line.

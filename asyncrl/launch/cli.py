@@ -65,11 +65,16 @@ def _config(args: list[str]):
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from asyncrl.launch.fleet import watch_serving
     from asyncrl.launch.run import LaunchError, serve
 
     cfg = _config(ns.args)
     signal.signal(signal.SIGTERM, _interrupt)
-    fleet, run_dir = serve(cfg, command="asyncrl serve " + shlex.join(ns.args))
+    try:
+        fleet, run_dir = serve(cfg, command="asyncrl serve " + shlex.join(ns.args))
+    except LaunchError as e:
+        print(f"asyncrl: serve failed: {e}", file=sys.stderr)
+        return 1
     print(
         f"asyncrl: serving {cfg.rollout.num_servers} rollout server(s) through the replay at "
         f"{fleet.spec.replay_address} (its secret: {run_dir / 'run.secret'}); "
@@ -77,31 +82,37 @@ def cmd_serve(ns: argparse.Namespace) -> int:
         flush=True,
     )
     try:
-        while (dead := fleet.first_dead()) is None:
-            time.sleep(0.5)
-        print(f"asyncrl: serve failed: {LaunchError(dead.describe_exit())}", file=sys.stderr)
+        watch_serving(fleet)
+    except LaunchError as e:
+        print(f"asyncrl: serve failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("\nasyncrl: stopped", file=sys.stderr)
         return 130
     finally:
         fleet.stop_all()
+    return 0  # not reached: serving ends by a failure or an interrupt
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
     """Send a dataset through running servers (--address) or a fleet started for it."""
+    from asyncrl.data_check import DataError
     from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
     from asyncrl.launch.fleet import client_key
-    from asyncrl.launch.run import serve
+    from asyncrl.launch.run import LaunchError, check_eval_data, serve
     from asyncrl.metrics import write_json_atomic
     from asyncrl.replay_client import ReplayClient
 
     cfg = _config(ns.args)
     n = ns.n or cfg.data.val_n
     temperature = cfg.data.val_temperature if ns.temperature is None else ns.temperature
+    check_eval_data(ns.data, cfg)
     rows = load_eval_rows(ns.data, cfg.data)
     job = f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
-    prompts = eval_prompts(rows, n, temperature, job)
+    try:
+        prompts = eval_prompts(rows, n, temperature, job)
+    except ValueError as e:  # a bad row after the first (rows counted across the files)
+        raise DataError(f"--data {' '.join(ns.data)}: {e}") from None
     fleet = None
     signal.signal(signal.SIGTERM, _interrupt)
     try:
@@ -121,6 +132,9 @@ def cmd_eval(ns: argparse.Namespace) -> int:
             cfg.trainer.val_timeout_s,
             progress=_eval_progress,
         )
+    except LaunchError as e:
+        print(f"asyncrl: eval failed: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("\nasyncrl: interrupted", file=sys.stderr)
         return 130

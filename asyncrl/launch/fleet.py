@@ -2,40 +2,34 @@
 the model every fleet loads, each process's environment, and the one watch loop.
 
 A backend (`local.py`, `ray_cluster.py`) starts the processes and returns a `Fleet`; everything
-after that (waiting for the replay, showing progress, naming the first process to die) is here,
-so both backends behave the same.
+after that (waiting for the replay, showing progress, naming the first process to die and the
+deaths that followed it, see `failures.py`) is here, so both backends behave the same.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from asyncrl.auth import RoleKey, auth_env, new_secret, read_secret, role_key, write_secret
 from asyncrl.config import Config, config_to_yaml
 from asyncrl.data import setup_task
+from asyncrl.launch.failures import EndedMember, failure_report
 from asyncrl.launch.progress import Progress
 from asyncrl.metrics import read_jsonl
 from asyncrl.replay_client import ReplayClient, ReplayUnavailable
 from asyncrl.run_spec import RunSpec
 
+FOLLOWERS_WINDOW_S = 2.0
+"""After the first failure is seen, how long the launcher waits for the deaths it causes
+(they are listed in the report) before it stops the rest."""
+
 
 class LaunchError(RuntimeError):
     """A fleet failed; the message names the process and why."""
-
-
-class FleetMember(Protocol):
-    @property
-    def name(self) -> str:
-        """replay, server_<i>, learner_<rank>"""
-        ...
-
-    def describe_exit(self) -> str:
-        """How it ended and the last lines of its log."""
-        ...
 
 
 class Fleet(Protocol):
@@ -43,8 +37,14 @@ class Fleet(Protocol):
 
     spec: RunSpec
 
-    def first_dead(self) -> FleetMember | None:
-        """The first member that failed, or ended while the run still needed it."""
+    def failures(self) -> Sequence[EndedMember]:
+        """Checks every member now; those that failed, or ended while the run still needed
+        them, first death first (`failures.death_order`)."""
+        ...
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep up to `timeout_s`, waking early when a member ends; False (at once) when no
+        member is running."""
         ...
 
     def learners_finished(self) -> bool:
@@ -141,25 +141,41 @@ def replay_answers(address: str, auth: RoleKey) -> bool:
         client.close()
 
 
+def raise_on_failure(fleet: Fleet, window_s: float = FOLLOWERS_WINDOW_S) -> None:
+    """LaunchError naming the first member to fail and the failures that follow it within
+    `window_s` (waited for here; at once when every member has ended); nothing if none has."""
+    if not fleet.failures():
+        return
+    deadline = time.monotonic() + window_s
+    while (left := deadline - time.monotonic()) > 0 and fleet.wait(left):
+        fleet.failures()  # stamps what ended, as it ends
+    raise LaunchError(failure_report(fleet.failures()))
+
+
 def wait_for_replay(fleet: Fleet, answers: Callable[[], bool], timeout_s: float) -> None:
     """Until `answers()` (the replay is up); LaunchError if a member dies or time runs out."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if (dead := fleet.first_dead()) is not None:
-            raise LaunchError(dead.describe_exit())
+        raise_on_failure(fleet)
         if answers():
             return
     raise LaunchError(f"replay did not start within {timeout_s:.0f}s")
 
 
-def watch(fleet: Fleet, progress: Progress) -> None:
+def watch(fleet: Fleet, progress: Progress, window_s: float = FOLLOWERS_WINDOW_S) -> None:
     """Until every learner rank has finished; raise LaunchError if any member dies first."""
     metrics = Path(fleet.spec.run_dir) / "metrics.jsonl"
     while True:
+        raise_on_failure(fleet, window_s)  # first thing after a wake: exits are stamped early
         progress.update(read_jsonl(metrics))
-        if (dead := fleet.first_dead()) is not None:
-            raise LaunchError(dead.describe_exit())
         if fleet.learners_finished():
             progress.update(read_jsonl(metrics), final=True)
             return
-        time.sleep(0.25)
+        fleet.wait(0.25)
+
+
+def watch_serving(fleet: Fleet, window_s: float = FOLLOWERS_WINDOW_S) -> None:
+    """Until a member dies (then LaunchError): a fleet without learners runs until stopped."""
+    while True:
+        raise_on_failure(fleet, window_s)
+        fleet.wait(0.5)

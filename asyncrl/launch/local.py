@@ -4,6 +4,11 @@ Each process is `python -m asyncrl.launch.worker ROLE run_dir/launch.json`, logg
 `run_dir/logs/<name>.log`. Children run in their own sessions (so a terminal's Ctrl-C reaches
 only the launcher, which then stops them in order) and die with the launcher even if it is
 killed outright (Linux parent-death signal), so no process outlives a run.
+
+Every check (`LocalFleet.failures`) polls every child and stamps the ones it sees ended for the
+first time (`failures.Ending`); between checks `LocalFleet.wait` sleeps on a pidfd per running
+child, so the launcher wakes, and stamps an exit, within milliseconds of it while it is idle
+(exits that pile up while it is busy are ordered by their logs, see `failures.py`).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -19,6 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from asyncrl.config import Config
+from asyncrl.launch.failures import Ending, death_order, log_written_at
 from asyncrl.launch.fleet import (
     client_key,
     learner_env,
@@ -43,23 +50,40 @@ class Proc:
     popen: subprocess.Popen
     log_path: Path
     essential_until_end: bool = True  # its exit before the learner finishes is a failure
+    ending: Ending | None = None  # stamped by the first check that sees it ended
 
-    def describe_exit(self) -> str:
+    @property
+    def who(self) -> str:
+        return f"process {self.name}"
+
+    @property
+    def failed(self) -> bool:
+        """Ended with an error, or ended while the run still needed it."""
+        return self.ending is not None and (self.popen.returncode != 0 or self.essential_until_end)
+
+    def maybe_stamp_ending(self, check: int, now: float) -> bool:
+        """Record how and when it ended, if it has ended and no check has seen it yet; whether
+        it did."""
+        if self.ending is not None or self.popen.poll() is None:
+            return False
         rc = self.popen.returncode
         how = (
             f"was killed by signal {signal.Signals(-rc).name}"
             if rc < 0
             else f"exited with code {rc}"
         )
-        return (
-            f"process {self.name} {how}; last lines of {self.log_path}:\n{log_tail(self.log_path)}"
-        )
+        self.ending = Ending(how, now, check, log_written_at(self.log_path))
+        return True
+
+    def last_log_lines(self) -> str:
+        return f"last lines of {self.log_path}:\n{log_tail(self.log_path)}"
 
 
 @dataclass
 class LocalFleet:
     spec: RunSpec
     procs: list[Proc] = field(default_factory=list)
+    checks: int = 0  # how many times every process has been polled
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
         log_path = Path(self.spec.run_dir) / "logs" / f"{name}.log"
@@ -77,11 +101,27 @@ class LocalFleet:
         self.procs.append(proc)
         return proc
 
-    def first_dead(self) -> Proc | None:
-        for p in self.procs:
-            if p.popen.poll() is not None and (p.popen.returncode != 0 or p.essential_until_end):
-                return p
-        return None
+    def failures(self) -> list[Proc]:
+        """One check: poll every child not yet seen ended, again while a pass finds a new exit
+        (so exits that happen while the check runs are tied, not ordered by poll order)."""
+        self.checks += 1
+        now = time.monotonic()
+        found_one = True
+        while found_one:
+            found_one = False
+            for p in self.procs:
+                found_one |= p.maybe_stamp_ending(self.checks, now)
+        return death_order([p for p in self.procs if p.failed])
+
+    def wait(self, timeout_s: float) -> bool:
+        """Sleep on the pidfds of the children no check has seen ended (a pidfd is readable
+        once its child has ended)."""
+        unseen = [p for p in self.procs if p.ending is None]
+        if not unseen:
+            return False
+        if all(p.popen.returncode is None for p in unseen):  # none reaped: their pids are theirs
+            _wait_any([p.popen.pid for p in unseen], timeout_s)
+        return True
 
     def learners_finished(self) -> bool:
         learners = [p for p in self.procs if p.name.startswith("learner_")]
@@ -99,6 +139,25 @@ class LocalFleet:
         for p in self.procs:
             _signal_group(p.popen, signal.SIGKILL)  # also reaps stray grandchildren
             p.popen.wait()
+
+
+def _wait_any(pids: list[int], timeout_s: float) -> None:
+    """Until one of these children ends or `timeout_s` passes (a plain sleep where pidfds are
+    not available: Linux before 5.3, other systems)."""
+    fds: list[int] = []
+    try:
+        poller = select.poll()
+        for pid in pids:
+            fds.append(os.pidfd_open(pid))
+            poller.register(fds[-1], select.POLLIN)
+    except (AttributeError, OSError):
+        time.sleep(timeout_s)
+        return
+    else:
+        poller.poll(max(0, round(timeout_s * 1000)))
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _signal_group(popen: subprocess.Popen, sig: int) -> None:

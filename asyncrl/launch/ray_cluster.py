@@ -23,6 +23,12 @@ replay's actor picks a free port on its node, learner rank 0's actor picks the F
 and weight-sync ports on its node, and the launcher builds the `RunSpec` from them and hands
 it, with the config, to every actor by value (a run directory need not be shared for that).
 
+Failures: as under the local launcher (`asyncrl.launch.failures`), the first member to die
+is named and the deaths after it are listed, in the order Ray reports them: a check stamps
+each run that has returned or failed (an actor's death fails its run), and `RayFleet.wait`
+wakes on the first such report (`ray.wait`), so the times are those of Ray's reports, which
+can trail the deaths themselves.
+
 Stopping (at the end, on Ctrl-C, on a failure): SIGTERM to each running actor's process (by a
 zero-CPU task pinned to its node), so roles stop as they do locally and write their stats;
 after a grace period `ray.kill` for every actor (no interpreter teardown, see
@@ -51,6 +57,7 @@ from ray.util.scheduling_strategies import (
 )
 
 from asyncrl.config import Config, RayLaunchConfig
+from asyncrl.launch.failures import Ending, death_order, log_written_at
 from asyncrl.launch.fleet import (
     LaunchError,
     client_key,
@@ -118,6 +125,7 @@ class RayMember:
     running: Any = None  # ObjectRef of the role's run, once started
     exit_code: int | None = None  # the role's code once it returned
     died: str | None = None  # why the actor or its call failed, if it did
+    ending: Ending | None = None  # stamped by the check that saw its run return or fail
 
     @property
     def name(self) -> str:
@@ -134,23 +142,34 @@ class RayMember:
     def ended(self) -> bool:
         return self.exit_code is not None or self.died is not None
 
-    def settle(self) -> None:
-        """Record how the role ended, once its run has returned or failed."""
+    @property
+    def failed(self) -> bool:
+        """Ended with an error, or ended while the run still needed it."""
+        return self.ended and (self.exit_code != 0 or self.essential_until_end)
+
+    @property
+    def who(self) -> str:
+        node = f"node {self.where.node_ip}, pid {self.where.pid}" if self.where else "not placed"
+        return f"Ray actor {self.name} ({node})"
+
+    def settle(self, check: int, now: float) -> None:
+        """Record how the role ended, once its run has returned or failed, and when (as Ray
+        reported it to this check)."""
         try:
             self.exit_code = ray.get(self.running)
         except RayError as e:
             self.died = ray_reason(e)
-
-    def describe_exit(self) -> str:
-        node = f"node {self.where.node_ip}, pid {self.where.pid}" if self.where else "not placed"
         how = f"died: {self.died}" if self.died else f"exited with code {self.exit_code}"
+        self.ending = Ending(how, now, check, log_written_at(self.log_path))
+
+    def last_log_lines(self) -> str:
         tail = log_tail(self.log_path)
         if not tail and self.died is None:  # a log on another node: ask the live actor
             with contextlib.suppress(RayError):
                 tail = ray.get(self.actor.log_tail.remote(), timeout=10)
         if not tail:
-            return f"Ray actor {self.name} ({node}) {how}; its log is {self.log_path} there"
-        return f"Ray actor {self.name} ({node}) {how}; last lines of {self.log_path}:\n{tail}"
+            return f"its log is {self.log_path} on its node"
+        return f"last lines of {self.log_path}:\n{tail}"
 
 
 def ray_reason(e: RayError) -> str:
@@ -169,25 +188,34 @@ class RayFleet:
     members: list[RayMember] = field(default_factory=list)
     placement_groups: list[PlacementGroup] = field(default_factory=list)
     stopped: bool = False
+    checks: int = 0  # how many times every member's run has been polled
 
     def member(self, name: str) -> RayMember:
         return next(m for m in self.members if m.name == name)
 
     def _poll(self) -> None:
+        """One check: stamp every member whose run has returned or failed since the last."""
+        self.checks += 1
+        now = time.monotonic()
         running = [m for m in self.members if m.running is not None and not m.ended]
         if running:
             refs = [m.running for m in running]
             ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
             for m in running:
                 if m.running in ready:
-                    m.settle()
+                    m.settle(self.checks, now)
 
-    def first_dead(self) -> RayMember | None:
+    def failures(self) -> list[RayMember]:
         self._poll()
-        for m in self.members:
-            if m.ended and (m.exit_code != 0 or m.essential_until_end):
-                return m
-        return None
+        return death_order([m for m in self.members if m.failed])
+
+    def wait(self, timeout_s: float) -> bool:
+        """Until Ray reports a run returned or failed (an actor's death included)."""
+        running = [m.running for m in self.members if m.running is not None and not m.ended]
+        if not running:
+            return False
+        ray.wait(running, num_returns=1, timeout=timeout_s)
+        return True
 
     def learners_finished(self) -> bool:
         self._poll()

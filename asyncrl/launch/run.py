@@ -1,16 +1,18 @@
-"""`launch` and `serve`: prepare a run, start the fleets with the configured backend, watch
-them, and stop everything at the end, on Ctrl-C, or as soon as any process dies (naming it and
-why). Both backends hand back a `Fleet` (`fleet.py`) and run the same role functions
-(`worker.run_process`), so the data plane (ZeroMQ, torch.distributed) does not depend on the
-backend.
+"""`launch` and `serve`: check the run's data, prepare a run, start the fleets with the
+configured backend, watch them, and stop everything at the end, on Ctrl-C, or as soon as any
+process dies (naming the first to die, why, and the deaths that followed it). Both backends
+hand back a `Fleet` (`fleet.py`) and run the same role functions (`worker.run_process`), so the
+data plane (ZeroMQ, torch.distributed) does not depend on the backend.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.config import Config
+from asyncrl.data_check import check_data, check_files, check_rewards
 from asyncrl.launch.fleet import Fleet, LaunchError, prepare_model, prepare_run_dir, watch
 from asyncrl.launch.local import start_local_fleets
 from asyncrl.launch.progress import Progress
@@ -34,9 +36,28 @@ def start_fleets(cfg: Config, run_dir: Path, model_path: str, with_learner: bool
     return start_local_fleets(cfg, run_dir, model_path, with_learner)
 
 
+def reward_sources() -> list[str]:
+    """The data sources with a registered reward function (built-ins and entry points)."""
+    from rollout_servers.rewards import REWARD_FNS
+
+    return REWARD_FNS.names()
+
+
+def check_run_data(cfg: Config) -> None:
+    """The run's datasets and their reward functions, checked before anything is created or
+    started (`asyncrl.data_check`); DataError names the key, file and row or column."""
+    check_data(cfg, reward_sources())
+
+
+def check_eval_data(files: Sequence[str], cfg: Config) -> None:
+    """`asyncrl eval --data FILE ...`: the same checks on the files to evaluate."""
+    check_rewards(check_files("--data", files), reward_sources(), cfg.reward.custom.path)
+
+
 def serve(cfg: Config, command: str = "asyncrl serve") -> tuple[Fleet, Path]:
     """Start the replay and the rollout servers only, on trainer.model_path (any checkpoint
     directory) or the embedded model; the caller stops the fleet."""
+    check_run_data(cfg)
     run_dir = prepare_run_dir(cfg, command)
     model_path = prepare_model(cfg)
     fleet = start_fleets(cfg, run_dir, model_path, with_learner=False)
@@ -46,6 +67,7 @@ def serve(cfg: Config, command: str = "asyncrl serve") -> tuple[Fleet, Path]:
 def launch(cfg: Config, command: str = "asyncrl launch") -> Path:
     """Run one training job end to end; returns the run directory."""
     started = time.monotonic()
+    check_run_data(cfg)
     run_dir = prepare_run_dir(cfg, command)
     print(f"asyncrl: run directory {run_dir}", flush=True)
     model_path = prepare_model(cfg)
