@@ -3,7 +3,8 @@
 The sync group is a torch.distributed process group of its own: rank 0 is learner rank 0 and
 rank i+1 is rollout server i (gloo on CPU, NCCL on CUDA). It is built from its own TCPStore
 rather than `init_process_group`, because learner ranks already have a default group (the FSDP
-one) and a process can hold only one default group.
+one) and a process can hold only one default group. Its store and its gloo/NCCL sockets listen
+on the sync host only (`asyncrl.binds`).
 
 One sync, every collective in this order:
   1. a header, int64 [version, num_params, layout_hash, bucket_bytes]; version -1 means shutdown;
@@ -26,6 +27,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+
+from asyncrl.binds import bind_collectives_to, setup_store
 
 log = logging.getLogger("asyncrl.weight_sync")
 
@@ -108,7 +111,8 @@ class SyncGroup:
     ):
         timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.device = rank, world_size, device
-        self._store = dist.TCPStore(host, port, world_size, is_master=rank == 0, timeout=timeout)
+        bind_collectives_to(host)
+        self._store = setup_store(host, port, world_size, rank == 0, timeout)
         if device.type == "cuda":
             self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size)
         else:

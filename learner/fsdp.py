@@ -18,12 +18,16 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
+from asyncrl.binds import bind_collectives_to, setup_store
 from asyncrl.weight_sync import ParamSpec
 
 
 def setup_distributed(device_kind: str, timeout_s: float = 3600.0) -> tuple[int, int, torch.device]:
     """Join the learner's default process group from torchrun-style env vars: NCCL on CUDA,
-    gloo on CPU. Returns (rank, world_size, device)."""
+    gloo on CPU. Returns (rank, world_size, device).
+
+    Its store (hosted by rank 0) and its gloo/NCCL sockets listen on MASTER_ADDR only (the
+    run's `launch.host`, loopback by default; `asyncrl.binds`), not on every interface."""
     use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
     if device_kind == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("learner.device=cuda but CUDA is not available")
@@ -34,11 +38,12 @@ def setup_distributed(device_kind: str, timeout_s: float = 3600.0) -> tuple[int,
         device = torch.device("cuda", local)
     else:
         device = torch.device("cpu")
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    timeout = timedelta(seconds=timeout_s)
+    bind_collectives_to(host)
+    store = setup_store(host, port, world, rank == 0, timeout)
     dist.init_process_group(
-        "nccl" if use_cuda else "gloo",
-        rank=rank,
-        world_size=world,
-        timeout=timedelta(seconds=timeout_s),
+        "nccl" if use_cuda else "gloo", store=store, rank=rank, world_size=world, timeout=timeout
     )
     return rank, world, device
 

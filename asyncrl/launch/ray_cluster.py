@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import ray
+from ray._private import ray_constants
 from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import (
@@ -257,14 +258,15 @@ def _signal(where: list[Location], sig: int, timeout_s: float) -> None:
         ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
 
 
-def connect(rc: RayLaunchConfig, reserved: dict[str, float]) -> bool:
+def connect(rc: RayLaunchConfig, reserved: dict[str, float], loopback: bool) -> bool:
     """Connect to launch.ray.address, or start a local cluster with at least as many logical
-    CPUs as the fleet reserves. Returns whether this call made the connection (and so must
-    close it); an already connected process keeps its connection."""
+    CPUs as the fleet reserves (listening on loopback only when `loopback`). Returns whether
+    this call made the connection (and so must close it); an already connected process keeps
+    its connection."""
     if ray.is_initialized():
         return False
     with _sigterm_kept():
-        _init(rc, reserved)
+        _init(rc, reserved, loopback)
     return True
 
 
@@ -286,7 +288,37 @@ def _sigterm_kept():
         signal.signal(signal.SIGTERM, previous)
 
 
-def _init(rc: RayLaunchConfig, reserved: dict[str, float]) -> None:
+@contextlib.contextmanager
+def _loopback_node(loopback: bool):
+    """While a local cluster starts: give its node the address 127.0.0.1. Ray binds its GCS,
+    raylet (node and object manager), runtime-env agent and every worker's gRPC server to
+    loopback only when the node's address is 127.0.0.1, and picks that address only where it
+    thinks it cannot cluster: RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read when Ray is imported
+    (the processes the cluster starts get it from the environment; this one, which imported
+    Ray already, gets the constant set). Both are restored afterwards."""
+    if not loopback:
+        yield
+        return
+    var = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+    saved_env, saved = os.environ.get(var), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[var], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved
+        if saved_env is None:
+            os.environ.pop(var, None)
+        else:
+            os.environ[var] = saved_env
+    if (ip := ray.util.get_node_ip_address()) != "127.0.0.1":  # a Ray that decides otherwise
+        ray.shutdown()
+        raise LaunchError(
+            f"the local Ray cluster took the address {ip}, not loopback: its servers would "
+            "listen beyond this machine (launch.allow_remote=true allows that)"
+        )
+
+
+def _init(rc: RayLaunchConfig, reserved: dict[str, float], loopback: bool) -> None:
     quiet = logging.WARNING  # the actors' output is in run_dir/logs, not on the driver
     if rc.address is not None:
         try:
@@ -301,15 +333,16 @@ def _init(rc: RayLaunchConfig, reserved: dict[str, float]) -> None:
         print(f"asyncrl: connected to the Ray cluster at {rc.address}", flush=True)
         return
     num_cpus = max(os.cpu_count() or 1, math.ceil(reserved["CPU"]))
-    ray.init(
-        address="local",  # a new cluster even if one runs here already
-        num_cpus=num_cpus,
-        include_dashboard=False,
-        object_store_memory=128 << 20,  # nothing large goes through Ray
-        namespace=rc.namespace,
-        log_to_driver=False,
-        logging_level=quiet,
-    )
+    with _loopback_node(loopback):
+        ray.init(
+            address="local",  # a new cluster even if one runs here already
+            num_cpus=num_cpus,
+            include_dashboard=False,
+            object_store_memory=128 << 20,  # nothing large goes through Ray
+            namespace=rc.namespace,
+            log_to_driver=False,
+            logging_level=quiet,
+        )
     gpus = ray.cluster_resources().get("GPU", 0)
     print(f"asyncrl: started a local Ray cluster ({num_cpus} CPUs, {gpus:g} GPUs)", flush=True)
     if reserved["GPU"] > gpus:
@@ -332,7 +365,8 @@ def start_ray_fleets(
         learner_master_port=0,
         threads=1,
     )
-    fleet = RayFleet(spec, owns_connection=connect(cfg.launch.ray, _reserved(seats)))
+    owns = connect(cfg.launch.ray, _reserved(seats), loopback=not cfg.launch.allow_remote)
+    fleet = RayFleet(spec, owns_connection=owns)
     try:
         slots = place(fleet, seats, cfg)
         for seat in seats:
