@@ -39,7 +39,7 @@ from replay_fuzz.campaign import setup_scratch  # noqa: E402
 def _progress(report: Report) -> None:
     rate = report.sent / max(report.seconds, 1e-9)
     print(
-        f"[{report.sent:>8,} sent] {rate:7,.0f} msg/s  crashes {report.crash_count} "
+        f"[{report.fuzzed:>8,} fuzzed] {rate:7,.0f} msg/s  crashes {report.crash_count} "
         f"({len(report.crashes)} kinds)  restarts {report.restarts}  "
         f"unanswered {len(report.unanswered)}  replay RSS {report.rss_end_mb:.1f} MB",
         flush=True,
@@ -77,14 +77,17 @@ def print_report(report: Report, out: Path | None) -> None:
     print(f"skipped (would write outside the scratch directory): {report.skipped_unsafe}")
     print(f"accounting: {'ok' if not report.accounting else '; '.join(report.accounting)}")
     print(f"round trip: {report.round_trip}")
+    warm = report.rss_warm_mb
+    after_warm = f", {report.rss_end_mb - warm:+.1f} MB after the first tenth" if warm else ""
     print(
-        f"replay RSS: {report.rss_start_mb:.1f} MB at start, {report.rss_end_mb:.1f} MB at the "
-        f"end (growth {report.rss_growth_mb:+.1f} MB, bound {report.max_rss_growth_mb:g}), "
-        f"peak {report.rss_peak_mb:.1f} MB"
+        f"replay RSS: {report.rss_start_mb:.1f} MB at start, {warm:.1f} MB after a tenth of the "
+        f"messages, {report.rss_end_mb:.1f} MB at the end: growth {report.rss_growth_mb:+.1f} MB "
+        f"(bound {report.max_rss_growth_mb:g}){after_warm}; peak {report.rss_peak_mb:.1f} MB"
     )
     rate = report.sent / max(report.seconds, 1e-9)
     print(
-        f"{report.sent:,} messages in {report.seconds:.1f} s ({rate:,.0f} msg/s); "
+        f"{report.fuzzed:,} fuzz messages ({report.sent:,} in all) in {report.seconds:.1f} s "
+        f"({rate:,.0f} msg/s); "
         f"scratch: {report.workdir}"
     )
     print("RESULT:", "PASS" if report.ok else "FAIL")

@@ -25,7 +25,7 @@ def test_fuzzed_messages_never_crash_the_replay(replay_fuzz, tmp_path):
     )
     report = replay_fuzz.run_campaign(cfg)
     summary = report.summary()  # (plain booleans below: pytest would print the whole report)
-    crashed, sent = bool(report.crashes), report.sent
+    crashed, sent = bool(report.crashes), report.fuzzed
     unanswered, accounting = len(report.unanswered), report.accounting
     assert not crashed, summary
     assert sent >= MESSAGES, summary

@@ -88,3 +88,5 @@ def test_accounting_adds_up_with_and_without_a_handled_counter(replay_fuzz):
     assert check(later, sent=10, replies={}) == ["1 handler errors (crashes)"]
     later["handler_errors"] = 0.0
     assert check(later, sent=10, replies={}) == []  # the reading StatsRequest: not yet handled
+    later["received"] = 9.0
+    assert check(later, sent=10, replies={}) == []  # ... or not yet received

@@ -24,21 +24,22 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl import protocol as P
-from asyncrl.codec import encode
 from asyncrl.config import Config
 
+from .auth_hooks import setup_auth
 from .cases import Case, generate_case, writes_outside
 from .checks import check_accounting, round_trip
-from .clients import Clients, Frames, Hook, digest, identity_hook
+from .clients import Clients, Hook, digest, identity_hook
 from .examples import Context
 from .process import ROOT, ReplayProcess
 
 
 def default_replay_config() -> dict[str, Any]:
     """Small groups and batches, short waits and leases (held requests answer fast, leases the
-    fuzzing abandoned expire), a small message limit (oversized messages are cheap to make)."""
+    fuzzing abandoned expire), a small message limit (oversized messages are cheap to make), a
+    few servers (one kept for the round trip)."""
     return {
-        "rollout": {"n": 2},
+        "rollout": {"n": 2, "num_servers": 8},
         "data": {"train_batch_size": 2},
         "replay": {
             "max_staleness": 1,
@@ -52,7 +53,7 @@ def default_replay_config() -> dict[str, Any]:
 
 @dataclass
 class CampaignConfig:
-    messages: int = 4000  # messages to send (a case sends one or a few)
+    messages: int = 4000  # fuzz messages to send (a case sends one or a few)
     seed: int = 0
     workdir: Path | None = None  # scratch directory (default: a new temporary one)
     replay: dict[str, Any] = field(default_factory=default_replay_config)  # the replay's Config
@@ -62,8 +63,10 @@ class CampaignConfig:
     max_crashes: int | None = None  # stop after this many (None: restart and go on)
     survive: bool = False  # record handler exceptions and go on in the same process
     max_rss_growth_mb: float = 50.0
-    prepare: Hook = identity_hook  # applied to every message before it is sent
-    unwrap: Hook = identity_hook  # applied to every answer before it is decoded
+    # hooks (None: `auth_hooks.setup_auth`: signing when the replay authenticates, else none)
+    prepare: Hook | None = None  # applied to every message of the campaign's own
+    fuzz_prepare: Hook | None = None  # applied to every fuzz message (default: `prepare`)
+    unwrap: Hook | None = None  # applied to every answer before it is decoded
     env: dict[str, str] | None = None  # extra environment of the replay process
     progress: Callable[[Report], None] | None = None
     progress_every: int = 5000  # messages between two progress calls
@@ -84,7 +87,8 @@ class Crash:
 
 @dataclass
 class Report:
-    sent: int = 0
+    fuzzed: int = 0  # messages of cases sent
+    sent: int = 0  # every message sent (the campaign's own stats and round trip included)
     answered: int = 0
     unanswered: list[Any] = field(default_factory=list)  # (case, description) written off
     lost_in_crashes: int = 0  # unanswered when the process died
@@ -97,6 +101,7 @@ class Report:
     accounting: list[str] = field(default_factory=list)  # problems; empty: all accounted for
     round_trip: str = "not run"
     rss_start_mb: float = 0.0  # the last process, once it answered its first message
+    rss_warm_mb: float = 0.0  # ... after a tenth of the messages (allocator and caches warm)
     rss_end_mb: float = 0.0
     rss_peak_mb: float = 0.0
     seconds: float = 0.0
@@ -141,10 +146,6 @@ class Report:
         )
 
 
-def frames_of(msg: Any) -> Frames:
-    return [bytes(f) for f in encode(msg)]
-
-
 def crash_kind(entry: dict[str, Any]) -> str:
     """`Type at file:line (function)`, the innermost frame in this checkout outside the fuzzer."""
     frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)', entry["traceback"])
@@ -179,15 +180,22 @@ class _Campaign:
             n=replay.rollout.n,
             batch_groups=replay.data.train_batch_size,
             capacity_groups=replay.replay.capacity_groups,
+            servers=replay.rollout.num_servers,
         )
         self.wait_s = replay.replay.wait_timeout_s  # the longest a request is held
         self.ask_timeout_s = self.wait_s + 10.0
-        self.process = ReplayProcess(cfg.replay, self.scratch, cfg.survive, cfg.env)
+        sign, forge, unwrap, auth_env = setup_auth(cfg.seed)
+        if cfg.prepare is not None:  # the caller's own hooks
+            sign, forge, unwrap, auth_env = cfg.prepare, cfg.prepare, identity_hook, {}
+        self.hooks = (sign, cfg.fuzz_prepare or forge, cfg.unwrap or unwrap)
+        env = {**auth_env, **(cfg.env or {})}
+        self.process = ReplayProcess(cfg.replay, self.scratch, cfg.survive, env)
         self.clients: Clients | None = None
         self.rng = random.Random(f"{cfg.seed}/sockets")
         self.recent: OrderedDict[bytes, tuple[int, str]] = OrderedDict()  # digest -> case
         self.stopped = False  # max_crashes reached
         self.reported_since_start = 0  # crash reports of the current process
+        self._probes = 0
 
     # ---- the replay process -------------------------------------------------------------------
     def start(self) -> None:
@@ -198,16 +206,20 @@ class _Campaign:
             self.cfg.identities,
             self.cfg.window,
             self.cfg.answer_timeout_s,
-            self.cfg.prepare,
-            self.cfg.unwrap,
+            *self.hooks,
             self._on_reply,
         )
         self.ctx.forget_replay()
         self.reported_since_start = 0
-        first = self.clients.ask(frames_of(P.StatsRequest(request_id=0)), timeout_s=120)
+        first = self.clients.ask(self._stats_request(), timeout_s=120)
         if not isinstance(first, P.Stats):
             raise RuntimeError(f"the replay did not answer: {self.process.log_tail()}")
         self.report.rss_start_mb = self.process.rss_mb()
+        self.report.rss_warm_mb = 0.0
+
+    def _stats_request(self) -> P.StatsRequest:
+        self._probes += 1  # a fresh request id: a late answer to an earlier one is not taken
+        return P.StatsRequest(request_id=1_000_000 + self._probes)
 
     def _on_reply(self, msg: Any) -> None:
         if isinstance(msg, P.LeaseGrant):
@@ -224,7 +236,7 @@ class _Campaign:
         if code is None:
             if not self.clients.write_off():
                 return True
-            probe = self.clients.ask(frames_of(P.StatsRequest(request_id=0)), timeout_s=10)
+            probe = self.clients.ask(self._stats_request(), timeout_s=10)
             if isinstance(probe, P.Stats):
                 return True
             self._record(_plain_crash("Hang", "no answer to a StatsRequest within 10 s"))
@@ -273,6 +285,7 @@ class _Campaign:
             if not self._room():
                 return  # a fresh replay (or none): the rest of this case would mean nothing
             key = self.clients.send(frames, (case.index, case.description), self.rng)
+            self.report.fuzzed += 1
             self.recent[key] = (case.index, case.description)
             if len(self.recent) > 4096:
                 self.recent.popitem(last=False)
@@ -304,7 +317,7 @@ class _Campaign:
         self.start()
         next_progress = self.cfg.progress_every
         for index, case in enumerate(self.generated() if cases is None else cases, 1):
-            if self.total_sent() >= self.cfg.messages:
+            if self.report.fuzzed >= self.cfg.messages:
                 break
             self.report.families[case.family] += 1
             self.send_case(case)
@@ -312,7 +325,9 @@ class _Campaign:
                 break
             if index % 50 == 0 and self.healthy() and self.rng.random() < 0.2:
                 self.clients.recycle(self.rng)
-            if self.cfg.progress and self.total_sent() >= next_progress:
+            if not self.report.rss_warm_mb and self.report.fuzzed >= self.cfg.messages // 10:
+                self.report.rss_warm_mb = self.process.rss_mb()
+            if self.cfg.progress and self.report.fuzzed >= next_progress:
                 next_progress += self.cfg.progress_every
                 self.report.seconds = time.monotonic() - started
                 self.cfg.progress(self._snapshot())
@@ -333,17 +348,20 @@ class _Campaign:
     # ---- the end ----------------------------------------------------------------------------
     def finish(self) -> None:
         """Every answer, a round trip, the counters, the accounting, the memory; then stop."""
-        self.clients.drain(quiet_s=self.wait_s + 1.0, timeout_s=self.cfg.answer_timeout_s + 10)
+        self.clients.drain(quiet_s=self.cfg.answer_timeout_s, timeout_s=300)
         self.healthy()
         if self.stopped:
             return
         self.clients.write_off(older_than_s=0.0)
 
         def ask(msg: Any) -> Any:
-            return self.clients.ask(frames_of(msg), self.ask_timeout_s)
+            return self.clients.ask(msg, self.ask_timeout_s)
 
-        self.report.round_trip = round_trip(ask, self.ctx.batch_groups, self.ctx.capacity_groups)
-        stats = ask(P.StatsRequest(request_id=0))
+        ctx = self.ctx
+        self.report.round_trip = round_trip(
+            ask, ctx.batch_groups, ctx.capacity_groups, server_id=ctx.servers - 1
+        )
+        stats = ask(self._stats_request())
         if isinstance(stats, P.Stats):
             self.report.counters = stats.counters
             self.report.replies = Counter(self.clients.replies)

@@ -1,22 +1,28 @@
 """The replay under test, in a process of its own, so that a crash is a crash.
 
-    python child.py CONFIG_JSON ADDRESS REPORT_PATH [--survive]
+    python child.py CONFIG_JSON ADDRESS REPORT_PATH --run-dir DIR [--survive]
 
 It runs the real `ReplayService` until SIGTERM. The only addition is a recorder around its
-message handler: when an exception escapes the handling of a message, the exception, its
+message handling: when an exception escapes the handling of a message, the exception, its
 traceback and the message's frames are appended to REPORT_PATH (a MessagePack stream) before
 the exception goes on and ends the process (exit 3): the fuzzer reports it with the exact
 message that caused it. An exception that escapes the loop elsewhere is reported with the last
 messages handled. With --survive the exception is recorded and the loop goes on: a way to find
 every kind of crash in one run, never what an acceptance run uses.
 
+A replay that contains handler exceptions itself (it counts them as `handler_errors` and goes
+on) is recorded the same way, one level down (`_dispatch`), and left to go on.
+
 Run as a script (the fuzzer puts the checkout first on PYTHONPATH): it imports only the core
-and the replay, never the fuzzer package.
+and the replay, never the fuzzer package. A replay that authenticates takes the run secret
+from the environment (`ASYNCRL_RUN_SECRET`) and writes checkpoints only inside --run-dir.
 """
 
 from __future__ import annotations
 
+import argparse
 import collections
+import inspect
 import json
 import logging
 import os
@@ -39,10 +45,17 @@ MAX_FRAME_KEPT = 1 << 20  # bytes of each frame kept in a report
 class RecordingReplay(ReplayService):
     """The replay, with every exception that escapes a message's handling written down."""
 
-    def __init__(self, cfg: Config, address: str, report_path: str, survive: bool) -> None:
-        super().__init__(cfg, address, setup_prompt_source(cfg))
-        self.report_path = report_path
-        self.survive = survive
+    def __init__(self, cfg: Config, address: str, args: argparse.Namespace) -> None:
+        wants = inspect.signature(ReplayService.__init__).parameters
+        extra: dict[str, Any] = {}
+        if "secret" in wants:  # a replay that authenticates every message
+            from asyncrl.auth import secret_from_env
+
+            extra["secret"] = secret_from_env()
+        if "run_dir" in wants:
+            extra["run_dir"] = args.run_dir
+        super().__init__(cfg, address, setup_prompt_source(cfg), **extra)
+        self.report_path, self.survive = args.report, args.survive
         self.recent: collections.deque[list[Any]] = collections.deque(maxlen=8)
         self.recorded: BaseException | None = None  # the last exception written down
 
@@ -54,6 +67,14 @@ class RecordingReplay(ReplayService):
             self.record("handler", e, [frames])
             if not self.survive:
                 raise
+
+    def _dispatch(self, body: list[Any]) -> Any:
+        """(Called only by a replay that contains handler exceptions in its `_handle`.)"""
+        try:
+            return super()._dispatch(body)  # type: ignore[misc]
+        except Exception as e:
+            self.record("contained", e, [self.recent[-1]])
+            raise
 
     def record(self, where: str, error: BaseException, messages: list[list[Any]]) -> None:
         self.recorded = error
@@ -82,9 +103,16 @@ def _safe_str(error: BaseException) -> str:
 
 
 def main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("config", help="the replay's Config, JSON")
+    parser.add_argument("address")
+    parser.add_argument("report", help="where crash reports are appended")
+    parser.add_argument("--run-dir", required=True)
+    parser.add_argument("--survive", action="store_true")
+    args = parser.parse_args(argv[1:])
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(message)s")
-    cfg = Config.model_validate(json.loads(argv[1]))
-    service = RecordingReplay(cfg, argv[2], argv[3], survive="--survive" in argv)
+    cfg = Config.model_validate(json.loads(args.config))
+    service = RecordingReplay(cfg, args.address, args)
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())

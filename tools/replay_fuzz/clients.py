@@ -9,9 +9,10 @@ written-off message is a finding, the service broke its promise to answer). Answ
 not matched to their messages; a message whose handling the replay reported as raising is
 `forget`-ten at once.
 
-Hooks (for an authenticated protocol): `prepare(frames) -> frames` is applied to every message
-before it is sent (sign it, or fuzz the signature); `unwrap(frames) -> frames` to every answer
-before it is decoded (check and strip the replay's signature).
+Hooks (for an authenticated protocol, see `auth_hooks`): `prepare(frames) -> frames` is applied
+to every message of the campaign's own (sign it), `fuzz_prepare` to every fuzz message (sign it,
+or fuzz the signature), `unwrap(frames) -> frames` to every answer before it is decoded (check
+and strip the replay's signature).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from asyncrl.codec import ProtocolError, decode
+from asyncrl.codec import ProtocolError, decode, encode
 
 Frames = list[bytes]
 Hook = Callable[[Frames], Frames]
@@ -59,11 +60,13 @@ class Clients:
         window: int,
         answer_timeout_s: float,
         prepare: Hook = identity_hook,
+        fuzz_prepare: Hook = identity_hook,
         unwrap: Hook = identity_hook,
         on_reply: Callable[[Any], None] | None = None,
     ) -> None:
         self.address, self.window, self.answer_timeout_s = address, window, answer_timeout_s
-        self.prepare, self.unwrap, self.on_reply = prepare, unwrap, on_reply
+        self.prepare, self.fuzz_prepare, self.unwrap = prepare, fuzz_prepare, unwrap
+        self.on_reply = on_reply
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()
         self.pending: dict[zmq.Socket, deque[tuple[float, Any]]] = {}
@@ -117,7 +120,7 @@ class Clients:
         """Send on a random socket (the caller waits for room in the window first); the digest
         of the frames as sent (`prepare`d: as the replay receives them)."""
         sock = rng.choice(list(self.pending))
-        frames = self.prepare(frames)
+        frames = self.fuzz_prepare(frames)
         sock.send_multipart(frames, copy=sum(len(f) for f in frames) < 65536)
         key = digest(frames)
         self.pending[sock].append((time.monotonic(), key, tag))
@@ -153,7 +156,7 @@ class Clients:
         self.answered += 1
         try:
             msg = decode(self.unwrap(frames))
-        except ProtocolError:
+        except (ProtocolError, IndexError):
             self.replies["undecodable"] += 1
             return
         self.replies[reply_name(msg)] += 1
@@ -181,22 +184,33 @@ class Clients:
                 last = time.monotonic()
             now = time.monotonic()
 
-    def ask(self, msg_frames: Frames, timeout_s: float) -> Any | None:
-        """Send on the control socket and wait for its answer (None: none in time)."""
-        while self.control.poll(0):  # a late answer to an earlier question
-            self._count(self.control.recv_multipart())
-        self.control.send_multipart(self.prepare(msg_frames))
+    def ask(self, msg: Any, timeout_s: float) -> Any | None:
+        """Send `msg` on the control socket and wait for its answer: the reply that carries its
+        request id (or its trajectory id), or an Error. None: none in time. Answers to earlier
+        questions that come late are counted and skipped."""
+        self.control.send_multipart(self.prepare([bytes(f) for f in encode(msg)]))
         self.sent += 1
-        if not self.control.poll(int(timeout_s * 1000)):
-            return None
-        frames = self.control.recv_multipart()
-        self._count(frames)
-        try:
-            return decode(self.unwrap(frames))
-        except ProtocolError:
-            return None
+        deadline = time.monotonic() + timeout_s
+        while self.control.poll(max(0, int((deadline - time.monotonic()) * 1000))):
+            frames = self.control.recv_multipart()
+            self._count(frames)
+            try:
+                reply = decode(self.unwrap(frames))
+            except (ProtocolError, IndexError):
+                continue
+            if _answers(reply, msg):
+                return reply
+        return None
 
     def close(self) -> None:
         for sock in [*self.pending, self.control]:
             sock.close()
         self.ctx.term()
+
+
+def _answers(reply: Any, msg: Any) -> bool:
+    if reply.TYPE == "error":
+        return True
+    if reply.TYPE == "ack" and msg.TYPE == "trajectory":
+        return reply.traj_id == msg.traj_id
+    return getattr(reply, "request_id", None) == getattr(msg, "request_id", None)

@@ -27,6 +27,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 import numpy as np
 
 from asyncrl import protocol as P
+from asyncrl.codec import ProtocolError
 
 MAX_KNOWN = 256  # groups and jobs remembered (oldest forgotten first)
 
@@ -40,6 +41,8 @@ class Context:
     n: int  # rollout.n: samples per training group
     batch_groups: int  # data.train_batch_size: groups per batch
     capacity_groups: int  # replay.capacity_groups
+    servers: int = 8  # rollout.num_servers: valid traffic uses ids 0..servers-2, the round trip
+    # the last one (so that no quota of a server the fuzzing used applies to it)
     version: int = 0  # the last version the fuzzer's valid traffic published
     groups: OrderedDict[str, list[int]] = field(default_factory=OrderedDict)
     """training group id -> [n, next sample index to send], from the LeaseGrants seen"""
@@ -151,11 +154,11 @@ def valid_value(tp: Any, rng: random.Random) -> Any:
         return {valid_value(args[0], rng): valid_value(args[1], rng) for _ in range(3)}
     if is_dataclass(tp):
         return tp(**{k: valid_value(v, rng) for k, v in field_types(tp).items()})
-    simple: dict[Any, Callable[[], Any]] = {
+    simple: dict[Any, Callable[[], Any]] = {  # small, positive, non-empty: inside any bound
         bool: lambda: rng.random() < 0.5,
-        int: lambda: rng.randint(0, 100),
-        float: lambda: rng.choice([0.0, 1.0, -0.5, 3.25]),
-        str: lambda: rng.choice(["", "a", "stop", "user", "x" * 30]),
+        int: lambda: rng.randint(1, 100),
+        float: lambda: rng.choice([0.0, 1.0, 0.5, 3.25]),
+        str: lambda: rng.choice(["a", "stop", "user", "x" * 30]),
     }
     if tp in simple:
         return simple[tp]()
@@ -163,8 +166,30 @@ def valid_value(tp: Any, rng: random.Random) -> Any:
 
 
 def generic_message(cls: type, rng: random.Random) -> Any:
-    """A valid instance of any registered message type, from its annotations."""
-    return cls(**{k: valid_value(tp, rng) for k, tp in field_types(cls).items()})
+    """A valid instance of any registered message type, from its annotations (drawn again, a
+    few times, while the type's own `validate()`, where it has one, refuses it)."""
+    for _ in range(20):
+        msg = cls(**{k: valid_value(tp, rng) for k, tp in field_types(cls).items()})
+        try:
+            getattr(msg, "validate", lambda: None)()
+        except ProtocolError:
+            continue
+        return msg
+    return msg
+
+
+def _eval_results(rng: random.Random, ctx: Context, case: str) -> Any:
+    s = rng.randint(0, 3)
+    return P.EvalResults(
+        request_id=_request_id(rng),
+        job_id=f"job-{case}",
+        expected=s + rng.randint(0, 3),
+        group_ids=[f"job-{case}/g{i}" for i in range(s)],
+        data_sources=["fuzz"] * s,
+        scores=random_array("float32", rng, s),
+        response_lengths=random_array("int32", rng, s),
+        versions=random_array("int32", rng, s),
+    )
 
 
 # ---- the replay's requests, valid and meaningful --------------------------------------------
@@ -202,7 +227,7 @@ def trajectory(
         attempt=0,
         group_id=group_id,
         sample_index=index,
-        server_id=rng.randrange(8),
+        server_id=rng.randrange(ctx.servers - 1),
         prompt_ids=random_array("int32", rng),
         response_ids=random_array("int32", rng, r),
         loss_mask=mask,
@@ -232,7 +257,7 @@ def _request_id(rng: random.Random) -> int:
 def _lease_request(rng: random.Random, ctx: Context, case: str) -> Any:
     return P.LeaseRequest(
         request_id=_request_id(rng),
-        server_id=rng.randrange(8),
+        server_id=rng.randrange(ctx.servers - 1),
         server_version=ctx.version,
         max_groups=rng.randint(0, 4),
         engine_busy_s=rng.uniform(0, 100),
@@ -265,8 +290,12 @@ BUILDERS: dict[type, Callable[[random.Random, Context, str], Any]] = {
     P.CheckpointRequest: lambda rng, ctx, case: P.CheckpointRequest(
         _request_id(rng), str(ctx.run_dir / f"replay-{rng.randrange(4)}.json"), ctx.version
     ),
+    # answers, which the replay must refuse: consistent lengths, as their senders make them
+    P.Batch: lambda rng, ctx, case: P.empty_batch(_request_id(rng)),
+    P.EvalResults: _eval_results,
 }
-"""The replay's requests; `case` names the case (unique job ids are made from it)."""
+"""The replay's requests and the answers whose fields must agree; `case` names the case
+(unique job ids are made from it)."""
 
 
 def valid_message(cls: type, rng: random.Random, ctx: Context, case: str) -> Any:

@@ -13,7 +13,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -56,7 +55,8 @@ class ReplayProcess:
         self.log_path = self.scratch / f"replay-{self.starts}.log"
         self._report_offset = 0
         cmd = [sys.executable, str(CHILD), json.dumps(self.config), self.address]
-        cmd += [str(self.report_path), *(["--survive"] if self.survive else [])]
+        cmd += [str(self.report_path), "--run-dir", str(self.scratch / "run")]
+        cmd += ["--survive"] if self.survive else []
         path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p)
         env = {**os.environ, **self.env, "PYTHONPATH": path}
         with open(self.log_path, "wb") as log:
@@ -118,13 +118,3 @@ class ReplayProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
-
-
-def wait_until(predicate, timeout_s: float, every_s: float = 0.05) -> bool:
-    """Poll `predicate` until it is true or `timeout_s` passes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(every_s)
-    return bool(predicate())
