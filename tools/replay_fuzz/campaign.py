@@ -253,14 +253,14 @@ class _Campaign:
 
     def _record(self, entry: dict[str, Any]) -> None:
         self.reported_since_start += 1
-        kind = crash_kind(entry)
-        if kind in self.report.crashes:
-            self.report.crashes[kind].count += 1
-            return
         message = entry["messages"][-1][1:] if entry["messages"] else []  # less the identity
         key = digest(message)
         if entry.get("where") == "handler" and self.clients is not None:
             self.clients.forget(key)  # its answer will never come (survive mode)
+        kind = crash_kind(entry)
+        if kind in self.report.crashes:
+            self.report.crashes[kind].count += 1
+            return
         case, description = self.recent.get(key, (-1, "unknown"))
         self.report.crashes[kind] = Crash(
             kind, 1, case, description, entry["error"], entry["traceback"], message

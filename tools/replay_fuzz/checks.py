@@ -66,57 +66,43 @@ def round_trip(ask, batch_groups: int, capacity_groups: int, server_id: int) -> 
     `server_id`: a server id the fuzzing did not use.
 
     The learner version is set first to one at which admission lets a server lease a full
-    buffer, whatever the fuzzing did to it. Evaluation prompts left by the fuzzing are leased
-    first (they are not ours), then exactly enough training groups to fill whole batches, each
-    completed as soon as it is granted (an incomplete lease could expire while we wait for room),
-    so that ours are the newest groups and all of them leave in batches."""
+    buffer, whatever the fuzzing did to it. Leases come in grants of 64 while evaluation prompts
+    the fuzzing left are pending (they are leased first, and are not ours), then of exactly what
+    fills a batch. Each group is completed as soon as it is granted (an incomplete lease could
+    expire while we wait), and batches are taken whenever ours could fill one (the buffer holds
+    ready groups until a batch takes them: waiting for more leases could wait for ever)."""
     stats = ask(P.StatsRequest(request_id=1))
     if not isinstance(stats, P.Stats):
         return f"no Stats answer ({stats!r:.200})"
     version = int(stats.counters["groups_issued"]) // batch_groups + capacity_groups + 2
     if not isinstance(ask(P.VersionUpdate(request_id=2, version=version)), P.Ack):
         return "no Ack to the VersionUpdate"
-    ours = _lease_and_complete(ask, version, batch_groups, server_id)
-    if isinstance(ours, str):
-        return ours
-    wanted = set(ours)
-    for k in range(capacity_groups // batch_groups + 10):
-        batch = ask(P.BatchRequest(1000 + k, learner_version=version, num_groups=batch_groups))
-        if not isinstance(batch, P.Batch):
-            return f"batch request {k}: answered {batch!r:.200}"
-        wanted -= set(batch.group_ids)
-        if not wanted:
+    pending: set[str] = set()  # our complete groups, not back yet
+    served, evaluation_left = 0, True
+    for k in range(500):
+        if served and not pending:
             return "ok"
-    return f"{len(wanted)} of our {len(ours)} groups never came back in a batch"
-
-
-def _lease_and_complete(ask, version: int, batch_groups: int, server: int) -> list[str] | str:
-    """Complete training groups, a multiple of `batch_groups` of them; their ids (or what went
-    wrong)."""
-    ours: list[str] = []
-    evaluation_left = True
-    for k in range(300):
-        if evaluation_left:  # every evaluation prompt left pending, in big grants
-            need = 4096
-        elif ours and len(ours) % batch_groups == 0:
-            return ours
-        else:  # then exactly enough to fill whole batches
-            need = batch_groups - len(ours) % batch_groups
-        grant = ask(
-            P.LeaseRequest(10 + k, server_id=server, server_version=version, max_groups=need)
-        )
+        if len(pending) >= batch_groups:
+            batch = ask(P.BatchRequest(1000 + k, learner_version=version, num_groups=batch_groups))
+            if not isinstance(batch, P.Batch):
+                return f"batch request {k}: answered {batch!r:.200}"
+            served += len(pending & set(batch.group_ids))
+            pending -= set(batch.group_ids)
+            continue
+        need = 64 if evaluation_left else batch_groups - len(pending)
+        grant = ask(P.LeaseRequest(10 + k, server_id, server_version=version, max_groups=need))
         if not isinstance(grant, P.LeaseGrant):
             return f"lease request {k}: answered {grant!r:.200}"
-        evaluation_left = evaluation_left and any(p.eval_job for p in grant.prompts)
+        evaluation_left = any(p.eval_job for p in grant.prompts)
         for p in grant.prompts:
             if p.eval_job:
                 continue  # an evaluation prompt: not ours
             for i in range(p.n):
-                ack = ask(_sample(p.group_id, i, version, server))
+                ack = ask(_sample(p.group_id, i, version, server_id))
                 if not (isinstance(ack, P.Ack) and ack.status == "accepted"):
                     return f"sample {i} of {p.group_id}: answered {ack!r:.200}"
-            ours.append(p.group_id)
-    return f"{len(ours)} training groups, not whole batches of {batch_groups}, after 300 leases"
+            pending.add(p.group_id)
+    return f"{served} groups back in batches, {len(pending)} not, after 500 requests"
 
 
 def _sample(group_id: str, index: int, version: int, server: int) -> P.Trajectory:

@@ -39,7 +39,6 @@ from replay.prompts import setup_prompt_source
 from replay.service import ReplayService
 
 EXIT_CRASHED = 3
-MAX_FRAME_KEPT = 1 << 20  # bytes of each frame kept in a report
 
 
 class RecordingReplay(ReplayService):
@@ -84,8 +83,8 @@ class RecordingReplay(ReplayService):
             "error": _safe_str(error)[:2000],
             # the frames only: the error's text can be huge (it may echo the message)
             "traceback": "".join(traceback.format_tb(error.__traceback__))[-20_000:],
-            # each message as received: [identity, *body frames]
-            "messages": [[_frame_bytes(f)[:MAX_FRAME_KEPT] for f in m] for m in messages],
+            # each message as received, whole: [identity, *body frames]
+            "messages": [[_frame_bytes(f) for f in m] for m in messages],
         }
         with open(self.report_path, "ab") as f:
             f.write(msgpack.packb(entry, use_bin_type=True))

@@ -69,7 +69,8 @@ class Clients:
         self.on_reply = on_reply
         self.ctx = zmq.Context()
         self.poller = zmq.Poller()
-        self.pending: dict[zmq.Socket, deque[tuple[float, Any]]] = {}
+        self.pending: dict[zmq.Socket, deque[tuple[float, bytes, Any]]] = {}
+        self.sent_on: dict[bytes, zmq.Socket] = {}  # digest -> socket, of recent messages
         self._made = 0
         self.sent = 0
         self.answered = 0
@@ -124,18 +125,24 @@ class Clients:
         sock.send_multipart(frames, copy=sum(len(f) for f in frames) < 65536)
         key = digest(frames)
         self.pending[sock].append((time.monotonic(), key, tag))
+        self.sent_on[key] = sock
+        if len(self.sent_on) > 8192:
+            del self.sent_on[next(iter(self.sent_on))]
         self.sent += 1
         return key
 
     def forget(self, key: bytes) -> bool:
         """Stop waiting for the answer to the message of digest `key` (the replay reported
-        that handling it raised: no answer will come)."""
-        for queue in self.pending.values():
-            for entry in queue:
-                if entry[1] == key:
-                    queue.remove(entry)
-                    return True
-        return False
+        that handling it raised: no answer will come). Answers are counted, not matched: if
+        that message's entry already went to a later message's answer, the oldest entry of
+        its socket goes instead."""
+        sock = self.sent_on.get(key)
+        queue = self.pending.get(sock) if sock is not None else None
+        if not queue:
+            return False
+        entry = next((e for e in queue if e[1] == key), queue[0])
+        queue.remove(entry)
+        return True
 
     def collect(self, timeout_s: float = 0.0) -> int:
         """Take every answer that arrives within `timeout_s` (at least those ready now)."""
