@@ -11,7 +11,7 @@ import pytest
 
 pytestmark = pytest.mark.integration
 
-MESSAGES = 4000
+MESSAGES = 5000
 MAX_RSS_GROWTH_MB = 50.0
 
 
