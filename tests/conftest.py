@@ -1,0 +1,30 @@
+"""Fixtures shared by every tier."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def replay_fuzz() -> Iterator[ModuleType]:
+    """The message fuzzer of the replay (tools/replay_fuzz/), imported from its path as
+    tools/simulate.py's tests do: tools/ is not a package of the project."""
+    init = ROOT / "tools" / "replay_fuzz" / "__init__.py"
+    spec = importlib.util.spec_from_file_location(
+        "replay_fuzz", init, submodule_search_locations=[str(init.parent)]
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["replay_fuzz"] = module  # its modules import each other through the package
+    spec.loader.exec_module(module)
+    yield module
+    for name in [n for n in sys.modules if n == "replay_fuzz" or n.startswith("replay_fuzz.")]:
+        sys.modules.pop(name)

@@ -1,0 +1,105 @@
+"""Signing what the fuzzer sends, for a replay that authenticates every message.
+
+When the checkout has `asyncrl.auth` (an HMAC authentication frame before every message, one
+key per role), a campaign makes a run secret, gives it to the replay process, and uses:
+
+- `sign` for its own traffic (the stats it reads, the round trip): each message signed with the
+  key of a role allowed to send its type (`replay.access.PERMISSIONS` where it exists);
+- `sign_or_forge` for fuzz traffic: signed the same way, so that mutated messages get past the
+  authentication to the decoder and the handlers, except one in ten, whose authentication
+  frame is itself hostile (missing, empty, garbage, too long, an unknown role, a role not
+  allowed to send the type, a signature over other frames, a flipped bit);
+- `unwrap` on every answer: checks and strips the replay's authentication frame (empty on the
+  unsigned `Error` an unauthenticated peer gets).
+
+Without `asyncrl.auth` every hook is the identity and no secret is made.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+import asyncrl
+from asyncrl.codec import ProtocolError, registered_types
+
+from .clients import Frames, Hook, identity_hook
+
+FORGERIES = ["none", "empty", "garbage", "long", "unknown role", "wrong role", "other", "flip"]
+
+
+class Signer:
+    """Role keys of one run secret, and the hooks that use them (see the module docstring)."""
+
+    def __init__(self, secret: bytes, rng: random.Random) -> None:
+        from asyncrl import auth
+
+        self.keys = {role: auth.role_key(secret, role) for role in auth.ROLES}
+        self.rng = rng
+        try:
+            from replay.access import PERMISSIONS
+        except ImportError:  # no table of who may send what: any role for any type
+            PERMISSIONS = {}  # noqa: N806
+        self.permissions: dict[str, Any] = PERMISSIONS
+        self.forgeries: dict[str, int] = dict.fromkeys(FORGERIES, 0)
+
+    def _roles(self, frames: Frames) -> tuple[list[str], list[str]]:
+        """(roles allowed to send this message's type, the others)."""
+        try:
+            cls = registered_types().get(msgpack.unpackb(frames[0])["type"])
+        except Exception:  # a header mutated past reading: any role will do
+            cls = None
+        allowed = [r for r in self.keys if cls in self.permissions.get(r, ())]
+        return allowed or sorted(self.keys), [r for r in self.keys if r not in allowed]
+
+    def _signed(self, frames: Frames, role: str) -> Frames:
+        return [self.keys[role].sign(frames), *frames]
+
+    def sign(self, frames: Frames) -> Frames:
+        return self._signed(frames, self.rng.choice(self._roles(frames)[0]))
+
+    def sign_or_forge(self, frames: Frames) -> Frames:
+        if self.rng.random() >= 0.1:
+            return self.sign(frames)
+        allowed, others = self._roles(frames)
+        kind = self.rng.choice(FORGERIES)
+        self.forgeries[kind] += 1
+        mac = self.keys[allowed[0]].sign(frames)
+        forged: dict[str, Callable[[], Frames]] = {
+            "none": lambda: frames,
+            "empty": lambda: [b"", *frames],
+            "garbage": lambda: [self.rng.randbytes(self.rng.randint(1, 64)), *frames],
+            "long": lambda: [mac + bytes(64), *frames],
+            "unknown role": lambda: [b"root:" + mac.partition(b":")[2], *frames],
+            "wrong role": lambda: self._signed(frames, self.rng.choice(others or allowed)),
+            "other": lambda: [self.keys[allowed[0]].sign([*frames, b"x"]), *frames],
+            "flip": lambda: [mac[:-1] + bytes([mac[-1] ^ 1]), *frames],
+        }
+        return forged[kind]()
+
+    def unwrap(self, frames: Frames) -> Frames:
+        """An answer without its authentication frame; ProtocolError if that frame is wrong."""
+        auth_frame, rest = frames[0], frames[1:]
+        if auth_frame:  # empty: the unsigned Error of a peer that could not be authenticated
+            role = auth_frame.partition(b":")[0].decode("ascii", "replace")
+            if role not in self.keys or auth_frame != self.keys[role].sign(rest):
+                raise ProtocolError(f"an answer with a bad authentication frame (role {role!r})")
+        return rest
+
+
+def setup_auth(seed: int) -> tuple[Hook, Hook, Hook, dict[str, str]]:
+    """(prepare for the campaign's own messages, prepare for fuzz messages, unwrap, environment
+    of the replay process): signing hooks and the run secret when the checkout has
+    `asyncrl.auth`, identities and nothing otherwise."""
+    # the file, not find_spec: an editable install of another checkout could lend its module
+    if not (Path(asyncrl.__file__).parent / "auth.py").exists():
+        return identity_hook, identity_hook, identity_hook, {}
+    from asyncrl.auth import SECRET_ENV
+
+    secret = random.Random(f"{seed}/secret").randbytes(32)
+    signer = Signer(secret, random.Random(f"{seed}/auth"))
+    return signer.sign, signer.sign_or_forge, signer.unwrap, {SECRET_ENV: secret.hex()}

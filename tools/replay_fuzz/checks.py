@@ -1,0 +1,125 @@
+"""What a campaign checks at the end: every message accounted for, and real work still works.
+
+`check_accounting` is the invariant `received == handled + sum(rejected_*) + handler_errors`.
+The replay of today reports neither `handled` nor `handler_errors`; until it does, `handled` is
+the sum of the counters that count one handled message each, plus the answers that no counter
+counts (a `Stats`, an `EvalResults`, an `Ack(ok)`: version updates, evaluation jobs and
+checkpoints). `round_trip` does what a rollout server and the learner do: lease, send samples,
+take a batch.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from asyncrl import protocol as P
+
+HANDLED_BY_TYPE = (
+    "lease_requests",
+    "accepted",
+    "duplicates",
+    "late",
+    "eval_samples",
+    "batch_requests",
+)
+"""Counters that count one handled message each, on a replay without a `handled` counter."""
+UNCOUNTED_ANSWERS = ("stats", "eval_results", "ack_ok")
+"""Answers to handled messages that no counter of such a replay counts."""
+
+
+def check_accounting(
+    counters: dict[str, float], sent: int, replies: dict[str, int], crashed: int = 0
+) -> list[str]:
+    """What does not add up (empty: every message is accounted for). `sent`: messages sent to
+    this replay process (the StatsRequest that read `counters` included); `replies`: the
+    answers received, by `clients.reply_name`; `crashed`: messages whose handling raised, as
+    the fuzzer saw (they count as handler errors on a replay without that counter)."""
+    c = {k: int(v) for k, v in counters.items()}
+    rejected = sum(v for k, v in c.items() if k.startswith("rejected_"))
+    errors = c.get("handler_errors", crashed)
+    if "handled" in c:
+        # the StatsRequest that read the counters may not be counted yet: in `received` (a
+        # replay that counts a message once done with it), or in `handled`
+        handled = c["handled"]
+        slack, counted = (0, 1), (sent - 1, sent)
+    else:
+        handled = sum(c[k] for k in HANDLED_BY_TYPE) + sum(
+            replies.get(k, 0) for k in UNCOUNTED_ANSWERS
+        )
+        slack, counted = (0,), (sent,)
+    problems = []
+    if c["received"] not in counted:
+        problems.append(f"received {c['received']} != {sent} messages sent")
+    if c["received"] - (handled + rejected + errors) not in slack:
+        problems.append(
+            f"received {c['received']} != handled {handled} + rejected {rejected} "
+            f"+ handler errors {errors}"
+        )
+    if errors:
+        problems.append(f"{errors} handler errors (crashes)")
+    return problems
+
+
+def round_trip(ask, batch_groups: int, capacity_groups: int, server_id: int) -> str:
+    """Lease training groups, complete them, and get every one back in a batch; "ok" or what
+    went wrong. `ask(msg) -> answer | None` sends one message and waits for its answer;
+    `server_id`: a server id the fuzzing did not use.
+
+    The learner version is set first to one at which admission lets a server lease a full
+    buffer, whatever the fuzzing did to it. Leases come in grants of 64 while evaluation prompts
+    the fuzzing left are pending (they are leased first, and are not ours), then of exactly what
+    fills a batch. Each group is completed as soon as it is granted (an incomplete lease could
+    expire while we wait), and batches are taken whenever ours could fill one (the buffer holds
+    ready groups until a batch takes them: waiting for more leases could wait for ever)."""
+    stats = ask(P.StatsRequest(request_id=1))
+    if not isinstance(stats, P.Stats):
+        return f"no Stats answer ({stats!r:.200})"
+    version = int(stats.counters["groups_issued"]) // batch_groups + capacity_groups + 2
+    if not isinstance(ask(P.VersionUpdate(request_id=2, version=version)), P.Ack):
+        return "no Ack to the VersionUpdate"
+    pending: set[str] = set()  # our complete groups, not back yet
+    served, evaluation_left = 0, True
+    for k in range(500):
+        if served and not pending:
+            return "ok"
+        if len(pending) >= batch_groups:
+            batch = ask(P.BatchRequest(1000 + k, learner_version=version, num_groups=batch_groups))
+            if not isinstance(batch, P.Batch):
+                return f"batch request {k}: answered {batch!r:.200}"
+            served += len(pending & set(batch.group_ids))
+            pending -= set(batch.group_ids)
+            continue
+        need = 64 if evaluation_left else batch_groups - len(pending)
+        grant = ask(P.LeaseRequest(10 + k, server_id, server_version=version, max_groups=need))
+        if not isinstance(grant, P.LeaseGrant):
+            return f"lease request {k}: answered {grant!r:.200}"
+        evaluation_left = any(p.eval_job for p in grant.prompts)
+        for p in grant.prompts:
+            if p.eval_job:
+                continue  # an evaluation prompt: not ours
+            for i in range(p.n):
+                ack = ask(_sample(p.group_id, i, version, server_id))
+                if not (isinstance(ack, P.Ack) and ack.status == "accepted"):
+                    return f"sample {i} of {p.group_id}: answered {ack!r:.200}"
+            pending.add(p.group_id)
+    return f"{served} groups back in batches, {len(pending)} not, after 500 requests"
+
+
+def _sample(group_id: str, index: int, version: int, server: int) -> P.Trajectory:
+    r = 4
+    return P.Trajectory(
+        traj_id=f"round-trip/{group_id}/{index}",
+        attempt=0,
+        group_id=group_id,
+        sample_index=index,
+        server_id=server,
+        prompt_ids=np.arange(3, dtype=np.int32),
+        response_ids=np.arange(r, dtype=np.int32),
+        loss_mask=np.ones(r, np.uint8),
+        behaviour_logprobs=np.full(r, -0.5, np.float32),
+        versions=np.full(r, version, np.int32),
+        reward=1.0,
+        baseline_reward=float("nan"),
+        finish_reason="stop",
+        metrics={},
+    )
