@@ -11,9 +11,9 @@ Invariants:
   reinterpreted with `numpy.frombuffer` after their dtype and size have been checked.
 - Decoding checks the header's nesting depth first (so nothing after it can recurse too deep),
   then the wire version, the message type, the exact set of fields, the type of every value
-  against the dataclass annotations (ints within int64), every array's name, dtype, shape
-  (at most MAX_ARRAY_DIMS dimensions) and byte length, and last the message's own `validate()`
-  (ranges and sizes). Anything else raises `ProtocolError`, which receivers count and answer;
+  against the dataclass annotations (ints within int64), every array's name, dtype, shape (one
+  dimension: every array is a flat vector) and byte length, and last the message's own
+  `validate()` (ranges and sizes). Anything else raises `ProtocolError`, which receivers count and answer;
   they never crash. Error texts quote sender input only through `short_repr`.
 """
 
@@ -57,7 +57,8 @@ def struct(cls):
 
 
 def Array(dtype: str) -> Any:  # noqa: N802 - reads like a type in annotations
-    """Annotation for an array field carried as a raw frame: `ids: Array("int32")`."""
+    """Annotation for a 1-D array field carried as a raw frame: `ids: Array("int32")` (every
+    array of the protocol is a flat vector; other shapes are refused on both ends)."""
     return Annotated[np.ndarray, ("array", np.dtype(dtype).str)]
 
 
@@ -66,7 +67,6 @@ JsonObject = Annotated[dict, ("json",)]
 None, bool, int, float, str, lists and objects, nested at most MAX_JSON_DEPTH deep."""
 MAX_JSON_DEPTH = 32
 MAX_HEADER_DEPTH = MAX_JSON_DEPTH + 8  # message -> fields -> list -> struct -> JsonObject ...
-MAX_ARRAY_DIMS = 8
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 _REPR = reprlib.Repr()
@@ -117,6 +117,8 @@ def encode(msg: Any) -> list[bytes | memoryview]:
             fields[name] = _to_plain(value)
             continue
         arr = np.ascontiguousarray(value, dtype=np.dtype(dtype))
+        if arr.ndim != 1:
+            raise ValueError(f"{cls.TYPE}.{name}: arrays are 1-D, got shape {list(arr.shape)}")
         arrays.append([name, arr.dtype.str, list(arr.shape)])
         frames.append(memoryview(arr).cast("B"))
     header = msgpack.packb(
@@ -215,14 +217,10 @@ def _decode_array(cls, spec, frame, hints, array_names, seen) -> dict[str, np.nd
     if not isinstance(dtype, str) or dtype != want:
         raise ProtocolError(f"{cls.TYPE}.{name}: dtype {short_repr(dtype)}, expected {want!r}")
     if not (
-        isinstance(shape, list)
-        and len(shape) <= MAX_ARRAY_DIMS
-        and all(type(d) is int and d >= 0 for d in shape)
+        isinstance(shape, list) and len(shape) == 1 and type(shape[0]) is int and shape[0] >= 0
     ):
         raise ProtocolError(f"{cls.TYPE}.{name}: bad shape {short_repr(shape)}")
-    count = 1
-    for d in shape:  # Python ints: no overflow, whatever the sender claims
-        count *= d
+    count = shape[0]  # a Python int: no overflow, whatever the sender claims
     if count * np.dtype(want).itemsize != len(frame):
         raise ProtocolError(
             f"{cls.TYPE}.{name}: {len(frame)} bytes do not fit shape {short_repr(shape)}"

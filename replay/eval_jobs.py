@@ -6,7 +6,8 @@ are never trained), and collects each returned sample's score instead of bufferi
 Invariant: an evaluation sample never reaches a training batch, and each is counted once.
 
 Bounds: at most MAX_OPEN_JOBS unfinished jobs and MAX_JOB_SAMPLES samples per job (over them:
-`EvalQuotaExceeded`); a finished job is freed FINISHED_KEEP_S after its last poll, and any job
+`EvalQuotaExceeded`), MAX_JOBS kept in all (a new job frees the oldest finished one); a finished
+job is freed FINISHED_KEEP_S after its last poll, and any job
 nobody has polled for `forget_after_s` is freed with its unleased prompts (samples of a freed
 job arriving later are answered `late`).
 """
@@ -22,6 +23,7 @@ import numpy as np
 from asyncrl.protocol import EvalResults, PromptItem, Trajectory
 
 MAX_OPEN_JOBS = 16
+MAX_JOBS = 64  # open and finished: the oldest finished job makes room for a new one
 MAX_JOB_SAMPLES = 1 << 20
 FINISHED_KEEP_S = 60.0
 
@@ -69,10 +71,24 @@ class EvalJobs:
         for p in prompts:
             if p.eval_job != job_id:
                 raise ValueError(f"prompt {p.group_id!r} is not marked for job {job_id!r}")
+        self._make_room()
         self._jobs[job_id] = _Job(expected=expected, touched=now)
         for p in prompts:
             self._group_job[p.group_id] = (job_id, p.data_source)
         self._pending.extend(prompts)
+
+    def _make_room(self) -> None:
+        """Free the oldest finished jobs while MAX_JOBS are kept (fewer than MAX_OPEN_JOBS are
+        open here, so there is always one to free)."""
+        while len(self._jobs) >= MAX_JOBS:
+            oldest = min(
+                (j for j in self._jobs if self._finished(j)), key=lambda j: self._jobs[j].touched
+            )
+            self._free({oldest})
+
+    def _finished(self, job_id: str) -> bool:
+        job = self._jobs[job_id]
+        return len(job.seen) >= job.expected
 
     def expire(self, now: float) -> None:
         """Free finished jobs polled FINISHED_KEEP_S ago and any job untouched for
@@ -83,8 +99,10 @@ class EvalJobs:
             if now - job.touched
             > (FINISHED_KEEP_S if len(job.seen) >= job.expected else self.forget_after_s)
         }
-        if not gone:
-            return
+        if gone:
+            self._free(gone)
+
+    def _free(self, gone: set[str]) -> None:
         for job_id in gone:
             del self._jobs[job_id]
         self._group_job = {g: v for g, v in self._group_job.items() if v[0] not in gone}

@@ -327,3 +327,15 @@ def test_a_client_with_the_wrong_secret_is_told_at_once(sock):
     assert (
         ReplayClient(address, role_key(SECRET, "client")).stats()["rejected_unauthenticated"] == 1
     )
+
+
+def test_finished_evaluation_jobs_make_room_for_new_ones():
+    from replay.eval_jobs import MAX_JOBS, EvalJobs
+
+    jobs = EvalJobs(forget_after_s=600.0)
+    for i in range(3 * MAX_JOBS):  # each finished at once: only the open ones are a quota
+        item = PromptItem(f"g{i}", 1, "s", [ChatMessage("user", "q")], "1", {}, eval_job=f"j{i}")
+        jobs.submit(f"j{i}", [item], now=float(i))
+        assert jobs.take(1) == [item] and jobs.add(_traj(f"g{i}", 0), now=float(i)) == "accepted"
+    assert len(jobs._jobs) == MAX_JOBS and jobs.freed == 2 * MAX_JOBS
+    assert jobs.owns(f"g{3 * MAX_JOBS - 1}") and not jobs.owns("g0")

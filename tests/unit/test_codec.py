@@ -160,8 +160,11 @@ def _nested(depth: int, leaf=1):
         (lambda h: h["arrays"][0].__setitem__(0, {"a": 1}), "bad array descriptor"),
         (lambda h: h["arrays"][0].__setitem__(1, ["<i4"]), "dtype"),
         # element counts that overflow int64, and more dimensions than numpy has
-        (lambda h: h["arrays"][0].__setitem__(2, [2**62, 2**62, 0]), "do not fit"),
-        (lambda h: h["arrays"][0].__setitem__(2, [2**63 - 1] * 4), "do not fit"),
+        (lambda h: h["arrays"][0].__setitem__(2, [2**62, 2**62, 0]), "bad shape"),
+        (lambda h: h["arrays"][0].__setitem__(2, [2**63 - 1]), "do not fit"),
+        # found by tools/fuzz_replay.py: a 0-d array broke Batch.validate's len()
+        (lambda h: h["arrays"][0].__setitem__(2, []), "bad shape"),
+        (lambda h: h["arrays"][0].__setitem__(2, [1, 3]), "bad shape"),
         (lambda h: h["arrays"][0].__setitem__(2, [1] * 65), "bad shape"),
         (lambda h: h["arrays"][0].__setitem__(2, [True, 3]), "bad shape"),
         # `type` and `v` nested ~1000 deep: a RecursionError while writing the error text

@@ -75,18 +75,15 @@ def test_no_checkpoint_is_sent_that_would_write_outside_the_scratch_directory(
     assert not replay_fuzz.writes_outside(inside, scratch / "cwd", scratch)
 
 
-def test_accounting_adds_up_with_and_without_a_handled_counter(replay_fuzz):
+def test_accounting_adds_up(replay_fuzz):
+    from replay.endpoint import OUTCOMES
+
     check = replay_fuzz.check_accounting
-    today = dict.fromkeys(("lease_requests", "accepted", "duplicates", "late"), 1.0)
-    today |= {"eval_samples": 0.0, "batch_requests": 2.0, "rejected_malformed": 5.0}
-    today["received"] = 6 + 5 + 3.0  # + a Stats, an EvalResults and an Ack(ok)
-    replies = {"stats": 1, "eval_results": 1, "ack_ok": 1}
-    assert check(today, sent=14, replies=replies) == []
-    assert check(today, sent=15, replies=replies) == ["received 14 != 15 messages sent"]
-    assert len(check(today, sent=14, replies={"stats": 1})) == 1  # two handled, uncounted
-    later = {"received": 10.0, "handled": 6.0, "rejected_malformed": 3.0, "handler_errors": 1.0}
-    assert check(later, sent=10, replies={}) == ["1 handler errors (crashes)"]
-    later["handler_errors"] = 0.0
-    assert check(later, sent=10, replies={}) == []  # the reading StatsRequest: not yet handled
-    later["received"] = 9.0
-    assert check(later, sent=10, replies={}) == []  # ... or not yet received
+    counters = dict.fromkeys(OUTCOMES, 0.0) | {"handled": 6.0, "rejected_malformed": 3.0}
+    counters["received"] = 9.0
+    assert check(counters, sent=10) == []  # the reading StatsRequest is not counted yet
+    assert check(counters, sent=11) == ["received 9 != 10 messages sent before the stats"]
+    crashed = counters | {"handled": 5.0, "handler_errors": 1.0}
+    assert check(crashed, sent=10) == ["1 handler errors (crashes)"]
+    lost = counters | {"handled": 5.0}
+    assert "the sum of its outcomes" in check(lost, sent=10)[0]

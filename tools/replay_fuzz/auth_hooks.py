@@ -11,23 +11,22 @@ key per role), a campaign makes a run secret, gives it to the replay process, an
   allowed to send the type, a signature over other frames, a flipped bit);
 - `unwrap` on every answer: checks and strips the replay's authentication frame (empty on the
   unsigned `Error` an unauthenticated peer gets).
-
-Without `asyncrl.auth` every hook is the identity and no secret is made.
 """
 
 from __future__ import annotations
 
 import random
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import msgpack
 
-import asyncrl
+from asyncrl import auth
+from asyncrl.auth import SECRET_ENV
 from asyncrl.codec import ProtocolError, registered_types
+from replay.access import PERMISSIONS
 
-from .clients import Frames, Hook, identity_hook
+from .clients import Frames, Hook
 
 FORGERIES = ["none", "empty", "garbage", "long", "unknown role", "wrong role", "other", "flip"]
 
@@ -36,14 +35,8 @@ class Signer:
     """Role keys of one run secret, and the hooks that use them (see the module docstring)."""
 
     def __init__(self, secret: bytes, rng: random.Random) -> None:
-        from asyncrl import auth
-
         self.keys = {role: auth.role_key(secret, role) for role in auth.ROLES}
         self.rng = rng
-        try:
-            from replay.access import PERMISSIONS
-        except ImportError:  # no table of who may send what: any role for any type
-            PERMISSIONS = {}  # noqa: N806
         self.permissions: dict[str, Any] = PERMISSIONS
         self.forgeries: dict[str, int] = dict.fromkeys(FORGERIES, 0)
 
@@ -93,13 +86,7 @@ class Signer:
 
 def setup_auth(seed: int) -> tuple[Hook, Hook, Hook, dict[str, str]]:
     """(prepare for the campaign's own messages, prepare for fuzz messages, unwrap, environment
-    of the replay process): signing hooks and the run secret when the checkout has
-    `asyncrl.auth`, identities and nothing otherwise."""
-    # the file, not find_spec: an editable install of another checkout could lend its module
-    if not (Path(asyncrl.__file__).parent / "auth.py").exists():
-        return identity_hook, identity_hook, identity_hook, {}
-    from asyncrl.auth import SECRET_ENV
-
+    of the replay process): signing hooks and the run secret."""
     secret = random.Random(f"{seed}/secret").randbytes(32)
     signer = Signer(secret, random.Random(f"{seed}/auth"))
     return signer.sign, signer.sign_or_forge, signer.unwrap, {SECRET_ENV: secret.hex()}

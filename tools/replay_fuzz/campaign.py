@@ -365,9 +365,7 @@ class _Campaign:
         if isinstance(stats, P.Stats):
             self.report.counters = stats.counters
             self.report.replies = Counter(self.clients.replies)
-            self.report.accounting = check_accounting(
-                stats.counters, self.clients.sent, self.clients.replies, self.reported_since_start
-            )
+            self.report.accounting = check_accounting(stats.counters, self.clients.sent)
         else:
             self.report.accounting = [f"no Stats answer at the end ({stats!r:.200})"]
         if self.process.exit_code() is None:

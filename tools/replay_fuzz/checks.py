@@ -1,11 +1,8 @@
 """What a campaign checks at the end: every message accounted for, and real work still works.
 
-`check_accounting` is the invariant `received == handled + sum(rejected_*) + handler_errors`.
-The replay of today reports neither `handled` nor `handler_errors`; until it does, `handled` is
-the sum of the counters that count one handled message each, plus the answers that no counter
-counts (a `Stats`, an `EvalResults`, an `Ack(ok)`: version updates, evaluation jobs and
-checkpoints). `round_trip` does what a rollout server and the learner do: lease, send samples,
-take a batch.
+`check_accounting` is the replay's invariant `received == handled + sum(rejected_*) +
+handler_errors` (`replay.endpoint`), with no handler error, and every message sent received.
+`round_trip` does what a rollout server and the learner do: lease, send samples, take a batch.
 """
 
 from __future__ import annotations
@@ -13,50 +10,23 @@ from __future__ import annotations
 import numpy as np
 
 from asyncrl import protocol as P
-
-HANDLED_BY_TYPE = (
-    "lease_requests",
-    "accepted",
-    "duplicates",
-    "late",
-    "eval_samples",
-    "batch_requests",
-)
-"""Counters that count one handled message each, on a replay without a `handled` counter."""
-UNCOUNTED_ANSWERS = ("stats", "eval_results", "ack_ok")
-"""Answers to handled messages that no counter of such a replay counts."""
+from replay.endpoint import OUTCOMES
 
 
-def check_accounting(
-    counters: dict[str, float], sent: int, replies: dict[str, int], crashed: int = 0
-) -> list[str]:
+def check_accounting(counters: dict[str, float], sent: int) -> list[str]:
     """What does not add up (empty: every message is accounted for). `sent`: messages sent to
-    this replay process (the StatsRequest that read `counters` included); `replies`: the
-    answers received, by `clients.reply_name`; `crashed`: messages whose handling raised, as
-    the fuzzer saw (they count as handler errors on a replay without that counter)."""
+    this replay process, the StatsRequest that read `counters` included (the replay counts a
+    message once done with it, so that one is not in `counters` yet)."""
     c = {k: int(v) for k, v in counters.items()}
-    rejected = sum(v for k, v in c.items() if k.startswith("rejected_"))
-    errors = c.get("handler_errors", crashed)
-    if "handled" in c:
-        # the StatsRequest that read the counters may not be counted yet: in `received` (a
-        # replay that counts a message once done with it), or in `handled`
-        handled = c["handled"]
-        slack, counted = (0, 1), (sent - 1, sent)
-    else:
-        handled = sum(c[k] for k in HANDLED_BY_TYPE) + sum(
-            replies.get(k, 0) for k in UNCOUNTED_ANSWERS
-        )
-        slack, counted = (0,), (sent,)
     problems = []
-    if c["received"] not in counted:
-        problems.append(f"received {c['received']} != {sent} messages sent")
-    if c["received"] - (handled + rejected + errors) not in slack:
-        problems.append(
-            f"received {c['received']} != handled {handled} + rejected {rejected} "
-            f"+ handler errors {errors}"
-        )
-    if errors:
-        problems.append(f"{errors} handler errors (crashes)")
+    if c["received"] != sent - 1:
+        problems.append(f"received {c['received']} != {sent - 1} messages sent before the stats")
+    outcomes = sum(c[k] for k in OUTCOMES)
+    if c["received"] != outcomes:
+        parts = ", ".join(f"{k} {c[k]}" for k in OUTCOMES if c[k])
+        problems.append(f"received {c['received']} != the sum of its outcomes ({parts})")
+    if c["handler_errors"]:
+        problems.append(f"{c['handler_errors']} handler errors (crashes)")
     return problems
 
 

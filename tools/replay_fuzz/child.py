@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import inspect
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from typing import Any
 
 import msgpack
 
+from asyncrl.auth import secret_from_env
 from asyncrl.config import Config
 from replay.prompts import setup_prompt_source
 from replay.service import ReplayService
@@ -45,15 +45,8 @@ class RecordingReplay(ReplayService):
     """The replay, with every exception that escapes a message's handling written down."""
 
     def __init__(self, cfg: Config, address: str, args: argparse.Namespace) -> None:
-        wants = inspect.signature(ReplayService.__init__).parameters
-        extra: dict[str, Any] = {}
-        if "secret" in wants:  # a replay that authenticates every message
-            from asyncrl.auth import secret_from_env
-
-            extra["secret"] = secret_from_env()
-        if "run_dir" in wants:
-            extra["run_dir"] = args.run_dir
-        super().__init__(cfg, address, setup_prompt_source(cfg), **extra)
+        prompts = setup_prompt_source(cfg)
+        super().__init__(cfg, address, prompts, secret_from_env(), args.run_dir)
         self.report_path, self.survive = args.report, args.survive
         self.recent: collections.deque[list[Any]] = collections.deque(maxlen=8)
         self.recorded: BaseException | None = None  # the last exception written down
@@ -68,7 +61,7 @@ class RecordingReplay(ReplayService):
                 raise
 
     def _dispatch(self, body: list[Any]) -> Any:
-        """(Called only by a replay that contains handler exceptions in its `_handle`.)"""
+        """Writes down a handler exception, which `Endpoint._handle` then counts and contains."""
         try:
             return super()._dispatch(body)  # type: ignore[misc]
         except Exception as e:

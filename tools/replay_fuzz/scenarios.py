@@ -45,9 +45,9 @@ def _twists(r: int, rng: random.Random) -> dict[str, Callable[[], dict[str, Any]
         "uneven versions": lambda: {"versions": np.zeros(r + 1, np.int32)},
         "uneven mask": lambda: {"loss_mask": np.ones(max(r - 1, 0), np.uint8)},
         "uneven logprobs": lambda: {"behaviour_logprobs": np.zeros(r + 2, np.float32)},
-        "0-d arrays": lambda: {k: np.ones(1, dt) for k, dt in response},  # reshaped below
-        # (codec.encode cannot send an empty 2-D array: r + 1 rows)
-        "2-D arrays": lambda: {k: np.ones((r + 1, 2), dt) for k, dt in response},
+        # reshaped in the header below (codec.encode sends 1-D arrays only)
+        "0-d arrays": lambda: {k: np.ones(1, dt) for k, dt in response},
+        "2-D arrays": lambda: {k: np.ones(2 * (r + 1), dt) for k, dt in response},
         "empty arrays": lambda: {
             k: np.zeros(0, dt) for k, dt in [*response, ("prompt_ids", np.int32)]
         },
@@ -80,11 +80,12 @@ def bad_sample(rng: random.Random, ctx: Context, case: str) -> Case:
     name, override = rng.choice(list(_twists(len(base.response_ids), rng).items()))
     where = "evaluation" if before else "training"
     sample: Any = dataclasses.replace(base, **override())
-    if name == "0-d arrays":  # codec.encode sends every array at least 1-D: edit the header
+    if name in ("0-d arrays", "2-D arrays"):  # codec.encode sends 1-D only: edit the header
         sample = [bytes(f) for f in encode(sample)]
         header = msgpack.unpackb(sample[0])
         for spec in header["arrays"]:
-            spec[2] = [] if spec[0] != "prompt_ids" else spec[2]
+            if spec[0] != "prompt_ids":
+                spec[2] = [] if name == "0-d arrays" else [spec[2][0] // 2, 2]
         sample[0] = msgpack.packb(header)
     return [*before, sample], f"{where} sample with {name}"
 
