@@ -3,8 +3,7 @@ summary it logs when it stops."""
 
 from __future__ import annotations
 
-COUNTERS = (
-    "received",
+OUTCOMES = (
     "handled",
     "rejected_malformed",
     "rejected_oversized",
@@ -14,6 +13,12 @@ COUNTERS = (
     "rejected_invalid",
     "rejected_quota",
     "handler_errors",
+)
+"""The counters one received message ends in, exactly one of them (`replay.endpoint`)."""
+
+COUNTERS = (
+    "received",
+    *OUTCOMES,
     "lease_requests",
     "leases_granted",
     "leases_reissued",

@@ -37,21 +37,9 @@ from asyncrl.codec import ProtocolError, encode
 from asyncrl.protocol import Error
 from asyncrl.transport import decode_frames, send_msg, setup_socket
 from replay.access import PERMISSIONS, Peer
+from replay.counters import OUTCOMES
 
 log = logging.getLogger("asyncrl.replay")
-
-OUTCOMES = (
-    "handled",
-    "rejected_malformed",
-    "rejected_oversized",
-    "rejected_unauthenticated",
-    "rejected_unexpected",
-    "rejected_forbidden",
-    "rejected_invalid",
-    "rejected_quota",
-    "handler_errors",
-)
-"""The counters one received message ends in (exactly one of them)."""
 
 
 def accounted(counters: dict[str, float]) -> bool:

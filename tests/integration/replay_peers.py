@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import zmq
 
 from asyncrl.auth import Keyring, role_key
@@ -49,6 +50,28 @@ def dealer(address: str) -> Iterator[zmq.Socket]:
         yield sock
     finally:
         sock.close()
+
+
+def trajectory(group_id: str, index: int, version: int = 0, r: int = 3, **kw) -> Trajectory:
+    """A well-formed sample `index` of `group_id`: `r` response tokens sampled at `version`."""
+    fields = dict(
+        traj_id=f"{group_id}/{index}",
+        attempt=0,
+        group_id=group_id,
+        sample_index=index,
+        server_id=0,
+        prompt_ids=np.array([1, 2, 3], np.int32),
+        response_ids=np.arange(r, dtype=np.int32),
+        loss_mask=np.ones(r, np.uint8),
+        behaviour_logprobs=np.full(r, -0.5, np.float32),
+        versions=np.full(r, version, np.int32),
+        reward=1.0,
+        finish_reason="stop",
+        baseline_reward=float("nan"),
+        metrics={},
+    )
+    fields.update(kw)
+    return Trajectory(**fields)
 
 
 def role_of(msg: object) -> str:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import zmq
 from replay_peers import SECRET, ask, dealer, running_replay, send, signed
+from replay_peers import trajectory as _traj
 
 from asyncrl.auth import role_key
 from asyncrl.codec import decode, encode
@@ -28,7 +29,6 @@ from asyncrl.protocol import (
     PromptItem,
     Stats,
     StatsRequest,
-    Trajectory,
     VersionUpdate,
 )
 from asyncrl.transport import free_port, tcp_address
@@ -51,27 +51,6 @@ def _config(**sections) -> Config:
     for key, value in sections.items():
         base[key] = {**base.get(key, {}), **value}
     return Config.model_validate(base)
-
-
-def _traj(group_id: str, index: int, r: int = 3, **kw) -> Trajectory:
-    fields = dict(
-        traj_id=f"{group_id}/{index}",
-        attempt=0,
-        group_id=group_id,
-        sample_index=index,
-        server_id=0,
-        prompt_ids=np.array([1, 2, 3], np.int32),
-        response_ids=np.arange(r, dtype=np.int32),
-        loss_mask=np.ones(r, np.uint8),
-        behaviour_logprobs=np.full(r, -0.5, np.float32),
-        versions=np.zeros(r, np.int32),
-        reward=1.0,
-        finish_reason="stop",
-        baseline_reward=float("nan"),
-        metrics={},
-    )
-    fields.update(kw)
-    return Trajectory(**fields)
 
 
 def _stats(sock: zmq.Socket) -> dict[str, float]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import zmq
 from replay_peers import SECRET, ask, dealer, recv, running_replay, send
+from replay_peers import trajectory as _traj
 
 from asyncrl.codec import encode
 from asyncrl.config import Config
@@ -74,27 +75,6 @@ def _stats(sock: zmq.Socket) -> dict[str, float]:
     reply = _ask(sock, StatsRequest(request_id=99))
     assert isinstance(reply, Stats)
     return reply.counters
-
-
-def _traj(group_id: str, index: int, version: int = 0, r: int = 3, **kw) -> Trajectory:
-    fields = dict(
-        traj_id=f"{group_id}/{index}",
-        attempt=0,
-        group_id=group_id,
-        sample_index=index,
-        server_id=0,
-        prompt_ids=np.array([1, 2, 3], np.int32),
-        response_ids=np.arange(r, dtype=np.int32),
-        loss_mask=np.ones(r, np.uint8),
-        behaviour_logprobs=np.full(r, -0.5, np.float32),
-        versions=np.full(r, version, np.int32),
-        reward=1.0,
-        finish_reason="stop",
-        baseline_reward=float("nan"),
-        metrics={},
-    )
-    fields.update(kw)
-    return Trajectory(**fields)
 
 
 def _lease(sock: zmq.Socket, request_id: int, version: int, max_groups: int) -> list[PromptItem]:

@@ -76,7 +76,7 @@ def test_no_checkpoint_is_sent_that_would_write_outside_the_scratch_directory(
 
 
 def test_accounting_adds_up(replay_fuzz):
-    from replay.endpoint import OUTCOMES
+    from replay.counters import OUTCOMES
 
     check = replay_fuzz.check_accounting
     counters = dict.fromkeys(OUTCOMES, 0.0) | {"handled": 6.0, "rejected_malformed": 3.0}

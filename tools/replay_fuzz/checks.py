@@ -1,7 +1,7 @@
 """What a campaign checks at the end: every message accounted for, and real work still works.
 
 `check_accounting` is the replay's invariant `received == handled + sum(rejected_*) +
-handler_errors` (`replay.endpoint`), with no handler error, and every message sent received.
+handler_errors` (`replay.endpoint`, `replay.counters.OUTCOMES`), with no handler error, and every message sent received.
 `round_trip` does what a rollout server and the learner do: lease, send samples, take a batch.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from asyncrl import protocol as P
-from replay.endpoint import OUTCOMES
+from replay.counters import OUTCOMES
 
 
 def check_accounting(counters: dict[str, float], sent: int) -> list[str]:
