@@ -112,8 +112,9 @@ def new_secret() -> bytes:
 def write_secret(run_dir: str | Path, secret: bytes) -> Path:
     """Write the run secret to `run_dir/run.secret`, readable by its owner only."""
     path = Path(run_dir) / SECRET_FILE
-    tmp = path.with_name(f".{SECRET_FILE}.{os.getpid()}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    tmp = path.with_name(f".{SECRET_FILE}.{os.getpid()}.{secrets.token_hex(4)}")
+    # a new file, never one planted there (nor a link to one) by whoever else can write here
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     with os.fdopen(fd, "w") as f:
         f.write(secret.hex() + "\n")
     os.replace(tmp, path)

@@ -35,6 +35,9 @@ MAX_SAMPLES_PER_PROMPT = 1024  # PromptItem.n
 MAX_METRICS = 256  # Trajectory.metrics entries
 MAX_INDEX = 2**31 - 1  # server ids, sample indices, versions, counts (they travel as int32)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+MAX_ABS_REWARD = 1e6
+"""Largest |reward| a sample may carry. Finite in float32 is not enough: two rewards of 3e38
+in one group overflow the group's mean and std; no reward of an LM task comes near this."""
 
 
 def _check_id(value: str, name: str, empty_ok: bool = False) -> None:
@@ -51,6 +54,11 @@ def _check_index(value: int, name: str, low: int = 0) -> None:
 def finite32(value: float) -> bool:
     """Whether `value` stays a finite number once stored as float32 (1e39 does not)."""
     return math.isfinite(value) and abs(value) <= FLOAT32_MAX
+
+
+def plausible_reward(value: float) -> bool:
+    """Whether `value` can be a reward: finite, |value| <= MAX_ABS_REWARD."""
+    return math.isfinite(value) and abs(value) <= MAX_ABS_REWARD
 
 
 def _check_seconds(value: float, name: str) -> None:

@@ -20,21 +20,52 @@ Invariants (tested):
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal
 
 import numpy as np
 
-from asyncrl.protocol import Batch, PromptItem, Trajectory, finite32
+from asyncrl.protocol import (
+    MAX_ABS_REWARD,
+    Batch,
+    PromptItem,
+    Trajectory,
+    finite32,
+    plausible_reward,
+)
 
 AddStatus = Literal["accepted", "duplicate", "late"]
 
 
 class MalformedTrajectory(ValueError):
     """A trajectory that decoded but cannot be trained on (inconsistent arrays, bad index)."""
+
+
+@dataclass(frozen=True)
+class TokenLimits:
+    """What the run's model can take: token ids below `vocab_size`, at most `max_tokens`
+    prompt and response tokens together (its context)."""
+
+    vocab_size: int
+    max_tokens: int
+
+    @classmethod
+    def of_model(cls, model_path: str | None) -> TokenLimits | None:
+        """From a Hugging Face model directory's config.json (None: no model, no limits)."""
+        if model_path is None:
+            return None
+        config = json.loads((Path(model_path) / "config.json").read_text())
+        context = next(
+            (config[k] for k in ("max_position_embeddings", "n_positions") if k in config), None
+        )
+        if "vocab_size" not in config or context is None:
+            raise ValueError(f"{model_path}/config.json names no vocab_size or context length")
+        return cls(int(config["vocab_size"]), int(context))
 
 
 def sample_version(traj: Trajectory, lease_version: int) -> int:
@@ -63,10 +94,12 @@ class Group:
 
 
 class GroupBuffer:
-    def __init__(self, seen_ids_limit: int = 1 << 16) -> None:
+    def __init__(self, seen_ids_limit: int = 1 << 16, limits: TokenLimits | None = None) -> None:
         """`seen_ids_limit`: how many trajectory ids to remember for `duplicate` answers. It
         only decides `duplicate` vs `late` for resends of retired groups; correctness (at most
-        once) never depends on it. Size it well above capacity_groups x n."""
+        once) never depends on it. Size it well above capacity_groups x n. `limits`: the
+        model's, checked on every sample (`check_trajectory`)."""
+        self.limits = limits
         self._groups: dict[str, Group] = {}  # in lease order (oldest first)
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_limit = seen_ids_limit
@@ -105,7 +138,7 @@ class GroupBuffer:
         """Place one sample. `duplicate`: this traj_id was seen before (any attempt), or its slot
         is already filled; `late`: its group is unknown, expired, dropped or consumed. Raises
         MalformedTrajectory when the sample cannot be trained on."""
-        check_trajectory(traj)
+        check_trajectory(traj, self.limits)
         if traj.traj_id in self._seen:
             return "duplicate"
         group = self._groups.get(traj.group_id)
@@ -181,11 +214,13 @@ def _version(group: Group) -> int:
     return group.lease_version if group.version is None else group.version
 
 
-def check_trajectory(traj: Trajectory) -> None:
+def check_trajectory(traj: Trajectory, limits: TokenLimits | None = None) -> None:
     """Raise MalformedTrajectory unless the arrays are 1-D, the response arrays have one length,
-    the mask is 0/1, sampled tokens carry a version >= 0 and finite log-probs, and the reward,
-    the baseline (NaN: absent) and the metrics are finite in float32, the dtype the batch
-    stores them in (a NaN or 1e39 reward would poison the whole group's advantages)."""
+    the mask is 0/1, sampled tokens carry a version >= 0 and finite log-probs, the reward and
+    the baseline (NaN: absent) are within MAX_ABS_REWARD, the metrics are finite in float32
+    (the dtype the batch stores them in: a NaN or 1e39 reward would poison the whole group's
+    advantages), and, with `limits`, every token id is in the vocabulary and the sample fits
+    the model's context (an id out of range, or a 5M-token sample, would crash the learner)."""
     arrays = {
         "prompt_ids": traj.prompt_ids,
         "response_ids": traj.response_ids,
@@ -206,15 +241,27 @@ def check_trajectory(traj: Trajectory) -> None:
         raise MalformedTrajectory("a sampled token has a negative policy version")
     if not np.isfinite(traj.behaviour_logprobs[sampled]).all():
         raise MalformedTrajectory("a sampled token has a non-finite behaviour log-prob")
-    if not finite32(traj.reward):
-        raise MalformedTrajectory(f"reward {traj.reward} is not finite in float32")
-    if not (math.isnan(traj.baseline_reward) or finite32(traj.baseline_reward)):
-        raise MalformedTrajectory(f"baseline_reward {traj.baseline_reward} is not finite")
+    if not plausible_reward(traj.reward):
+        raise MalformedTrajectory(f"reward {traj.reward} is not finite within ±{MAX_ABS_REWARD:g}")
+    if not (math.isnan(traj.baseline_reward) or plausible_reward(traj.baseline_reward)):
+        raise MalformedTrajectory(f"baseline_reward {traj.baseline_reward} is out of range")
     bad = [k for k, v in traj.metrics.items() if not finite32(v)]
     if bad:
         raise MalformedTrajectory(f"metrics {bad[:5]} are not finite in float32")
+    if limits is not None:
+        _check_tokens(traj, limits)
     if not traj.traj_id or not traj.group_id:
         raise MalformedTrajectory("traj_id and group_id must be non-empty")
+
+
+def _check_tokens(traj: Trajectory, limits: TokenLimits) -> None:
+    total = len(traj.prompt_ids) + len(traj.response_ids)
+    if total > limits.max_tokens:
+        raise MalformedTrajectory(f"{total} tokens > the model's context of {limits.max_tokens}")
+    for name in ("prompt_ids", "response_ids"):
+        ids = getattr(traj, name)
+        if ids.size and not (int(ids.min()) >= 0 and int(ids.max()) < limits.vocab_size):
+            raise MalformedTrajectory(f"{name} outside the vocabulary 0..{limits.vocab_size - 1}")
 
 
 def to_batch(request_id: int, groups: list[Group], stale_dropped: int) -> Batch:

@@ -60,7 +60,13 @@ from asyncrl.protocol import (
 )
 from replay.access import Peer, confine
 from replay.admission import AdmissionController
-from replay.buffer import GroupBuffer, MalformedTrajectory, check_trajectory, to_batch
+from replay.buffer import (
+    GroupBuffer,
+    MalformedTrajectory,
+    TokenLimits,
+    check_trajectory,
+    to_batch,
+)
 from replay.counters import COUNTERS, summarize
 from replay.endpoint import Endpoint
 from replay.eval_jobs import EvalJobs, EvalQuotaExceeded
@@ -95,9 +101,11 @@ class ReplayService(Endpoint):
         prompts: PromptSource,
         secret: bytes,
         run_dir: str | Path | None = None,
+        limits: TokenLimits | None = None,
     ) -> None:
         """`secret`: the run secret every peer's key derives from; `run_dir`: where checkpoint
-        files may be written (None: nowhere)."""
+        files may be written (None: nowhere); `limits`: the model's vocabulary and context,
+        checked on every sample."""
         rc = cfg.replay
         if rc.capacity_groups < cfg.data.train_batch_size:
             raise ValueError(
@@ -119,7 +127,7 @@ class ReplayService(Endpoint):
             rc.max_staleness, cfg.data.train_batch_size, rc.capacity_groups
         )
         self.buffer = GroupBuffer(
-            seen_ids_limit=max(1 << 16, 16 * rc.capacity_groups * cfg.rollout.n)
+            seen_ids_limit=max(1 << 16, 16 * rc.capacity_groups * cfg.rollout.n), limits=limits
         )
         self.learner_version = 0
         self._rows_drawn = 0
@@ -215,7 +223,7 @@ class ReplayService(Endpoint):
             req.server_id, req.engine_busy_s, req.weight_apply_s, req.uptime_s, time.monotonic()
         )
         # a newer request from the same server carries its current version and free slots
-        self._held_leases = self._supersede(self._held_leases, peer)
+        self._held_leases = self._supersede(self._held_leases, peer, req.server_id)
         prompts = self._grant(req)
         if prompts or req.max_groups == 0:
             self._send(peer, LeaseGrant(req.request_id, prompts))
@@ -225,7 +233,7 @@ class ReplayService(Endpoint):
     def _on_trajectory(self, peer: Peer, traj: Trajectory) -> None:
         try:
             if self.eval_jobs.owns(traj.group_id):
-                check_trajectory(traj)
+                check_trajectory(traj, self.buffer.limits)
                 status = self.eval_jobs.add(traj, time.monotonic())
                 self.counters["eval_samples" if status == "accepted" else "duplicates"] += 1
             else:
@@ -329,12 +337,16 @@ class ReplayService(Endpoint):
 
     # ---- leases -----------------------------------------------------------------------------
     def _grant(self, req: LeaseRequest) -> list[PromptItem]:
-        """Evaluation prompts first (outside admission), then training prompts; never more
-        than the server's quota: rollout.max_concurrent_groups less the training groups it
-        holds already (so no peer can take the whole capacity)."""
+        """Evaluation prompts first (outside admission; at most half the grant when training
+        prompts could fill the rest), then training prompts; never more than the server's
+        quota: rollout.max_concurrent_groups less the training groups it holds already (so no
+        peer can take the whole capacity)."""
         quota = self.cfg.rollout.max_concurrent_groups - self.buffer.in_flight_of(req.server_id)
         wanted = min(req.max_groups, max(0, quota))
-        evals = self.eval_jobs.take(wanted)
+        # evaluation may take at most half the slots while training prompts can be granted, so
+        # no evaluator starves training
+        training = self.admission.grantable(req.server_version, wanted, len(self.buffer))
+        evals = self.eval_jobs.take(max(wanted - training, math.ceil(wanted / 2)))
         self.counters["eval_leases_granted"] += len(evals)
         return evals + self._grant_training(req, wanted - len(evals))
 
@@ -408,11 +420,16 @@ class ReplayService(Endpoint):
     def _hold(self, queue: list[_Held], peer: Peer, req: LeaseRequest) -> None:
         queue.append(_Held(peer, req, time.monotonic() + self.cfg.replay.wait_timeout_s))
 
-    def _supersede(self, queue: list[_Held], peer: Peer) -> list[_Held]:
-        """Answer empty any request `peer` still has waiting in `queue`; return the rest."""
+    def _supersede(self, queue: list[_Held], peer: Peer, server_id: int = -1) -> list[_Held]:
+        """Answer empty any request still waiting in `queue` from `peer`, or for `server_id`
+        (at most one held lease per server, whatever identity asks: held leases stay at most
+        rollout.num_servers); return the rest."""
         keep = []
         for held in queue:
-            if held.peer.identity == peer.identity:
+            same_server = isinstance(held.request, LeaseRequest) and (
+                held.request.server_id == server_id
+            )
+            if held.peer.identity == peer.identity or same_server:
                 self._answer_empty(held)
             else:
                 keep.append(held)
@@ -453,7 +470,8 @@ def run_replay(cfg: Config, address: str, run_dir: str, model_path: str | None =
     `model_path` gives the tokenizer for `data.max_prompt_length`; the run secret comes from
     the environment (`asyncrl.auth`)."""
     prompts = setup_prompt_source(cfg, model_path)
-    service = ReplayService(cfg, address, prompts, secret_from_env(), run_dir)
+    limits = TokenLimits.of_model(model_path)
+    service = ReplayService(cfg, address, prompts, secret_from_env(), run_dir, limits)
     stats_path = Path(run_dir) / "stats" / "replay.json"
     if cfg.trainer.resume_from is not None:
         service.restore(json.loads((Path(cfg.trainer.resume_from) / "replay.json").read_text()))

@@ -36,7 +36,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
 
-from asyncrl.protocol import finite32
+from asyncrl.protocol import finite32, plausible_reward
 from rollout_servers.rewards import REWARD_FNS, RewardFn, load_custom_reward
 
 log = logging.getLogger("asyncrl.rewards")
@@ -336,7 +336,7 @@ class RewardComputer:
         if score is None:
             self._count("non_number", f"reward function for {data_source!r} returned no number")
             return 0.0, extras
-        if not finite32(score):  # the batch stores rewards as float32: 1e39 would be inf
+        if not plausible_reward(score):  # NaN, inf, 1e39 (inf in float32), or beyond ±1e6
             self._count("non_finite", f"reward function for {data_source!r} returned {score}")
             return 0.0, extras
         bad = [k for k, v in extras.items() if not finite32(v)]

@@ -73,6 +73,7 @@ class RolloutServer:
             rewards,
         )
         self.counters: Counter[str] = Counter()
+        self._failed_in_a_row = 0  # groups that raised since the last one that did not
         self.sampling_params = sampling_params(cfg.rollout)
         self.greedy_params = dataclasses.replace(self.sampling_params, temperature=0.0, top_p=1.0)
         self.sync_times: list[float] = []
@@ -137,14 +138,40 @@ class RolloutServer:
 
     # ---- one group, one sample ------------------------------------------------------------
     async def run_group(self, prompt: PromptItem) -> None:
-        """The group's n samples, concurrently (and, for ReMax, its greedy baseline too)."""
-        if ESTIMATORS[self.cfg.algorithm.adv_estimator].greedy_baseline:
-            baseline = asyncio.ensure_future(self._greedy_baseline(prompt))
-        else:
-            baseline = asyncio.get_running_loop().create_future()
-            baseline.set_result(float("nan"))
-        await asyncio.gather(*(self.run_sample(prompt, i, baseline) for i in range(prompt.n)))
+        """The group's n samples, concurrently (and, for ReMax, its greedy baseline too). A
+        group that raises (a prompt naming an agent loop this server lacks, one too long for the
+        model, ...) is logged and counted (`groups_failed`) and the server goes on; its lease
+        expires and is re-issued. Only many failures in a row (a broken engine, not one bad
+        prompt) stop the server."""
+        try:
+            if ESTIMATORS[self.cfg.algorithm.adv_estimator].greedy_baseline:
+                baseline = asyncio.ensure_future(self._greedy_baseline(prompt))
+            else:
+                baseline = asyncio.get_running_loop().create_future()
+                baseline.set_result(float("nan"))
+            await asyncio.gather(*(self.run_sample(prompt, i, baseline) for i in range(prompt.n)))
+        except Exception as e:
+            self._group_failed(prompt, e)
+            return
+        self._failed_in_a_row = 0
         self.counters["groups"] += 1
+
+    def _group_failed(self, prompt: PromptItem, error: Exception) -> None:
+        self.counters["groups_failed"] += 1
+        self._failed_in_a_row += 1
+        limit = 3 * self.cfg.rollout.max_concurrent_groups
+        if self._failed_in_a_row > limit:
+            raise RuntimeError(f"{self._failed_in_a_row} groups failed in a row") from error
+        if self.counters["groups_failed"] <= 10:
+            log.error(
+                "group %s (%s%s) failed, the server goes on: %s: %s",
+                prompt.group_id,
+                prompt.data_source,
+                f", evaluation job {prompt.eval_job}" if prompt.eval_job else "",
+                type(error).__name__,
+                error,
+                exc_info=error,
+            )
 
     async def _greedy_baseline(self, prompt: PromptItem) -> float:
         greedy = await self.agent_loop.run(prompt, self.greedy_params)

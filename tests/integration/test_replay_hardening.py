@@ -2,6 +2,7 @@
 and the rules that now stop it (authentication, roles, confinement, quotas, numbers)."""
 
 import threading
+import time
 from pathlib import Path
 
 import msgpack
@@ -90,7 +91,7 @@ def test_a_trajectory_naming_an_array_with_a_list_is_rejected_and_the_run_goes_o
     assert stats["rejected_malformed"] == 1 and stats["handler_errors"] == 0 and accounted(stats)
 
 
-def test_rewards_and_metrics_must_stay_finite_in_float32(sock):
+def test_rewards_and_metrics_must_stay_finite_and_in_range(sock):
     grant = ask(sock, LeaseRequest(1, 0, 0, 1))
     g = grant.prompts[0].group_id
     for bad in (
@@ -99,11 +100,12 @@ def test_rewards_and_metrics_must_stay_finite_in_float32(sock):
         _traj(g, 0, baseline_reward=1e39),
         _traj(g, 0, metrics={"tool_reward": 1e39}),
         _traj(g, 0, behaviour_logprobs=np.array([-0.5, np.inf, -0.5], np.float32)),
+        _traj(g, 0, reward=3e38),  # finite in float32, but two of them overflow a group's std
     ):
         reply = ask(sock, bad)
         assert isinstance(reply, Ack) and reply.status == "rejected"
-    assert isinstance(ask(sock, _traj(g, 0, reward=3e38)), Ack)  # the largest float32 passes
-    assert _stats(sock)["rejected_invalid"] == 5
+    assert ask(sock, _traj(g, 0, reward=-1e6)).status == "accepted"  # MAX_ABS_REWARD passes
+    assert _stats(sock)["rejected_invalid"] == 6
 
 
 def test_an_evaluation_trajectory_is_checked_like_a_training_one(sock):
@@ -318,3 +320,61 @@ def test_finished_evaluation_jobs_make_room_for_new_ones():
         assert jobs.take(1) == [item] and jobs.add(_traj(f"g{i}", 0), now=float(i)) == "accepted"
     assert len(jobs._jobs) == MAX_JOBS and jobs.freed == 2 * MAX_JOBS
     assert jobs.owns(f"g{3 * MAX_JOBS - 1}") and not jobs.owns("g0")
+
+
+def test_samples_must_fit_the_model(tmp_path):
+    """Token ids outside the vocabulary, or more tokens than the model's context, crashed the
+    learner's embedding (found by red-teaming)."""
+    from replay.buffer import TokenLimits
+
+    (tmp_path / "config.json").write_text('{"vocab_size": 100, "max_position_embeddings": 64}')
+    limits = TokenLimits.of_model(str(tmp_path))
+    assert limits == TokenLimits(100, 64)
+    cfg = _config()
+    address = tcp_address("127.0.0.1", free_port())
+    service = ReplayService(cfg, address, setup_prompt_source(cfg), SECRET, None, limits)
+    stop = threading.Event()
+    thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
+    thread.start()
+    try:
+        with dealer(address) as s:
+            g = ask(s, LeaseRequest(1, 0, 0, 1)).prompts[0].group_id
+            for bad in (
+                _traj(g, 0, prompt_ids=np.array([1, -7], np.int32)),
+                _traj(g, 0, response_ids=np.array([1, 2, 100], np.int32)),
+                _traj(g, 0, prompt_ids=np.ones(62, np.int32)),  # 62 + 3 > 64
+            ):
+                reply = ask(s, bad)
+                assert isinstance(reply, Ack) and reply.status == "rejected"
+            assert ask(s, _traj(g, 0, prompt_ids=np.ones(61, np.int32))).status == "accepted"
+    finally:
+        stop.set()
+        thread.join(timeout=5)
+        service.close()
+
+
+def test_held_leases_stay_one_per_server_whatever_the_identities(sock):
+    address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
+    assert len(ask(sock, LeaseRequest(1, 0, 0, 4)).prompts) == 4  # server 0's quota is spent
+    peers = [zmq.Context.instance().socket(zmq.DEALER) for _ in range(50)]
+    try:
+        for p in peers:
+            p.connect(address)
+            send(p, LeaseRequest(2, 0, 0, 4))  # held: each supersedes the one before
+        deadline = time.monotonic() + 10
+        while (stats := _stats(sock))["lease_requests"] < 51 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats["lease_requests"] == 51 and stats["held_lease_requests"] == 1
+    finally:
+        for p in peers:
+            p.close(linger=0)
+
+
+def test_evaluation_takes_at_most_half_a_grant_while_training_can_use_the_rest(sock):
+    items = [
+        PromptItem(f"e{i}", 1, "s", [ChatMessage("user", "q")], "1", {}, eval_job="big")
+        for i in range(100)
+    ]
+    assert isinstance(ask(sock, EvalSubmit(1, "big", items), "client"), Ack)
+    grant = ask(sock, LeaseRequest(2, 0, 0, 4))
+    assert sorted(bool(p.eval_job) for p in grant.prompts) == [False, False, True, True]
