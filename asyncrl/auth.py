@@ -3,9 +3,10 @@
 The launcher makes a random 32-byte run secret and writes it to `run_dir/run.secret` (mode
 0600). From it each role gets its own key, `HMAC-SHA256(secret, "asyncrl role <role>")`:
 
-    learner  may take batches, publish versions, ask for checkpoints, evaluate, read stats
-    server   may lease prompts, send trajectories, read stats
-    client   may evaluate and read stats (`asyncrl eval`, the launcher's progress, tools)
+    learner     may take batches, publish versions, ask for checkpoints, evaluate, read stats
+    server_<i>  rollout server i: may lease prompts and send trajectories as server i (the
+                replay checks the server_id they carry), read stats
+    client      may evaluate and read stats (`asyncrl eval`, the launcher's progress, tools)
 
 A process gets only what it needs, in its environment (never on its command line): the replay
 gets the run secret (it checks every role); a learner rank or a rollout server gets its role's
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROLES = ("learner", "server", "client")
+"""The kinds of role; a server's role names its index: `server_0`, `server_1`, ..."""
 SECRET_FILE = "run.secret"
 SECRET_ENV = "ASYNCRL_RUN_SECRET"  # the run secret, hex (the replay; a user's shell)
 KEY_ENV = "ASYNCRL_AUTH_KEY"  # "<role>:<key hex>" (a learner rank or a rollout server)
@@ -76,18 +78,33 @@ def _mac(key: bytes, role: str, frames: Sequence[bytes | memoryview]) -> bytes:
     return h.digest()
 
 
+def role_kind(role: str) -> str:
+    """learner | server | client: what `role` may do (`server_3` is a server)."""
+    kind, _, index = role.rpartition("_")
+    if kind == "server" and index.isdigit() and str(int(index)) == index:
+        return kind
+    if role in ("learner", "client"):
+        return role
+    raise ValueError(f"unknown role {role!r}: learner, client or server_<index>")
+
+
+def server_index(role: str) -> int | None:
+    """The index of a `server_<i>` role (None for the other roles)."""
+    return int(role.rpartition("_")[2]) if role_kind(role) == "server" else None
+
+
 def role_key(secret: bytes, role: str) -> RoleKey:
-    """The key of `role` derived from the run secret."""
-    if role not in ROLES:
-        raise ValueError(f"unknown role {role!r}; expected one of {ROLES}")
+    """The key of `role` (learner, client, server_<i>) derived from the run secret."""
+    role_kind(role)
     return RoleKey(role, hmac.new(secret, b"asyncrl role " + role.encode(), "sha256").digest())
 
 
 class Keyring:
     """Every role's key (the replay's view): tells which role signed a message."""
 
-    def __init__(self, secret: bytes) -> None:
-        self._keys = {role: role_key(secret, role) for role in ROLES}
+    def __init__(self, secret: bytes, num_servers: int) -> None:
+        roles = ["learner", "client", *(f"server_{i}" for i in range(num_servers))]
+        self._keys = {role: role_key(secret, role) for role in roles}
 
     def key(self, role: str) -> RoleKey:
         return self._keys[role]
@@ -168,6 +185,6 @@ def auth_env(secret: bytes, process: str) -> dict[str, str]:
     environment: the run secret for the replay, its role's key for the others."""
     if process == "replay":
         return {SECRET_ENV: secret.hex()}
-    role = process.rpartition("_")[0] or process
+    role = process if process.startswith("server_") else process.rpartition("_")[0] or process
     key = role_key(secret, role)
     return {KEY_ENV: f"{role}:{key.key.hex()}"}

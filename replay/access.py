@@ -1,7 +1,9 @@
 """Who may ask the replay for what, and where it may write.
 
 Every message reaches the replay preceded by an authentication frame (`asyncrl.auth`): the
-role whose key signed it decides which message types it may send (`PERMISSIONS`). A checkpoint
+kind of role whose key signed it decides which message types it may send (`PERMISSIONS`), and
+a server (`server_<i>`) speaks only for itself: the server_id of its leases and samples must be
+i, and a sample only fills a group leased to it (`replay.buffer`). A checkpoint
 is written only inside the run directory. Per-peer quotas (leases, evaluation jobs) live with
 the state they bound: `ReplayService._lease_quota` and `EvalJobs`.
 """

@@ -147,6 +147,11 @@ class GroupBuffer:
                 f"sample_index {traj.sample_index} outside 0..{len(group.samples) - 1} "
                 f"of group {traj.group_id!r}"
             )
+        if group is not None and traj.server_id != group.server_id:
+            raise MalformedTrajectory(
+                f"group {traj.group_id!r} was leased to server {group.server_id}, "
+                f"not server {traj.server_id}"
+            )
         self._remember(traj.traj_id)
         if group is None:
             return "late"

@@ -32,7 +32,7 @@ from typing import Any
 
 import zmq
 
-from asyncrl.auth import AuthError, Keyring
+from asyncrl.auth import AuthError, Keyring, role_kind, server_index
 from asyncrl.codec import ProtocolError, encode
 from asyncrl.protocol import Error
 from asyncrl.transport import decode_frames, send_msg, setup_socket
@@ -51,9 +51,15 @@ class Endpoint:
     """A bound ROUTER that authenticates, decodes, authorizes and dispatches (see above)."""
 
     def __init__(
-        self, address: str, secret: bytes, max_bytes: int, allow_remote: bool, counters: Counter
+        self,
+        address: str,
+        secret: bytes,
+        num_servers: int,
+        max_bytes: int,
+        allow_remote: bool,
+        counters: Counter,
     ) -> None:
-        self.keyring = Keyring(secret)
+        self.keyring = Keyring(secret, num_servers)
         self.max_bytes = max_bytes
         self.counters = counters
         self._handlers: dict[type, Callable[[Peer, Any], None]] = {}
@@ -115,8 +121,13 @@ class Endpoint:
         handler = self._handlers.get(type(msg))
         if handler is None:
             self._reject(peer, "rejected_unexpected", f"the replay does not accept {kind!r}")
-        elif type(msg) not in PERMISSIONS[role]:
-            self._reject(peer, "rejected_forbidden", f"a {role} may not send {kind!r}")
+        elif type(msg) not in PERMISSIONS[role_kind(role)]:
+            self._reject(peer, "rejected_forbidden", f"a {role_kind(role)} may not send {kind!r}")
+        elif (index := server_index(role)) is not None and getattr(
+            msg, "server_id", index
+        ) != index:
+            reason = f"{role} may not speak for server {msg.server_id}"
+            self._reject(peer, "rejected_forbidden", reason)
         else:
             handler(peer, msg)
 

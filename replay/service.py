@@ -115,6 +115,7 @@ class ReplayService(Endpoint):
         super().__init__(
             address,
             secret,
+            cfg.rollout.num_servers,
             int(rc.max_message_mb * 2**20),
             cfg.launch.allow_remote,
             Counter(dict.fromkeys(COUNTERS, 0)),
@@ -212,12 +213,6 @@ class ReplayService(Endpoint):
 
     # ---- one message ------------------------------------------------------------------------
     def _on_lease_request(self, peer: Peer, req: LeaseRequest) -> None:
-        if req.server_id >= self.cfg.rollout.num_servers:
-            reason = (
-                f"server_id {req.server_id} >= rollout.num_servers={self.cfg.rollout.num_servers}"
-            )
-            self._reject(peer, "rejected_invalid", reason)
-            return
         self.counters["lease_requests"] += 1
         self.fleet.report(
             req.server_id, req.engine_busy_s, req.weight_apply_s, req.uptime_s, time.monotonic()

@@ -20,7 +20,7 @@ from replay.prompts import setup_prompt_source
 from replay.service import ReplayService
 
 SECRET = bytes(range(32))  # the test run's secret
-KEYRING = Keyring(SECRET)
+KEYRING = Keyring(SECRET, num_servers=4)
 _SERVER_TYPES = (LeaseRequest, Trajectory)
 
 
@@ -75,8 +75,8 @@ def trajectory(group_id: str, index: int, version: int = 0, r: int = 3, **kw) ->
 
 
 def role_of(msg: object) -> str:
-    """The role that sends `msg` in a run: a server's messages, else the learner's."""
-    return "server" if isinstance(msg, _SERVER_TYPES) else "learner"
+    """The role that sends `msg` in a run: the server it names, else the learner."""
+    return f"server_{msg.server_id}" if isinstance(msg, _SERVER_TYPES) else "learner"
 
 
 def signed(frames: list[bytes], role: str | None) -> list[bytes]:

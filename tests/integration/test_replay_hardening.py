@@ -84,7 +84,7 @@ def test_a_trajectory_naming_an_array_with_a_list_is_rejected_and_the_run_goes_o
     assert len(frames) == 6  # the six-frame Trajectory that stopped a 600-step run at step 59
     header = msgpack.unpackb(frames[0])
     header["arrays"][0][0] = ["prompt_ids"]
-    reply = ask(sock, [msgpack.packb(header), *frames[1:]], "server")
+    reply = ask(sock, [msgpack.packb(header), *frames[1:]], "server_0")
     assert isinstance(reply, Error) and "array descriptor" in reply.reason
     _round_trip(sock)
     stats = _stats(sock)
@@ -183,8 +183,8 @@ def test_a_peer_without_the_secret_can_neither_read_nor_change_anything(sock):
 @pytest.mark.parametrize(
     "role, forbidden",
     [
-        ("server", [BatchRequest(1, 0, B), VersionUpdate(1, 5), CheckpointRequest(1, "r", 0)]),
-        ("server", [EvalSubmit(1, "job", []), EvalPoll(1, "job")]),
+        ("server_0", [BatchRequest(1, 0, B), VersionUpdate(1, 5), CheckpointRequest(1, "r", 0)]),
+        ("server_1", [EvalSubmit(1, "job", []), EvalPoll(1, "job")]),
         ("client", [LeaseRequest(1, 0, 0, 4), _traj("g", 0), BatchRequest(1, 0, B)]),
         ("client", [VersionUpdate(1, 5), CheckpointRequest(1, "r", 0)]),
         ("learner", [LeaseRequest(1, 0, 0, 4), _traj("g", 0)]),
@@ -193,21 +193,28 @@ def test_a_peer_without_the_secret_can_neither_read_nor_change_anything(sock):
 def test_each_role_may_send_only_its_own_messages(sock, role, forbidden):
     for msg in forbidden:
         reply = ask(sock, msg, role)
-        assert isinstance(reply, Error) and f"a {role} may not send" in reply.reason
+        kind = role.partition("_")[0]
+        assert isinstance(reply, Error) and f"a {kind} may not send" in reply.reason
     stats = _stats(sock)
     assert stats["rejected_forbidden"] == len(forbidden)
     assert (stats["learner_version"], stats["leases_granted"], stats["batch_requests"]) == (0,) * 3
 
 
-def test_one_server_cannot_take_all_capacity(sock):
+def test_one_server_cannot_take_all_capacity_nor_fill_another_servers_groups(sock):
     grant = ask(sock, LeaseRequest(1, 0, 0, 2**31 - 1))  # today: all 64 groups for 600 s
     assert isinstance(grant, LeaseGrant) and len(grant.prompts) == 4  # max_concurrent_groups
     again = ask(sock, LeaseRequest(2, 0, 0, 4))  # held, then answered empty: quota spent
     assert isinstance(again, LeaseGrant) and again.prompts == []
     other = ask(sock, LeaseRequest(3, 1, 0, 4))  # the other server still gets its share
     assert len(other.prompts) == 4
-    reply = ask(sock, LeaseRequest(4, 7, 0, 4))  # rollout.num_servers=2
-    assert isinstance(reply, Error) and "num_servers" in reply.reason
+    theirs = _traj(other.prompts[0].group_id, 0)  # server 0 writing into server 1's group
+    reply = ask(sock, theirs)
+    assert isinstance(reply, Ack) and reply.status == "rejected"
+    for server, signer in [(1, "server_0"), (7, "server_0")]:  # speaking for another server
+        reply = ask(sock, LeaseRequest(4, server, 0, 4), signer)
+        assert isinstance(reply, Error) and f"may not speak for server {server}" in reply.reason
+    reply = ask(sock, LeaseRequest(4, 2, 0, 4), "server_2")  # rollout.num_servers=2: no key
+    assert isinstance(reply, Error) and "authenticat" in reply.reason
 
 
 def test_evaluation_jobs_are_bounded_and_their_state_is_freed(sock):

@@ -58,7 +58,7 @@ def client() -> Iterator[zmq.Socket]:
         yield sock  # 10 KiB messages at most: easy to exceed
 
 
-def _send_raw(sock: zmq.Socket, frames: list[bytes], role: str = "server") -> object:
+def _send_raw(sock: zmq.Socket, frames: list[bytes], role: str = "server_0") -> object:
     """Raw frames, signed (so they reach the decoder), and the reply."""
     return ask(sock, frames, role)
 

@@ -21,12 +21,12 @@ from asyncrl.auth import (
 
 def test_roles_have_distinct_keys_and_a_signature_covers_every_frame():
     secret = new_secret()
-    keys = {role: role_key(secret, role) for role in ("learner", "server", "client")}
-    assert len({k.key for k in keys.values()}) == 3
-    ring = Keyring(secret)
+    keys = {role: role_key(secret, role) for role in ("learner", "server_0", "server_1", "client")}
+    assert len({k.key for k in keys.values()}) == 4
+    ring = Keyring(secret, num_servers=2)
     frames = [b"header", b"array-1", b"array-2"]
-    auth = keys["server"].sign(frames)
-    assert ring.verify(auth, frames) == "server"
+    auth = keys["server_1"].sign(frames)
+    assert ring.verify(auth, frames) == "server_1"
     for tampered in (
         [b"header", b"array-1"],
         [b"header", b"array-1", b"array-2", b""],
@@ -37,8 +37,15 @@ def test_roles_have_distinct_keys_and_a_signature_covers_every_frame():
             ring.verify(auth, tampered)
     with pytest.raises(AuthError):  # a server's signature relabelled as the learner's
         ring.verify(b"learner:" + auth.partition(b":")[2], frames)
+    with pytest.raises(AuthError):  # server_0 relabelled as server_1
+        ring.verify(b"server_1:" + keys["server_0"].sign(frames).partition(b":")[2], frames)
+    with pytest.raises(AuthError):  # a server the run does not have
+        ring.verify(role_key(secret, "server_2").sign(frames), frames)
     with pytest.raises(AuthError):
-        Keyring(new_secret()).verify(auth, frames)
+        Keyring(new_secret(), num_servers=2).verify(auth, frames)
+    for bad in ("server", "server_01", "server_-1", "root"):
+        with pytest.raises(ValueError):
+            role_key(secret, bad)
     assert "key" not in repr(keys["learner"]).replace("RoleKey", "")
 
 
@@ -61,8 +68,8 @@ def test_each_process_gets_only_its_own_key(monkeypatch):
     assert set(server_env) == {KEY_ENV} and secret.hex() not in server_env[KEY_ENV]
     monkeypatch.delenv(SECRET_ENV, raising=False)
     monkeypatch.setenv(KEY_ENV, server_env[KEY_ENV])
-    assert key_from_env("server") == role_key(secret, "server")
-    with pytest.raises(AuthError, match="holds the 'server' key"):
+    assert key_from_env("server_3") == role_key(secret, "server_3")
+    with pytest.raises(AuthError, match="holds the 'server_3' key"):
         key_from_env("learner")
     monkeypatch.setenv(KEY_ENV, auth_env(secret, "learner_1")[KEY_ENV])
     assert key_from_env("learner") == role_key(secret, "learner")

@@ -34,19 +34,25 @@ FORGERIES = ["none", "empty", "garbage", "long", "unknown role", "wrong role", "
 class Signer:
     """Role keys of one run secret, and the hooks that use them (see the module docstring)."""
 
-    def __init__(self, secret: bytes, rng: random.Random) -> None:
-        self.keys = {role: auth.role_key(secret, role) for role in auth.ROLES}
+    def __init__(self, secret: bytes, rng: random.Random, servers: int) -> None:
+        roles = ["learner", "client", *(f"server_{i}" for i in range(servers))]
+        self.keys = {role: auth.role_key(secret, role) for role in roles}
         self.rng = rng
         self.permissions: dict[str, Any] = PERMISSIONS
         self.forgeries: dict[str, int] = dict.fromkeys(FORGERIES, 0)
 
     def _roles(self, frames: Frames) -> tuple[list[str], list[str]]:
-        """(roles allowed to send this message's type, the others)."""
+        """(roles allowed to send this message's type, the others): for a message carrying a
+        server_id, the key of that server (a server speaks only for itself)."""
         try:
-            cls = registered_types().get(msgpack.unpackb(frames[0])["type"])
+            header = msgpack.unpackb(frames[0])
+            cls = registered_types().get(header["type"])
+            server_id = header["fields"].get("server_id")
         except Exception:  # a header mutated past reading: any role will do
-            cls = None
-        allowed = [r for r in self.keys if cls in self.permissions.get(r, ())]
+            cls, server_id = None, None
+        allowed = [r for r in self.keys if cls in self.permissions.get(auth.role_kind(r), ())]
+        if type(server_id) is int and f"server_{server_id}" in allowed:
+            allowed = [f"server_{server_id}"]
         return allowed or sorted(self.keys), [r for r in self.keys if r not in allowed]
 
     def _signed(self, frames: Frames, role: str) -> Frames:
@@ -84,9 +90,9 @@ class Signer:
         return rest
 
 
-def setup_auth(seed: int) -> tuple[Hook, Hook, Hook, dict[str, str]]:
+def setup_auth(seed: int, servers: int) -> tuple[Hook, Hook, Hook, dict[str, str]]:
     """(prepare for the campaign's own messages, prepare for fuzz messages, unwrap, environment
-    of the replay process): signing hooks and the run secret."""
+    of the replay process): signing hooks for a run of `servers` servers, and its secret."""
     secret = random.Random(f"{seed}/secret").randbytes(32)
-    signer = Signer(secret, random.Random(f"{seed}/auth"))
+    signer = Signer(secret, random.Random(f"{seed}/auth"), servers)
     return signer.sign, signer.sign_or_forge, signer.unwrap, {SECRET_ENV: secret.hex()}

@@ -184,7 +184,7 @@ class _Campaign:
         )
         self.wait_s = replay.replay.wait_timeout_s  # the longest a request is held
         self.ask_timeout_s = self.wait_s + 10.0
-        sign, forge, unwrap, auth_env = setup_auth(cfg.seed)
+        sign, forge, unwrap, auth_env = setup_auth(cfg.seed, self.ctx.servers)
         if cfg.prepare is not None:  # the caller's own hooks
             sign, forge, unwrap, auth_env = cfg.prepare, cfg.prepare, identity_hook, {}
         self.hooks = (sign, cfg.fuzz_prepare or forge, cfg.unwrap or unwrap)
