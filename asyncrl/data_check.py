@@ -13,7 +13,9 @@ What is checked, reading each file's metadata, its first row and its `data_sourc
    a column of the wrong type fails here) - for training files only without
    `data.skip_bad_rows`, under which bad rows are the replay's to skip and count;
 4. no row lacks a `data_source` (with the same exception);
-5. every data_source has a reward function, unless `reward.custom.path` scores every row.
+5. every data_source has a reward function, unless `reward.custom.path` scores every row;
+6. every `agent_name` (an optional column) names an agent loop the servers have
+   (`check_agent_names`: a server cannot sample a prompt naming another one).
 Without files, the task's sources are checked (its first training row and its validation rows).
 A bad value in a later row is found by the replay's `PromptReader` when it is built, before the
 first lease, and named by file and row in its log, which the launcher's report shows.
@@ -102,6 +104,22 @@ def check_parquet(key: str, path: str, skip_bad_rows: bool = False) -> list[str]
         row = pc.index(pc.is_null(column), True).as_py()
         raise DataError(f"{where}: row {row}: missing 'data_source'")
     return sorted(pc.unique(column.drop_null()).to_pylist())
+
+
+def check_agent_names(key: str, files: Sequence[str], known: Collection[str]) -> None:
+    """DataError naming the file and the agent_name values that are no known agent loop (an
+    empty value means the configured default)."""
+    for path in files:
+        with pq.ParquetFile(path) as parquet:
+            if "agent_name" not in parquet.schema_arrow.names:
+                continue
+            column = parquet.read(columns=["agent_name"]).column(0)
+        names = {str(n) for n in pc.unique(column.drop_null()).to_pylist()} - {""}
+        if unknown := sorted(names - set(known)):
+            raise DataError(
+                f"{key}: {path}: agent_name {unknown} is no agent loop of the servers; "
+                f"registered are {sorted(known)}"
+            )
 
 
 def check_rewards(

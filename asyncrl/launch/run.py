@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.config import Config
-from asyncrl.data_check import check_data, check_files, check_rewards
+from asyncrl.data_check import check_agent_names, check_data, check_files, check_rewards
 from asyncrl.launch.fleet import Fleet, LaunchError, prepare_model, prepare_run_dir, watch
 from asyncrl.launch.local import start_local_fleets
 from asyncrl.launch.progress import Progress
@@ -43,15 +43,25 @@ def reward_sources() -> list[str]:
     return REWARD_FNS.names()
 
 
+def agent_loops(cfg: Config) -> list[str]:
+    """The agent loops a row may name: the registered ones and the configured default."""
+    from rollout_servers.agents.registry import AGENT_LOOPS
+
+    return [*AGENT_LOOPS.names(), cfg.rollout.agent_loop]
+
+
 def check_run_data(cfg: Config) -> None:
-    """The run's datasets and their reward functions, checked before anything is created or
-    started (`asyncrl.data_check`); DataError names the key, file and row or column."""
+    """The run's datasets, their reward functions and agent loops, checked before anything is
+    created or started (`asyncrl.data_check`); DataError names the key, file and row or column."""
     check_data(cfg, reward_sources())
+    check_agent_names("data.train_files", cfg.data.train_files, agent_loops(cfg))
+    check_agent_names("data.val_files", cfg.data.val_files, agent_loops(cfg))
 
 
 def check_eval_data(files: Sequence[str], cfg: Config) -> None:
     """`asyncrl eval --data FILE ...`: the same checks on the files to evaluate."""
     check_rewards(check_files("--data", files), reward_sources(), cfg.reward.custom.path)
+    check_agent_names("--data", files, agent_loops(cfg))
 
 
 def serve(cfg: Config, command: str = "asyncrl serve") -> tuple[Fleet, Path]:

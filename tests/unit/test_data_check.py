@@ -125,3 +125,21 @@ def test_check_files_returns_each_source_with_its_files(tmp_path):
 
 def test_a_data_error_is_a_config_error_so_the_cli_prints_one_line():
     assert issubclass(DataError, ConfigError)
+
+
+def test_an_agent_name_the_servers_lack_is_named(tmp_path):
+    """A server cannot sample a row naming an agent loop it does not have (red-teaming: such an
+    evaluation prompt stopped server_0 and the run)."""
+    from asyncrl.launch.run import check_eval_data, check_run_data
+
+    good = _write(tmp_path / "good.parquet", [_row(agent_name="tool_agent"), _row(agent_name="")])
+    bad = _write(
+        tmp_path / "bad.parquet", [_row(agent_name=""), _row(agent_name="nonexistent_loop")]
+    )
+    check_run_data(load_config(None, [f"data.train_files=[{good}]", f"data.val_files=[{good}]"]))
+    with pytest.raises(
+        DataError, match=r"data.val_files: .*bad.parquet: agent_name \['nonexistent_loop'\]"
+    ):
+        check_run_data(load_config(None, [f"data.train_files=[{good}]", f"data.val_files=[{bad}]"]))
+    with pytest.raises(DataError, match="--data: .*'single_turn'"):
+        check_eval_data([bad], load_config(None, []))
