@@ -24,10 +24,11 @@ and weight-sync ports on its node, and the launcher builds the `RunSpec` from th
 it, with the config, to every actor by value (a run directory need not be shared for that).
 
 Failures: as under the local launcher (`asyncrl.launch.failures`), the first member to die
-is named and the deaths after it are listed, in the order Ray reports them: a check stamps
-each run that has returned or failed (an actor's death fails its run), and `RayFleet.wait`
-wakes on the first such report (`ray.wait`), so the times are those of Ray's reports, which
-can trail the deaths themselves.
+is named and the deaths after it are listed. A check stamps each run that has returned or
+failed (an actor's death fails its run), and `RayFleet.wait` wakes on the first such report
+(`ray.wait`). Ray reports a killed actor later than the errors its death causes in its peers,
+so deaths whose logs are on this machine are ordered by their logs' last writes (a follower
+writes its traceback after the death that caused it); others in the order Ray reports them.
 
 Stopping (at the end, on Ctrl-C, on a failure): SIGTERM to each running actor's process (by a
 zero-CPU task pinned to its node), so roles stop as they do locally and write their stats;
@@ -158,7 +159,11 @@ class RayMember:
         except RayError as e:
             self.died = ray_reason(e)
         how = f"died: {self.died}" if self.died else f"exited with code {self.exit_code}"
-        self.ending = Ending(how, now, check, log_written_at(self.log_path))
+        written = log_written_at(self.log_path)
+        # Ray reports a killed actor's death later than the errors it causes in its peers (seen
+        # under load: learner_0 before the server_0 that was killed), so where the log is on
+        # this machine the deaths are ordered by it alone (all as one check), else as reported
+        self.ending = Ending(how, now, 0 if written is not None else check, written)
 
     def last_log_lines(self) -> str:
         tail = log_tail(self.log_path)
