@@ -3,7 +3,9 @@
 An evaluator (`asyncrl eval`, or the learner's validation) submits a job of prompts; the replay
 leases them before any training prompt, outside admission control (they cannot go stale: they
 are never trained), and collects each returned sample's score instead of buffering it.
-Invariant: an evaluation sample never reaches a training batch, and each is counted once.
+Invariant: an evaluation sample never reaches a training batch, and each is counted once: a
+group's sample slot (its sample_index, below the prompt's n) is filled once, so no group gives
+more than its n samples whatever ids they carry.
 
 Bounds: at most MAX_OPEN_JOBS unfinished jobs and MAX_JOB_SAMPLES samples per job (over them:
 `EvalQuotaExceeded`), MAX_JOBS kept in all (a new job frees the oldest finished one); a finished
@@ -21,6 +23,7 @@ from typing import Literal
 import numpy as np
 
 from asyncrl.protocol import EvalResults, PromptItem, Trajectory
+from replay.buffer import MalformedTrajectory
 
 MAX_OPEN_JOBS = 16
 MAX_JOBS = 64  # open and finished: the oldest finished job makes room for a new one
@@ -36,7 +39,7 @@ class EvalQuotaExceeded(ValueError):
 class _Job:
     expected: int
     touched: float  # monotonic time of submission, of the last poll or sample
-    seen: set[str] = field(default_factory=set)
+    seen: set[tuple[str, int]] = field(default_factory=set)  # (group_id, sample_index) filled
     group_ids: list[str] = field(default_factory=list)
     data_sources: list[str] = field(default_factory=list)
     scores: list[float] = field(default_factory=list)
@@ -48,7 +51,8 @@ class EvalJobs:
     def __init__(self, forget_after_s: float) -> None:
         self._jobs: dict[str, _Job] = {}
         self._pending: deque[PromptItem] = deque()
-        self._group_job: dict[str, tuple[str, str]] = {}  # group_id -> (job_id, data_source)
+        # group_id -> (job_id, data_source, n)
+        self._group_job: dict[str, tuple[str, str, int]] = {}
         self.forget_after_s = forget_after_s
         self.freed = 0
 
@@ -74,7 +78,7 @@ class EvalJobs:
         self._make_room()
         self._jobs[job_id] = _Job(expected=expected, touched=now)
         for p in prompts:
-            self._group_job[p.group_id] = (job_id, p.data_source)
+            self._group_job[p.group_id] = (job_id, p.data_source, p.n)
         self._pending.extend(prompts)
 
     def _make_room(self) -> None:
@@ -121,13 +125,17 @@ class EvalJobs:
         return group_id in self._group_job
 
     def add(self, traj: Trajectory, now: float) -> Literal["accepted", "duplicate"]:
-        """Score one sample of an owned group (`owns`); the caller checked it is well formed."""
-        job_id, source = self._group_job[traj.group_id]
+        """Score one sample of an owned group (`owns`); the caller checked it is well formed.
+        MalformedTrajectory when its sample_index is not one of the group's."""
+        job_id, source, n = self._group_job[traj.group_id]
+        if traj.sample_index >= n:  # each group gives exactly its n samples, no more
+            raise MalformedTrajectory(f"sample_index {traj.sample_index} outside 0..{n - 1}")
         job = self._jobs[job_id]
-        if traj.traj_id in job.seen or len(job.seen) >= job.expected:
+        slot = (traj.group_id, traj.sample_index)
+        if slot in job.seen:
             return "duplicate"
         job.touched = now
-        job.seen.add(traj.traj_id)
+        job.seen.add(slot)
         sampled = traj.versions[traj.loss_mask == 1]
         job.group_ids.append(traj.group_id)
         job.data_sources.append(source)

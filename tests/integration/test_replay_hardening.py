@@ -385,3 +385,17 @@ def test_evaluation_takes_at_most_half_a_grant_while_training_can_use_the_rest(s
     assert isinstance(ask(sock, EvalSubmit(1, "big", items), "client"), Ack)
     grant = ask(sock, LeaseRequest(2, 0, 0, 4))
     assert sorted(bool(p.eval_job) for p in grant.prompts) == [False, False, True, True]
+
+
+def test_an_evaluation_group_gives_exactly_its_n_samples(sock):
+    item = PromptItem("e1", 2, "src", [ChatMessage("user", "q")], "1", {}, eval_job="job")
+    assert isinstance(ask(sock, EvalSubmit(1, "job", [item]), "client"), Ack)
+    assert [p.group_id for p in ask(sock, LeaseRequest(2, 0, 0, 1)).prompts] == ["e1"]
+    statuses = [
+        ask(sock, _traj("e1", 0, traj_id="a")).status,
+        ask(sock, _traj("e1", 0, traj_id="b")).status,  # the same slot under another id
+        ask(sock, _traj("e1", 2, traj_id="c")).status,  # n=2: no third sample
+        ask(sock, _traj("e1", 1, traj_id="d")).status,
+    ]
+    assert statuses == ["accepted", "duplicate", "rejected", "accepted"]
+    assert ask(sock, EvalPoll(3, "job"), "client").group_ids == ["e1", "e1"]
