@@ -53,6 +53,7 @@ class EvalJobs:
         self._pending: deque[PromptItem] = deque()
         # group_id -> (job_id, data_source, n)
         self._group_job: dict[str, tuple[str, str, int]] = {}
+        self._leased_to: dict[str, int] = {}  # group_id -> the server it was leased to
         self.forget_after_s = forget_after_s
         self.freed = 0
 
@@ -110,6 +111,7 @@ class EvalJobs:
         for job_id in gone:
             del self._jobs[job_id]
         self._group_job = {g: v for g, v in self._group_job.items() if v[0] not in gone}
+        self._leased_to = {g: s for g, s in self._leased_to.items() if g in self._group_job}
         self._pending = deque(p for p in self._pending if p.eval_job not in gone)
         self.freed += len(gone)
 
@@ -117,9 +119,13 @@ class EvalJobs:
     def pending(self) -> int:
         return len(self._pending)
 
-    def take(self, k: int) -> list[PromptItem]:
-        """Up to k prompts to lease, in submission order."""
-        return [self._pending.popleft() for _ in range(min(k, len(self._pending)))]
+    def take(self, k: int, server_id: int) -> list[PromptItem]:
+        """Up to k prompts to lease to `server_id`, in submission order; only that server may
+        send their samples."""
+        taken = [self._pending.popleft() for _ in range(min(k, len(self._pending)))]
+        for p in taken:
+            self._leased_to[p.group_id] = server_id
+        return taken
 
     def owns(self, group_id: str) -> bool:
         return group_id in self._group_job
@@ -130,6 +136,8 @@ class EvalJobs:
         job_id, source, n = self._group_job[traj.group_id]
         if traj.sample_index >= n:  # each group gives exactly its n samples, no more
             raise MalformedTrajectory(f"sample_index {traj.sample_index} outside 0..{n - 1}")
+        if self._leased_to.get(traj.group_id) != traj.server_id:
+            raise MalformedTrajectory(f"evaluation group {traj.group_id!r} is not leased to it")
         job = self._jobs[job_id]
         slot = (traj.group_id, traj.sample_index)
         if slot in job.seen:

@@ -341,7 +341,7 @@ class ReplayService(Endpoint):
         # evaluation may take at most half the slots while training prompts can be granted, so
         # no evaluator starves training
         training = self.admission.grantable(req.server_version, wanted, len(self.buffer))
-        evals = self.eval_jobs.take(max(wanted - training, math.ceil(wanted / 2)))
+        evals = self.eval_jobs.take(max(wanted - training, math.ceil(wanted / 2)), req.server_id)
         self.counters["eval_leases_granted"] += len(evals)
         return evals + self._grant_training(req, wanted - len(evals))
 

@@ -241,7 +241,7 @@ def test_eval_jobs_nobody_polls_are_freed_with_their_prompts():
     done = PromptItem("g2", 1, "s", [ChatMessage("user", "q")], "1", {}, eval_job="b")
     jobs.submit("a", [item], now=0.0)
     jobs.submit("b", [done], now=0.0)
-    assert jobs.take(1) == [item]
+    assert jobs.take(1, server_id=0) == [item]
     jobs.add(_traj("g1", 0), now=1.0)  # job a finished; job b never leased, never polled
     jobs.results(1, "a", now=2.0)
     jobs.expire(now=9.0)
@@ -324,7 +324,7 @@ def test_finished_evaluation_jobs_make_room_for_new_ones():
     for i in range(3 * MAX_JOBS):  # each finished at once: only the open ones are a quota
         item = PromptItem(f"g{i}", 1, "s", [ChatMessage("user", "q")], "1", {}, eval_job=f"j{i}")
         jobs.submit(f"j{i}", [item], now=float(i))
-        assert jobs.take(1) == [item] and jobs.add(_traj(f"g{i}", 0), now=float(i)) == "accepted"
+        assert jobs.take(1, 0) == [item] and jobs.add(_traj(f"g{i}", 0), now=float(i)) == "accepted"
     assert len(jobs._jobs) == MAX_JOBS and jobs.freed == 2 * MAX_JOBS
     assert jobs.owns(f"g{3 * MAX_JOBS - 1}") and not jobs.owns("g0")
 
@@ -387,7 +387,7 @@ def test_evaluation_takes_at_most_half_a_grant_while_training_can_use_the_rest(s
     assert sorted(bool(p.eval_job) for p in grant.prompts) == [False, False, True, True]
 
 
-def test_an_evaluation_group_gives_exactly_its_n_samples(sock):
+def test_an_evaluation_group_gives_exactly_its_n_samples_from_its_server(sock):
     item = PromptItem("e1", 2, "src", [ChatMessage("user", "q")], "1", {}, eval_job="job")
     assert isinstance(ask(sock, EvalSubmit(1, "job", [item]), "client"), Ack)
     assert [p.group_id for p in ask(sock, LeaseRequest(2, 0, 0, 1)).prompts] == ["e1"]
@@ -398,4 +398,6 @@ def test_an_evaluation_group_gives_exactly_its_n_samples(sock):
         ask(sock, _traj("e1", 1, traj_id="d")).status,
     ]
     assert statuses == ["accepted", "duplicate", "rejected", "accepted"]
+    other = ask(sock, _traj("e1", 1, traj_id="e", server_id=1))  # server 1 never leased it
+    assert isinstance(other, Ack) and other.status == "rejected"
     assert ask(sock, EvalPoll(3, "job"), "client").group_ids == ["e1", "e1"]
