@@ -23,7 +23,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -104,6 +104,7 @@ class GroupBuffer:
         self._seen: OrderedDict[str, None] = OrderedDict()
         self._seen_limit = seen_ids_limit
         self._ready = 0
+        self._in_flight: Counter[int] = Counter()  # server id -> incomplete groups leased to it
 
     def __len__(self) -> int:
         """Groups held: leased but incomplete, plus ready."""
@@ -122,8 +123,9 @@ class GroupBuffer:
         return [g.item for g in self._groups.values()]
 
     def in_flight_of(self, server_id: int) -> int:
-        """Groups leased to `server_id` and not yet complete."""
-        return sum(1 for g in self._groups.values() if not g.ready and g.server_id == server_id)
+        """Groups leased to `server_id` and not yet complete (kept as a count: asked on every
+        lease, held ones included, after every accepted sample)."""
+        return self._in_flight[server_id]
 
     def open_group(
         self, item: PromptItem, now: float, lease_version: int, server_id: int = 0
@@ -133,6 +135,7 @@ class GroupBuffer:
         if item.n < 1:
             raise ValueError(f"group {item.group_id!r}: n must be >= 1, got {item.n}")
         self._groups[item.group_id] = Group(item, lease_version, now, server_id, [None] * item.n)
+        self._in_flight[server_id] += 1
 
     def add(self, traj: Trajectory) -> AddStatus:
         """Place one sample. `duplicate`: this traj_id was seen before (any attempt), or its slot
@@ -165,6 +168,7 @@ class GroupBuffer:
         group.version = v if group.version is None else min(group.version, v)
         if group.ready:
             self._ready += 1
+            self._in_flight[group.server_id] -= 1
         return "accepted"
 
     def pop_batch(
@@ -208,6 +212,8 @@ class GroupBuffer:
         del self._groups[group.item.group_id]
         if group.ready:
             self._ready -= 1
+        else:
+            self._in_flight[group.server_id] -= 1
 
     def _remember(self, traj_id: str) -> None:
         self._seen[traj_id] = None

@@ -285,3 +285,13 @@ def test_batch_carries_sample_metrics_with_nan_where_missing():
     values = batch.metric_values.reshape(2, 2)
     assert values[0].tolist() == [1.0, 2.0]
     assert np.isnan(values[1, 0]) and values[1, 1] == 1.0
+
+
+def test_in_flight_groups_are_counted_per_server():
+    buf = GroupBuffer()
+    for i, server in enumerate([0, 0, 1]):
+        buf.open_group(_item(f"g{i}", n=1), 0.0, 0, server_id=server)
+    assert (buf.in_flight_of(0), buf.in_flight_of(1), buf.in_flight_of(2)) == (2, 1, 0)
+    assert buf.add(_traj("g0", 0)) == "accepted"  # complete: no longer in flight
+    assert buf.expire(now=10.0, lease_timeout_s=1.0)  # g1 and g2 expire
+    assert (buf.in_flight_of(0), buf.in_flight_of(1)) == (0, 0)

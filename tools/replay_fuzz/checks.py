@@ -11,6 +11,7 @@ import numpy as np
 
 from asyncrl import protocol as P
 from replay.counters import OUTCOMES
+from replay.endpoint import accounted
 
 
 def check_accounting(counters: dict[str, float], sent: int) -> list[str]:
@@ -21,8 +22,7 @@ def check_accounting(counters: dict[str, float], sent: int) -> list[str]:
     problems = []
     if c["received"] != sent - 1:
         problems.append(f"received {c['received']} != {sent - 1} messages sent before the stats")
-    outcomes = sum(c[k] for k in OUTCOMES)
-    if c["received"] != outcomes:
+    if not accounted(c):
         parts = ", ".join(f"{k} {c[k]}" for k in OUTCOMES if c[k])
         problems.append(f"received {c['received']} != the sum of its outcomes ({parts})")
     if c["handler_errors"]:
