@@ -58,10 +58,14 @@ def setup_socket(
     bind: str | None = None,
     connect: str | None = None,
     allow_remote: bool = False,
+    max_frame_bytes: int = -1,
 ) -> zmq.Socket:
-    """A socket that never blocks process exit (LINGER 0), bound or connected."""
+    """A socket that never blocks process exit (LINGER 0), bound or connected. A peer that
+    sends a frame over `max_frame_bytes` (-1: no limit) is disconnected by ZeroMQ before the
+    frame is buffered (MAXMSGSIZE: set before bind, as a listener copies its options)."""
     sock = ctx.socket(kind)
     sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
     if bind is not None:
         check_bind_address(bind, allow_remote)
         sock.bind(bind)

@@ -66,10 +66,16 @@ class Endpoint:
         self._rejected = False  # the message being handled was rejected (counted as such)
         self._peer, self._kind = Peer(b"", None), "message"  # the message being handled
         self._ctx = zmq.Context()
-        self._sock = setup_socket(self._ctx, zmq.ROUTER, bind=address, allow_remote=allow_remote)
-        # ZeroMQ drops a peer's connection mid-frame rather than buffer a larger one (without
-        # this a forged 1.5 GB frame was read whole before our size check: +2.9 GB RSS)
-        self._sock.setsockopt(zmq.MAXMSGSIZE, max_bytes)
+        # a frame up to twice the limit is read and answered "oversized"; for a larger one
+        # ZeroMQ drops the peer's connection before buffering it (without this a forged 1.5 GB
+        # frame was read whole before our size check: +2.9 GB RSS)
+        self._sock = setup_socket(
+            self._ctx,
+            zmq.ROUTER,
+            bind=address,
+            allow_remote=allow_remote,
+            max_frame_bytes=2 * max_bytes,
+        )
 
     def close(self, linger_ms: int = 100) -> None:
         self._sock.close(linger=linger_ms)

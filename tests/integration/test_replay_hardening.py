@@ -401,3 +401,16 @@ def test_an_evaluation_group_gives_exactly_its_n_samples_from_its_server(sock):
     other = ask(sock, _traj("e1", 1, traj_id="e", server_id=1))  # server 1 never leased it
     assert isinstance(other, Ack) and other.status == "rejected"
     assert ask(sock, EvalPoll(3, "job"), "client").group_ids == ["e1", "e1"]
+
+
+def test_a_frame_over_the_size_limit_is_dropped_before_it_is_buffered():
+    """Twice replay.max_message_mb is ZeroMQ's MAXMSGSIZE: a larger frame closes the sender's
+    connection inside ZeroMQ and never reaches the replay (red-teaming: a forged 1.5 GB frame
+    was read whole first, +2.9 GB RSS)."""
+    with running_replay(_config(replay={"max_message_mb": 0.01})) as address:
+        with dealer(address) as s:
+            s.send_multipart([b"", b"x" * (1 << 20)])  # 1 MiB, limit 10 KiB
+            time.sleep(0.3)
+        with dealer(address) as s:
+            stats = _stats(s)
+        assert stats["received"] == 0 and stats["rejected_oversized"] == 0

@@ -129,7 +129,7 @@ def test_bad_messages_are_rejected_counted_and_the_service_keeps_serving(client)
     uneven = _traj("g", 0, versions=np.zeros(1, np.int32))
     reply = _send_raw(sock, [bytes(f) for f in encode(uneven)])
     assert isinstance(reply, Ack) and reply.status == "rejected" and reply.traj_id == uneven.traj_id
-    huge = _traj("g", 0, prompt_ids=np.zeros(20_000, np.int32))
+    huge = _traj("g", 0, prompt_ids=np.zeros(4_000, np.int32))  # 16 KB: over 10 KiB, under 2x
     reply = _ask(sock, huge)
     assert isinstance(reply, Error) and "oversized" in reply.reason
     reply = _ask(sock, Ack(request_id=1, traj_id="x", status="ok"))  # valid, but not for it
