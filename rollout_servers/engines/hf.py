@@ -56,11 +56,12 @@ class HFEngine(Engine):
         max_batch_size: int = 256,
         seed: int = 0,
         version: int = 0,
+        dtype: str = "float32",
     ):
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
         self.model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=torch.float32, attn_implementation=ATTN_IMPLEMENTATION
+            model_path, dtype=getattr(torch, dtype), attn_implementation=ATTN_IMPLEMENTATION
         ).to(self.device)
         self.model.eval()
         config = self.model.config

@@ -55,12 +55,13 @@ WORKER_EXTENSION = "rollout_servers.engines.vllm_worker.WeightSyncExtension"
 T = TypeVar("T")
 
 
-def learner_weight_specs(model_path: str | Path) -> list[ParamSpec]:
-    """The learner's view of the weights (names, full shapes, float32) in state-dict order,
-    from the config alone: the layout the learner broadcasts and vLLM's `load_weights` reads."""
+def learner_weight_specs(model_path: str | Path, dtype: str = "float32") -> list[ParamSpec]:
+    """The learner's view of the weights (names, full shapes, the engine's `dtype`) in
+    state-dict order, from the config alone: the layout the learner broadcasts (it casts to
+    the engine's dtype before sending) and vLLM's `load_weights` reads."""
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
     return specs_of(model.state_dict().items())
 
 
@@ -73,14 +74,14 @@ def eos_ids(model_path: str | Path) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else (eos or []))
 
 
-def engine_args(model_path: str, options: VLLMConfig, seed: int) -> Any:
+def engine_args(model_path: str, options: VLLMConfig, seed: int, dtype: str = "float32") -> Any:
     """vLLM's `AsyncEngineArgs` as this engine uses them (tools/bench_engines.py drives bare
     vLLM with the same ones)."""
     from vllm import AsyncEngineArgs
 
     return AsyncEngineArgs(
         model=model_path,
-        dtype=options.dtype,
+        dtype=dtype,
         seed=seed,
         skip_tokenizer_init=True,  # token ids in, token ids out
         logprobs_mode="processed_logprobs",
@@ -118,13 +119,14 @@ class VLLMEngine(Engine):
         device: str = "cpu",
         seed: int = 0,
         version: int = 0,
+        dtype: str = "float32",
     ):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.cpu_kvcache_space_gib))
         self.model_path = str(model_path)
-        self._specs = learner_weight_specs(model_path)
+        self._specs = learner_weight_specs(model_path, dtype)
         self._eos_ids = eos_ids(model_path)
         self._version = version
         self._inflight = 0
@@ -132,7 +134,7 @@ class VLLMEngine(Engine):
         self._period_requests = 0
         self._closed = False
 
-        args = engine_args(self.model_path, options, seed)
+        args = engine_args(self.model_path, options, seed, dtype)
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(
             target=self._loop.run_forever, daemon=True, name="vllm-engine-loop"

@@ -10,7 +10,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.config import AlgorithmConfig, ConfigError, load_config
+from asyncrl.config import AlgorithmConfig, ConfigError, LearnerConfig, load_config
 from learner.losses import (
     MAX_GSPO_LOG_RATIO,
     gspo_token_loss,
@@ -115,7 +115,9 @@ def test_update_loss_matches_verl_for_every_accepted_combination(
         returns=None,
         old_values=None,
     )
-    updater = Updater(None, None, algo, 1.0, 1.0, 4, 1, 0, torch.device("cpu"))
+    updater = Updater(
+        None, None, algo, LearnerConfig(micro_batch_size=4), 1.0, 1, 0, torch.device("cpu")
+    )
     got, _ = updater._policy_loss(logp, torch.arange(2), inputs, mask)
     expected = _verl_expected(
         policy_loss, decoupled, is_level, logp, proximal, behaviour, adv, mask
@@ -133,7 +135,9 @@ def test_gspo_applies_the_importance_weights():
     w = torch.full_like(mask, 0.5)
     inputs = UpdateInputs(adv, behaviour, proximal, w, None, None, None, None)
     algo = AlgorithmConfig(policy_loss="gspo", decoupled=True, is_level="token")
-    updater = Updater(None, None, algo, 1.0, 1.0, 4, 1, 0, torch.device("cpu"))
+    updater = Updater(
+        None, None, algo, LearnerConfig(micro_batch_size=4), 1.0, 1, 0, torch.device("cpu")
+    )
     got, _ = updater._policy_loss(logp, torch.arange(2), inputs, mask)
     plain, _ = gspo_token_loss(logp, proximal, adv, mask, algo.clip_ratio_low, algo.clip_ratio_high)
     torch.testing.assert_close(got, plain * 0.5)

@@ -1,0 +1,138 @@
+"""The learner's config sections: how it trains (`learner`) and what it optimises (`algorithm`).
+
+Part of the tree `asyncrl.config` assembles (and re-exports); kept apart so each file reads
+as one thing.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import pydantic
+from pydantic import Field
+
+from asyncrl.config_base import Section
+
+
+class LearnerConfig(Section):
+    world_size: int = Field(1, ge=1, le=1024)
+    """Learner ranks (N), sharded with FSDP2."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the learner; `auto` picks CUDA when present (NCCL), else CPU (gloo)."""
+    lr: float = Field(1e-5, gt=0)
+    """AdamW learning rate."""
+    weight_decay: float = Field(0.0, ge=0)
+    """AdamW weight decay."""
+    betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW betas."""
+    grad_clip: float = Field(1.0, gt=0)
+    """Clip the global gradient norm to this."""
+    micro_batch_size: int = Field(64, ge=1)
+    """Sequences per forward/backward on one rank (gradient accumulation above it); used when
+    max_tokens_per_micro_batch is 0."""
+    max_tokens_per_micro_batch: int = Field(0, ge=0)
+    """Token budget of one forward/backward (verl's use_dynamic_bsz): a rank's rows are packed
+    into micro-batches of at most this many tokens (a longer row gets one of its own); 0: count
+    rows (micro_batch_size). Rows are shared across ranks balanced by tokens either way."""
+    packing: bool = True
+    """Run the policy, reference and critic on packed sequences (no pad token is computed):
+    exact per-segment attention on CPU, flash-attention varlen on CUDA when installed.
+    false: right-padded rows (every row as long as the longest)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Compute dtype (FSDP2 MixedPrecisionPolicy): bfloat16 computes forward and backward in
+    bf16 while master weights, gradients' reduction, optimizer state and log-softmax stay fp32."""
+    activation_checkpointing: bool = False
+    """Recompute each decoder layer's activations in the backward instead of keeping them
+    (less memory, about a third more compute)."""
+    offload: bool = False
+    """Keep parameters, gradients and optimizer state in CPU memory between uses (FSDP2
+    CPUOffloadPolicy; the optimizer steps on CPU). Saves GPU memory on CUDA learners; on a CPU
+    learner they are in CPU memory already, so it only adds the policy's copies."""
+    lr_schedule: Literal["constant", "cosine"] = "constant"
+    """After warmup: constant, or cosine decay to min_lr_ratio x lr at trainer.total_steps."""
+    warmup_steps: int = Field(0, ge=0)
+    """Linear warmup from lr / (warmup_steps + 1) to lr over this many optimizer steps."""
+    min_lr_ratio: float = Field(0.0, ge=0.0, le=1.0)
+    """Cosine schedule: the final learning rate as a fraction of lr."""
+    ppo_epochs: int = Field(1, ge=1)
+    """Passes over each batch."""
+    ppo_mini_batch_size: int = Field(0, ge=0)
+    """Groups per optimizer step within a batch; 0: the whole batch is one mini-batch."""
+    critic_lr: float = Field(1e-3, gt=0)
+    """gae: AdamW learning rate of the critic (its value head starts from scratch)."""
+    bucket_mb: float = Field(64.0, gt=0)
+    """Weight broadcast bucket size."""
+    weight_checksum: bool = False
+    """Checksum the weights at every sync on both sides (for tests; costs a pass over the bytes)."""
+
+
+KLKind = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
+
+
+class AlgorithmConfig(Section):
+    adv_estimator: str = "grpo"
+    """Advantage estimator, a name in `asyncrl.advantages.ESTIMATORS` (verl's names: gae, grpo,
+    rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax). `gae` trains a critic;
+    `remax` samples a greedy baseline."""
+    norm_adv_by_std: bool = True
+    """GRPO: divide by the group's std (false gives Dr.GRPO)."""
+    gamma: float = Field(1.0, ge=0.0, le=1.0)
+    """Discount for gae and reinforce_plus_plus."""
+    lam: float = Field(1.0, ge=0.0, le=1.0)
+    """GAE lambda."""
+    policy_loss: Literal["ppo", "gspo"] = "ppo"
+    """`ppo`: token-level clipped ratio; `gspo`: sequence-level, length-normalised ratio."""
+    clip_ratio_low: float = Field(0.2, ge=0, le=1)
+    """Clip: ratio lower bound is 1 - this."""
+    clip_ratio_high: float = Field(0.2, ge=0)
+    """Clip: ratio upper bound is 1 + this (raise it for clip-higher / DAPO)."""
+    clip_ratio_c: float | None = Field(3.0, gt=1.0)
+    """Dual-clip bound for negative advantages (None disables it)."""
+    loss_agg_mode: Literal[
+        "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
+    ] = "token-mean"
+    """How token losses become one number (normalised over the whole batch, all ranks)."""
+    decoupled: bool = False
+    """Decoupled PPO: clip around a proximal policy recomputed by the learner before the update,
+    and weight tokens by behaviour -> proximal importance weights."""
+    is_level: Literal["off", "token", "sequence"] = "off"
+    """Truncated importance sampling behaviour -> proximal (needs decoupled=true; off with
+    decoupled: untruncated token-level weights, as AReaL)."""
+    is_cap: float | None = Field(2.0, gt=0)
+    """Cap of the truncated importance weight (None: no truncation)."""
+    reject_level: Literal["off", "token", "sequence"] = "off"
+    """Rejection mask on behaviour-vs-proximal divergence: drop tokens or whole sequences."""
+    reject_metric: Literal["ratio", "k1", "k2", "k3"] = "ratio"
+    """Quantity the rejection bounds apply to."""
+    reject_low: float | None = None
+    """Reject when the metric is below this."""
+    reject_high: float | None = None
+    """Reject when the metric is above this."""
+    use_kl_in_reward: bool = False
+    """Subtract kl_coef x KL(policy || reference) from the per-token reward."""
+    kl_penalty: KLKind = "kl"
+    """Estimator of the in-reward KL."""
+    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
+    """Fixed coefficient, or the adaptive controller of Ziegler et al. (2019)."""
+    kl_coef: float = Field(0.001, ge=0)
+    """(Initial) coefficient of the in-reward KL."""
+    kl_target: float = Field(0.1, gt=0)
+    """Adaptive controller: target KL."""
+    kl_horizon: int = Field(10000, ge=1)
+    """Adaptive controller: horizon."""
+    use_kl_loss: bool = False
+    """Add kl_loss_coef x KL(policy || reference) to the loss (GRPO style)."""
+    kl_loss_coef: float = Field(0.001, ge=0)
+    """Coefficient of the KL loss."""
+    kl_loss_type: KLKind = "low_var_kl"
+    """Estimator of the KL loss."""
+    entropy_coeff: float = Field(0.0, ge=0)
+    """Entropy bonus coefficient."""
+    value_clip: float = Field(0.5, gt=0)
+    """gae: clip range of the value loss around the old values."""
+
+    @pydantic.field_validator("is_level", "reject_level", mode="before")
+    @classmethod
+    def _yaml_off(cls, value: Any) -> Any:
+        """YAML reads a bare `off` (in a file or as `algorithm.is_level=off`) as false."""
+        return "off" if value is False else value

@@ -1,0 +1,46 @@
+"""The learner's model forwards: per-token log-probs, entropies and values of a micro-batch.
+
+Outputs are [b, T] aligned to *target* tokens (T = the batch's width - 1): position t holds
+what concerns input_ids[:, t + 1], the layout of `logits[:, :-1]`. With `packed=True` the model
+runs on the micro-batch's real tokens only (`learner.packing`) and the outputs are unpacked
+into that layout (0 past a row's end); with `packed=False` it runs on the right-padded rows.
+Log-softmax and entropy are computed in float32 whatever the compute dtype, and only at
+target positions (a packed forward never computes the vocabulary softmax of a pad token).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from learner.batch import TrainBatch
+from learner.losses import entropy_from_logits
+from learner.packing import pack_rows
+
+
+def _outputs(model: torch.nn.Module, mb: TrainBatch, packed: bool):
+    """(model outputs at the target positions [M, ...], targets [M], unpack: [M] -> [b, T])."""
+    width = mb.input_ids.shape[1] - 1
+    if packed:
+        p = pack_rows(mb.input_ids, mb.attention_mask)
+        out = model(input_ids=p.input_ids, position_ids=p.position_ids, **p.attention_kwargs())
+        return out.logits[0, p.flat], p.targets(), lambda v: p.unpack(v, width)
+    out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
+    return out, mb.input_ids[:, 1:], lambda v: v
+
+
+def policy_forward(
+    model: torch.nn.Module, mb: TrainBatch, temperature: float, with_entropy: bool, packed: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log p of each target token under softmax(logits / T), entropy or None), [b, T].
+    The same log-prob the engines report as behaviour log-probs."""
+    logits, targets, unpack = _outputs(model, mb, packed)
+    logits = logits.float() / temperature
+    logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
+    entropy = unpack(entropy_from_logits(logits)) if with_entropy else None
+    return unpack(logp), entropy
+
+
+def value_forward(critic: torch.nn.Module, mb: TrainBatch, packed: bool) -> torch.Tensor:
+    """V(state before each target token), [b, T]."""
+    values, _, unpack = _outputs(critic, mb, packed)
+    return unpack(values[..., 0].float())

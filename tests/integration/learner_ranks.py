@@ -1,0 +1,144 @@
+"""One learner rank of tests/integration/test_learner_exactness.py (run as a script, one process
+per rank, torchrun-style environment): the same batch trained padded and packed.
+
+For every loss_agg_mode it runs one update of a fresh FSDP2 model (same weights, same batch)
+twice: right-padded rows in row-count micro-batches, and packed rows in token-budget
+micro-batches (several per rank, uneven, so filler micro-batches run too). The optimizer is SGD
+with lr 1 and no clipping in effect, so the weight change of the step is minus the gradient.
+Rank 0 writes the largest differences of log-probs, losses and gradients (and critic values,
+and bf16-vs-fp32 log-probs) as JSON to argv[2].
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+import torch.distributed as dist
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from asyncrl.config import AlgorithmConfig, LearnerConfig
+from learner.batch import TrainBatch
+from learner.forward import policy_forward, value_forward
+from learner.fsdp import iter_full_tensors, setup_distributed, setup_model
+from learner.losses import AGGREGATION_MODES
+from learner.update import UpdateInputs, Updater, recompute
+
+VOCAB = 64
+TOKEN_BUDGET = 48
+
+
+def build_model(path: str) -> None:
+    """A random Llama with grouped-query attention (4 query heads, 2 key/value heads)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=0,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+
+
+def make_batch(rows: int = 22, groups_of: int = 2) -> TrainBatch:
+    """Rows of 3 to 40 tokens (long-tailed), prompts of 2 to 6, right-padded."""
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.clamp((torch.randn(rows, generator=g) * 0.7 + 2.4).exp().long(), 3, 40)
+    prompts = torch.randint(2, 7, (rows,), generator=g).clamp(max=lengths - 1)
+    width = int(lengths.max())
+    pos = torch.arange(width)[None]
+    attention = (pos < lengths[:, None]).long()
+    loss_mask = ((pos >= prompts[:, None]) & (pos < lengths[:, None])).float()
+    ids = torch.randint(1, VOCAB, (rows, width), generator=g) * attention
+    return TrainBatch(
+        input_ids=ids,
+        attention_mask=attention,
+        loss_mask=loss_mask,
+        old_logprobs=torch.zeros(rows, width),
+        versions=torch.zeros(rows, width, dtype=torch.int64),
+        rewards=torch.rand(rows, generator=g),
+        group_index=torch.arange(rows) // groups_of,
+        baseline_rewards=torch.full((rows,), float("nan")),
+    )
+
+
+def full_params(model) -> dict[str, torch.Tensor]:
+    return {name: t.clone() for name, t in iter_full_tensors(model)}
+
+
+def run_case(path, lc: LearnerConfig, algo: AlgorithmConfig, batch, old, adv, world, rank):
+    """(log-probs [B, T] before the step, loss, gradient per parameter)."""
+    device = torch.device("cpu")
+    model = setup_model(path, device, lc)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+    updater = Updater(model, optimizer, algo, lc, 1.0, world, rank, device)
+    plan = updater.plan(batch, torch.arange(batch.size))
+
+    def logp(m, b):
+        return policy_forward(m, b, 1.0, False, lc.packing)[0]
+
+    logprobs = recompute(model, batch, logp, plan, world, device)
+    before = full_params(model)
+    inputs = UpdateInputs(adv, old, None, None, None, None, None, None)
+    stats = updater.run(batch, inputs, 1, 0)
+    after = full_params(model)
+    return logprobs, stats["loss"], {k: before[k] - after[k] for k in before}
+
+
+def critic_values(path, lc: LearnerConfig, batch, world, rank) -> torch.Tensor:
+    torch.manual_seed(2)  # the value head starts from the same random init in both layouts
+    critic = setup_model(path, torch.device("cpu"), lc, head="value")
+    updater = Updater(critic, None, AlgorithmConfig(), lc, 1.0, world, rank, torch.device("cpu"))
+    plan = updater.plan(batch, torch.arange(batch.size))
+    return recompute(
+        critic, batch, lambda m, b: value_forward(m, b, lc.packing), plan, world, critic.device
+    )
+
+
+def main() -> None:
+    path, out = sys.argv[1], sys.argv[2]
+    rank, world, _ = setup_distributed("cpu")
+    batch = make_batch()
+    mask = batch.loss_mask[:, 1:] > 0
+    g = torch.Generator().manual_seed(3)
+    adv = torch.randn(mask.shape, generator=g) * mask
+    padded = LearnerConfig(packing=False, micro_batch_size=5, grad_clip=1e9)
+    packed = LearnerConfig(packing=True, max_tokens_per_micro_batch=TOKEN_BUDGET, grad_clip=1e9)
+    report: dict = {"rows": batch.size, "width": batch.input_ids.shape[1]}
+    old = None
+    for mode in AGGREGATION_MODES:
+        algo = AlgorithmConfig(loss_agg_mode=mode)
+        if old is None:  # behaviour log-probs near the model's own, so some ratios clip
+            ref_logp, _, _ = run_case(
+                path, padded, algo, batch, torch.zeros_like(adv), adv, world, rank
+            )
+            old = (ref_logp + 0.2 * torch.randn(mask.shape, generator=g)) * mask
+        a_logp, a_loss, a_grad = run_case(path, padded, algo, batch, old, adv, world, rank)
+        b_logp, b_loss, b_grad = run_case(path, packed, algo, batch, old, adv, world, rank)
+        report[mode] = {
+            "logprob_max_abs_diff": float((a_logp - b_logp)[mask].abs().max()),
+            "loss": [a_loss, b_loss],
+            "grad_max_abs_diff": max(float((a_grad[k] - b_grad[k]).abs().max()) for k in a_grad),
+            "grad_max_abs": max(float(a_grad[k].abs().max()) for k in a_grad),
+        }
+    values = [critic_values(path, lc, batch, world, rank) for lc in (padded, packed)]
+    report["value_max_abs_diff"] = float((values[0] - values[1])[mask].abs().max())
+    bf16 = packed.model_copy(update={"dtype": "bfloat16"})
+    algo = AlgorithmConfig()
+    fp32_logp, _, _ = run_case(path, packed, algo, batch, old, adv, world, rank)
+    bf16_logp, _, _ = run_case(path, bf16, algo, batch, old, adv, world, rank)
+    diff = (fp32_logp - bf16_logp)[mask].abs()
+    report["bf16_logprob_abs_diff"] = {"mean": float(diff.mean()), "max": float(diff.max())}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(report, f, indent=1)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
