@@ -31,8 +31,9 @@ def one_run(tree: Path, overrides: list[str], target: float, window: int, max_st
     cmd = [sys.executable, "-m", "asyncrl.launch.cli", "launch", f"trainer.run_dir={run_dir}"]
     cmd += [f"trainer.total_steps={max_steps}", "launch.progress=none", *overrides]
     start = time.time()
-    proc = subprocess.Popen(cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        cmd, cwd=tree, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
     metrics = run_dir / "metrics.jsonl"
     rewards: list[float] = []
     reached = None
@@ -68,8 +69,12 @@ def main() -> None:
     ap.add_argument("--target", type=float, default=0.8)
     ap.add_argument("--window", type=int, default=20)
     ap.add_argument("--max-steps", type=int, default=500)
-    ap.add_argument("--tree", action="append", default=[],
-                    help="NAME=PATH of a source tree (default: this checkout as 'here')")
+    ap.add_argument(
+        "--tree",
+        action="append",
+        default=[],
+        help="NAME=PATH of a source tree (default: this checkout as 'here')",
+    )
     ap.add_argument("overrides", nargs="*", help="config overrides for every run")
     args = ap.parse_args()
     here = Path(__file__).resolve().parents[1]
@@ -77,8 +82,9 @@ def main() -> None:
     results: dict[str, list[float | None]] = {name: [] for name in trees}
     for i in range(args.runs):
         for name, path in trees.items():
-            took, steps = one_run(Path(path), args.overrides, args.target, args.window,
-                                  args.max_steps)
+            took, steps = one_run(
+                Path(path), args.overrides, args.target, args.window, args.max_steps
+            )
             results[name].append(took)
             shown = f"{took:.1f} s" if took is not None else "not reached"
             print(f"run {i + 1}/{args.runs} {name}: {shown} ({steps} steps)", flush=True)
