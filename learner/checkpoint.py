@@ -3,7 +3,7 @@
 A checkpoint directory `run_dir/checkpoints/step_<version>` holds `dcp/` (every rank's shards
 of the policy, its optimizer and, with a critic, the critic's), `trainer.json` (version, KL
 coefficient) and `replay.json` (the replay's data position, written by the replay). The
-learning-rate schedule needs no state: it is a function of the version (`learner.schedule`).
+learning-rate schedule needs no state: it is a function of the version (`learner.optim`).
 """
 
 from __future__ import annotations

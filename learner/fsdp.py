@@ -74,8 +74,12 @@ def setup_model(
     if not trainable:
         model.requires_grad_(False)
         model.eval()
-    elif lc.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        model.train()  # (transformers checkpoints activations only in training mode)
+        if lc.activation_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False}
+            )
     options = {}
     if lc.dtype == "bfloat16":
         options["mp_policy"] = MixedPrecisionPolicy(

@@ -48,7 +48,7 @@ from learner.losses import (
     mismatch_kl,
     rejection_mask,
 )
-from learner.schedule import lr_factor, set_lr
+from learner.optim import lr_factor, set_lr, setup_optimizer
 from learner.update import UpdateInputs, Updater, recompute
 
 log = logging.getLogger("asyncrl.learner")
@@ -63,9 +63,7 @@ class Learner:
         lc = cfg.learner
         self.model = setup_model(spec.model_path, device, lc)
         self.model.train()
-        self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=lc.lr, betas=lc.betas, weight_decay=lc.weight_decay
-        )
+        self.optimizer = setup_optimizer(self.model, lc.lr, lc)
         self.sync_dtype = getattr(torch, cfg.rollout.dtype)  # weights go out in the engine's
         self.specs = param_specs(self.model, self.sync_dtype)
         self.temperature = cfg.rollout.temperature or 1.0
@@ -78,12 +76,7 @@ class Learner:
         if ESTIMATORS[algo.adv_estimator].needs_critic:
             self.critic = setup_model(spec.model_path, device, lc, head="value")
             self.critic.train()
-            self.critic_optimizer = torch.optim.AdamW(
-                self.critic.parameters(),
-                lr=lc.critic_lr,
-                betas=lc.betas,
-                weight_decay=lc.weight_decay,
-            )
+            self.critic_optimizer = setup_optimizer(self.critic, lc.critic_lr, lc)
         self.kl_ctrl = (
             AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
             if algo.kl_ctrl == "adaptive"
@@ -251,7 +244,7 @@ class Learner:
         return inputs, metrics
 
     def update(self, batch: TrainBatch, inputs: UpdateInputs, version: int) -> dict[str, float]:
-        """PPO epochs over the batch at the scheduled learning rate (`learner.schedule`)."""
+        """PPO epochs over the batch at the scheduled learning rate (`learner.optim`)."""
         lc = self.cfg.learner
         factor = lr_factor(version, lc, self.cfg.trainer.total_steps)
         set_lr(self.optimizer, lc.lr * factor)

@@ -5,8 +5,9 @@ For every loss_agg_mode it runs one update of a fresh FSDP2 model (same weights,
 twice: right-padded rows in row-count micro-batches, and packed rows in token-budget
 micro-batches (several per rank, uneven, so filler micro-batches run too). The optimizer is SGD
 with lr 1 and no clipping in effect, so the weight change of the step is minus the gradient.
-Rank 0 writes the largest differences of log-probs, losses and gradients (and critic values,
-and bf16-vs-fp32 log-probs) as JSON to argv[2].
+Activation checkpointing and CPU offload must give the packed run's numbers too. Rank 0 writes
+the largest differences of log-probs, losses and gradients (and critic values, and bf16-vs-fp32
+log-probs) as JSON to argv[2].
 """
 
 from __future__ import annotations
@@ -128,9 +129,17 @@ def main() -> None:
         }
     values = [critic_values(path, lc, batch, world, rank) for lc in (padded, packed)]
     report["value_max_abs_diff"] = float((values[0] - values[1])[mask].abs().max())
-    bf16 = packed.model_copy(update={"dtype": "bfloat16"})
     algo = AlgorithmConfig()
-    fp32_logp, _, _ = run_case(path, packed, algo, batch, old, adv, world, rank)
+    fp32_logp, fp32_loss, fp32_grad = run_case(path, packed, algo, batch, old, adv, world, rank)
+    for saver in ("activation_checkpointing", "offload"):  # same arithmetic, less memory
+        lc = packed.model_copy(update={saver: True})
+        logp, loss, grad = run_case(path, lc, algo, batch, old, adv, world, rank)
+        report[saver] = {
+            "logprob_max_abs_diff": float((logp - fp32_logp)[mask].abs().max()),
+            "loss": [fp32_loss, loss],
+            "grad_max_abs_diff": max(float((grad[k] - fp32_grad[k]).abs().max()) for k in grad),
+        }
+    bf16 = packed.model_copy(update={"dtype": "bfloat16"})
     bf16_logp, _, _ = run_case(path, bf16, algo, batch, old, adv, world, rank)
     diff = (fp32_logp - bf16_logp)[mask].abs()
     report["bf16_logprob_abs_diff"] = {"mean": float(diff.mean()), "max": float(diff.max())}

@@ -67,6 +67,14 @@ def test_packed_matches_padded_with_token_budget_on_two_ranks(report, mode):
     assert case["grad_max_abs_diff"] < TOLERANCE
 
 
+@pytest.mark.parametrize("saver", ["activation_checkpointing", "offload"])
+def test_memory_savers_do_not_change_the_step(report, saver):
+    case = report[saver]
+    assert case["logprob_max_abs_diff"] < TOLERANCE
+    assert abs(case["loss"][0] - case["loss"][1]) < TOLERANCE
+    assert case["grad_max_abs_diff"] < TOLERANCE
+
+
 def test_packed_critic_values_match_padded(report):
     assert report["value_max_abs_diff"] < TOLERANCE
 

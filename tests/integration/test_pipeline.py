@@ -16,9 +16,10 @@ pytestmark = pytest.mark.integration
 STEPS = 4
 
 
-def _run(tmp_path: Path, cache: Path, max_staleness: int) -> Path:
+def _run(tmp_path: Path, cache: Path, max_staleness: int, extra: list[str]) -> Path:
     cfg = load_config(
         overrides=[
+            *extra,
             f"trainer.run_dir={tmp_path / 'run'}",
             f"trainer.cache_dir={cache}",
             "trainer.warmstart_steps=100",
@@ -45,9 +46,20 @@ def model_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("model_cache")
 
 
-@pytest.mark.parametrize("max_staleness", [0, 2])
-def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness):
-    run_dir = _run(tmp_path, model_cache, max_staleness)
+BF16 = [
+    "learner.dtype=bfloat16",
+    "rollout.dtype=bfloat16",  # weights go out in bf16, half the bytes
+    "learner.max_tokens_per_micro_batch=64",
+    "learner.warmup_steps=2",
+    "learner.lr=3e-4",
+]
+
+
+@pytest.mark.parametrize(
+    ("max_staleness", "extra"), [(0, []), (2, []), (2, BF16)], ids=["sync", "async", "async-bf16"]
+)
+def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness, extra):
+    run_dir = _run(tmp_path, model_cache, max_staleness, extra)
 
     # versions advance, one metrics line per step
     metrics = read_jsonl(run_dir / "metrics.jsonl")
@@ -106,6 +118,13 @@ def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness):
     assert all(s["unacked_at_exit"] == 0 for s in servers)
     # (with max_staleness=0 one server may get every lease: the other then reports zeros)
     assert stats["accepted"] >= len(used)
+
+    # the learning rate follows the schedule: warmup (lr/3, 2lr/3), then constant
+    if "learner.warmup_steps=2" in extra:
+        lrs = [m["lr"] for m in metrics]
+        assert lrs == pytest.approx([1e-4, 2e-4, 3e-4, 3e-4][:STEPS])
+    else:
+        assert len({m["lr"] for m in metrics}) == 1
 
     # the final weights are an ordinary Hugging Face model
     from transformers import AutoModelForCausalLM

@@ -1,6 +1,8 @@
-"""The learning-rate schedule: linear warmup, then constant or cosine decay (`learner.lr_*`).
+"""The optimizer (AdamW) and its learning-rate schedule: linear warmup, then constant or cosine
+decay (`learner.lr_schedule`, `learner.warmup_steps`).
 
-The rate is a pure function of the learner step (the version being trained), so a resumed run
+The optimizer is torch's fused AdamW (one kernel over all parameters instead of a Python loop
+over them: a fixed cost per step that a small model feels). The rate is a pure function of the learner step (the version being trained), so a resumed run
 continues the schedule exactly where the checkpoint left it, with no scheduler state to save.
 """
 
@@ -24,6 +26,12 @@ def lr_factor(step: int, lc: LearnerConfig, total_steps: int) -> float:
         return 1.0
     progress = min(1.0, (step - warmup) / max(1, total_steps - 1 - warmup))
     return lc.min_lr_ratio + (1.0 - lc.min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def setup_optimizer(model: torch.nn.Module, lr: float, lc: LearnerConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(
+        model.parameters(), lr=lr, betas=lc.betas, weight_decay=lc.weight_decay, fused=True
+    )
 
 
 def set_lr(optimizer: torch.optim.Optimizer, lr: float) -> None:
