@@ -37,6 +37,9 @@ class TrainBatch:
         """The rows at `index` (a new batch; tensors are copies)."""
         return TrainBatch(**{f.name: getattr(self, f.name)[index] for f in fields(self)})
 
+    def to(self, device: torch.device) -> TrainBatch:
+        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+
 
 def from_message(msg: Batch, pad_id: int) -> TrainBatch:
     """Pack the flat arrays of a Batch into right-padded [B, L] tensors."""

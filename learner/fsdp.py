@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
-from transformers import AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
 
 from asyncrl.binds import bind_collectives_to, setup_store
 from asyncrl.config import LearnerConfig
@@ -67,7 +67,11 @@ def setup_model(
     one-output token-classification head (the critic; the head starts from scratch)."""
     kwargs = {"dtype": torch.float32, "attn_implementation": attention_implementation(lc, device)}
     if head == "value":
-        model = AutoModelForTokenClassification.from_pretrained(model_path, num_labels=1, **kwargs)
+        # no dropout before the value head (transformers defaults it to 0.1): values are
+        # targets and baselines, and a noisy critic would make them random
+        config = AutoConfig.from_pretrained(model_path, num_labels=1)
+        config.classifier_dropout = 0.0
+        model = AutoModelForTokenClassification.from_pretrained(model_path, config=config, **kwargs)
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     model.to(device)
@@ -96,11 +100,13 @@ def setup_model(
 
 
 def attention_implementation(lc: LearnerConfig, device: torch.device) -> str:
-    """sdpa on padded rows; on packed rows flash-attn's varlen kernel (CUDA, when installed),
-    else asyncrl's exact per-row SDPA (`learner.packing`)."""
+    """sdpa on padded rows; on packed rows flash-attn's varlen kernel (CUDA in bf16, when
+    installed: flash-attn has no fp32 kernel), else asyncrl's exact per-row SDPA
+    (`learner.packing`)."""
     if not lc.packing:
         return "sdpa"
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    flash = importlib.util.find_spec("flash_attn") is not None
+    if device.type == "cuda" and lc.dtype == "bfloat16" and flash:
         return "flash_attention_2"
     return register_packed_attention()
 

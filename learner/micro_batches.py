@@ -63,14 +63,19 @@ def plan_micro_batches(
     micro_rows: int,
     max_tokens: int = 0,
 ) -> list[MicroBatch]:
-    """This rank's micro-batches over `rows`; every rank gets the same number of them."""
+    """This rank's micro-batches over `rows`; every rank gets the same number of them (their
+    tensors on `tokens`' device)."""
     per_rank = [
         cut(part, tokens, micro_rows, max_tokens) for part in balance_rows(rows, tokens, world)
     ]
     count = max(1, max(len(bins) for bins in per_rank))
+    device = tokens.device
     mine = [
-        MicroBatch(torch.tensor(sorted(b), dtype=torch.int64), torch.ones(len(b)))
+        MicroBatch(
+            torch.tensor(sorted(b), dtype=torch.int64, device=device),
+            torch.ones(len(b), device=device),
+        )
         for b in per_rank[rank]
     ]
-    filler = MicroBatch(rows[:1].clone(), torch.zeros(1))
+    filler = MicroBatch(rows[:1].to(device), torch.zeros(1, device=device))
     return mine + [filler] * (count - len(mine))

@@ -145,6 +145,8 @@ class Learner:
             return None, info
         if self.world > 1:
             batch = broadcast_batch(batch, self.rank, self.device)
+        else:
+            batch = batch.to(self.device)
         return batch, info
 
     def compute_logprobs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -152,7 +154,8 @@ class Learner:
         (decoupled PPO, IS, rejection), frozen reference (KL), critic values (gae)."""
         out: dict[str, torch.Tensor] = {}
         packed = self.cfg.learner.packing
-        args = (self.updater.plan(batch, torch.arange(batch.size)), self.world, self.device)
+        every_row = torch.arange(batch.size, device=self.device)
+        args = (self.updater.plan(batch, every_row), self.world, self.device)
 
         def logp(model, b):
             return policy_forward(model, b, self.temperature, False, packed)[0]
@@ -395,7 +398,7 @@ class Learner:
             **info["traj_metrics"],
             **info["fleet"],
             "staleness_hist": np.bincount(
-                staleness.long().numpy(), minlength=self.cfg.replay.max_staleness + 1
+                staleness.long().cpu().numpy(), minlength=self.cfg.replay.max_staleness + 1
             ).tolist(),
             "response_len_p50": float(np.percentile(lengths, 50)),
             "response_len_max": float(max(lengths)),

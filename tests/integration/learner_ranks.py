@@ -1,5 +1,6 @@
 """One learner rank of tests/integration/test_learner_exactness.py (run as a script, one process
-per rank, torchrun-style environment): the same batch trained padded and packed.
+per rank, torchrun-style environment; argv: model dir, report path, device cpu|cuda): the same
+batch trained padded and packed.
 
 For every loss_agg_mode it runs one update of a fresh FSDP2 model (same weights, same batch)
 twice: right-padded rows in row-count micro-batches, and packed rows in token-budget
@@ -69,16 +70,16 @@ def make_batch(rows: int = 22, groups_of: int = 2) -> TrainBatch:
 
 
 def full_params(model) -> dict[str, torch.Tensor]:
-    return {name: t.clone() for name, t in iter_full_tensors(model)}
+    return {name: t.cpu().clone() for name, t in iter_full_tensors(model)}
 
 
 def run_case(path, lc: LearnerConfig, algo: AlgorithmConfig, batch, old, adv, world, rank):
     """(log-probs [B, T] before the step, loss, gradient per parameter)."""
-    device = torch.device("cpu")
+    device = batch.input_ids.device
     model = setup_model(path, device, lc)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     updater = Updater(model, optimizer, algo, lc, 1.0, world, rank, device)
-    plan = updater.plan(batch, torch.arange(batch.size))
+    plan = updater.plan(batch, torch.arange(batch.size, device=device))
 
     def logp(m, b):
         return policy_forward(m, b, 1.0, False, lc.packing)[0]
@@ -93,21 +94,22 @@ def run_case(path, lc: LearnerConfig, algo: AlgorithmConfig, batch, old, adv, wo
 
 def critic_values(path, lc: LearnerConfig, batch, world, rank) -> torch.Tensor:
     torch.manual_seed(2)  # the value head starts from the same random init in both layouts
-    critic = setup_model(path, torch.device("cpu"), lc, head="value")
-    updater = Updater(critic, None, AlgorithmConfig(), lc, 1.0, world, rank, torch.device("cpu"))
-    plan = updater.plan(batch, torch.arange(batch.size))
+    device = batch.input_ids.device
+    critic = setup_model(path, device, lc, head="value")
+    updater = Updater(critic, None, AlgorithmConfig(), lc, 1.0, world, rank, device)
+    plan = updater.plan(batch, torch.arange(batch.size, device=device))
     return recompute(
-        critic, batch, lambda m, b: value_forward(m, b, lc.packing), plan, world, critic.device
+        critic, batch, lambda m, b: value_forward(m, b, lc.packing), plan, world, device
     )
 
 
 def main() -> None:
     path, out = sys.argv[1], sys.argv[2]
-    rank, world, _ = setup_distributed("cpu")
-    batch = make_batch()
+    rank, world, device = setup_distributed(sys.argv[3] if len(sys.argv) > 3 else "cpu")
+    batch = make_batch().to(device)
     mask = batch.loss_mask[:, 1:] > 0
     g = torch.Generator().manual_seed(3)
-    adv = torch.randn(mask.shape, generator=g) * mask
+    adv = torch.randn(mask.shape, generator=g).to(device) * mask
     padded = LearnerConfig(packing=False, micro_batch_size=5, grad_clip=1e9)
     packed = LearnerConfig(packing=True, max_tokens_per_micro_batch=TOKEN_BUDGET, grad_clip=1e9)
     report: dict = {"rows": batch.size, "width": batch.input_ids.shape[1]}
@@ -118,7 +120,7 @@ def main() -> None:
             ref_logp, _, _ = run_case(
                 path, padded, algo, batch, torch.zeros_like(adv), adv, world, rank
             )
-            old = (ref_logp + 0.2 * torch.randn(mask.shape, generator=g)) * mask
+            old = (ref_logp + 0.2 * torch.randn(mask.shape, generator=g).to(device)) * mask
         a_logp, a_loss, a_grad = run_case(path, padded, algo, batch, old, adv, world, rank)
         b_logp, b_loss, b_grad = run_case(path, packed, algo, batch, old, adv, world, rank)
         report[mode] = {

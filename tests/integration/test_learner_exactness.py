@@ -1,6 +1,7 @@
 """Packing is exact: two real learner ranks (gloo, FSDP2) train the same batch right-padded and
 packed, with token-budget micro-batches, and agree on log-probs, losses and gradients within
-1e-5 for every loss_agg_mode (tests/integration/learner_ranks.py does the work)."""
+1e-5 for every loss_agg_mode (tests/integration/learner_ranks.py does the work). The `gpu`
+variant runs the same on one CUDA rank (NCCL), bf16 included."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from asyncrl.transport import free_port
 
@@ -19,8 +21,17 @@ ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(scope="module")
-def report(tmp_path_factory) -> dict:
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(
+    scope="module",
+    params=["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, CUDA])],
+)
+def report(request, tmp_path_factory) -> dict:
+    """cpu: two gloo ranks. cuda: one NCCL rank (NCCL refuses two ranks on one GPU)."""
+    device = request.param
+    world = 2 if device == "cpu" else 1
     tmp = tmp_path_factory.mktemp("exact")
     model, out = tmp / "model", tmp / "report.json"
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1")
@@ -37,16 +48,16 @@ def report(tmp_path_factory) -> dict:
     port = free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, str(RANKS), str(model), str(out)],
+            [sys.executable, str(RANKS), str(model), str(out), device],
             env=env
             | {
                 "RANK": str(r),
-                "WORLD_SIZE": "2",
+                "WORLD_SIZE": str(world),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
             },
         )
-        for r in range(2)
+        for r in range(world)
     ]
     for p in procs:
         assert p.wait(timeout=300) == 0

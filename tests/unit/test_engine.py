@@ -243,3 +243,32 @@ async def test_update_weights_rejects_mismatch_and_applies_nothing(tokenizer, ra
     out = await engine.generate([5, 6, 7], SamplingParams(max_new_tokens=2))
     assert out.version == 4
     await engine.close()
+
+
+@pytest.mark.parametrize(
+    "device",
+    [
+        "cpu",
+        pytest.param(
+            "cuda",
+            marks=[
+                pytest.mark.gpu,
+                pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+            ],
+        ),
+    ],
+)
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+async def test_engine_dtype_and_device(random_model_path, prompts, device, dtype):
+    """rollout.dtype: the engine holds its weights in that dtype (the learner sends them so:
+    a bf16 engine takes half the bytes) and its behaviour log-probs stay close to the fp32
+    recompute (float32: 1e-4 as on CPU; bfloat16: loosely, its rounding is real)."""
+    engine = HFEngine(random_model_path, device=device, seed=0, dtype=dtype)
+    assert {t.dtype for _, t in engine.named_weights()} == {getattr(torch, dtype)}
+    params = [SamplingParams(temperature=1.0, max_new_tokens=8) for _ in prompts]
+    outputs = await _generate_all(engine, prompts, params)
+    await engine.close()
+    expected = _recompute_logprobs(random_model_path, prompts, outputs, [1.0] * len(prompts))
+    bound = 1e-4 if dtype == "float32" else 0.1
+    for out, ref in zip(outputs, expected, strict=True):
+        assert (torch.tensor(out.logprobs) - ref).abs().max().item() < bound
