@@ -80,6 +80,13 @@ class VLLMConfig(_Section):
     max_num_seqs: int = Field(256, ge=1)
     """Most sequences vLLM schedules at once (its continuous batch)."""
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _dtype_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "dtype" in data:
+            raise ValueError("rollout.vllm.dtype is now rollout.dtype (both engines use it)")
+        return data
+
 
 class RolloutConfig(_Section):
     num_servers: int = Field(1, ge=1, le=256)

@@ -55,3 +55,9 @@ def test_dry_run_prints_resolved_config(capsys):
 def test_cli_rejects_bad_override_before_starting(capsys):
     assert main(["launch", "rollout.n=0"]) == 2
     assert "rollout.n" in capsys.readouterr().err
+
+
+def test_vllm_dtype_names_its_new_home():
+    with pytest.raises(ConfigError, match="rollout.vllm.dtype is now rollout.dtype"):
+        load_config(None, ["rollout.vllm.dtype=bfloat16"])
+    assert load_config(None, ["rollout.dtype=bfloat16"]).rollout.dtype == "bfloat16"
