@@ -41,3 +41,10 @@ def smollm2_dir(tmp_path_factory) -> Path:
     ]
     subprocess.run(cmd, check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}, timeout=600)
     return out
+
+
+@pytest.fixture(scope="session")
+def default_model_cache(tmp_path_factory) -> Path:
+    """A `trainer.cache_dir` shared by the tests that run the embedded default as shipped (its
+    300-step warm-start is built once per session, not once per test)."""
+    return tmp_path_factory.mktemp("default_model_cache")

@@ -17,7 +17,9 @@ pytestmark = pytest.mark.integration
 STEPS = 200  # the local launcher's default run: reward ~0.30 -> ~0.77 over its first 200 steps
 
 
-def _launch(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+def _launch(
+    tmp_path: Path, *overrides: str, cache: Path | None = None
+) -> tuple[subprocess.Popen, Path]:
     run_dir = tmp_path / "run"
     argv = [
         sys.executable,
@@ -25,7 +27,7 @@ def _launch(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
         "asyncrl.launch.cli",
         "launch",
         "launch.backend=ray",
-        f"trainer.cache_dir={tmp_path / 'cache'}",
+        f"trainer.cache_dir={cache or tmp_path / 'cache'}",
         f"trainer.run_dir={run_dir}",
         "launch.progress=line",
         *overrides,
@@ -38,8 +40,8 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def test_the_embedded_default_learns_under_ray(tmp_path):
-    proc, run_dir = _launch(tmp_path, f"trainer.total_steps={STEPS}")
+def test_the_embedded_default_learns_under_ray(tmp_path, default_model_cache):
+    proc, run_dir = _launch(tmp_path, f"trainer.total_steps={STEPS}", cache=default_model_cache)
     out, err = proc.communicate(timeout=480)
     assert proc.returncode == 0, err
 
