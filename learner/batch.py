@@ -42,26 +42,36 @@ class TrainBatch:
 
 
 def from_message(msg: Batch, pad_id: int) -> TrainBatch:
-    """Pack the flat arrays of a Batch into right-padded [B, L] tensors."""
-    po, ro = msg.prompt_offsets, msg.response_offsets
+    """Pack the flat arrays of a Batch into right-padded [B, L] tensors.
+
+    Vectorised: each flat token is scattered to its (row, column) in one indexed assignment
+    per tensor, with no Python loop over rows (offsets rise from 0, as `Batch.validate`
+    checks)."""
+    po = torch.from_numpy(msg.prompt_offsets.astype("int64"))
+    ro = torch.from_numpy(msg.response_offsets.astype("int64"))
     b = len(msg.traj_ids)
-    lengths = [(po[i + 1] - po[i]) + (ro[i + 1] - ro[i]) for i in range(b)]
-    seq_len = int(max(lengths))
+    n_prompt, n_resp = po[1:] - po[:-1], ro[1:] - ro[:-1]
+    lengths = n_prompt + n_resp
+    seq_len = int(lengths.max())
+    rows = torch.arange(b)
+    p_row = torch.repeat_interleave(rows, n_prompt)  # the row of each flat prompt token
+    p_col = torch.arange(int(po[-1])) - po[:-1][p_row]
+    r_row = torch.repeat_interleave(rows, n_resp)  # the row of each flat response token
+    r_col = torch.arange(int(ro[-1])) - ro[:-1][r_row] + n_prompt[r_row]
+
+    def flat(values, dtype: str) -> torch.Tensor:
+        return torch.from_numpy(values.astype(dtype))
+
     input_ids = torch.full((b, seq_len), pad_id, dtype=torch.int64)
-    attention_mask = torch.zeros((b, seq_len), dtype=torch.int64)
+    input_ids[p_row, p_col] = flat(msg.prompt_ids, "int64")
+    input_ids[r_row, r_col] = flat(msg.response_ids, "int64")
+    attention_mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).to(torch.int64)
     loss_mask = torch.zeros((b, seq_len), dtype=torch.float32)
+    loss_mask[r_row, r_col] = flat(msg.loss_mask, "float32")
     old_logprobs = torch.zeros((b, seq_len), dtype=torch.float32)
+    old_logprobs[r_row, r_col] = flat(msg.behaviour_logprobs, "float32")
     versions = torch.full((b, seq_len), -1, dtype=torch.int64)
-    for i in range(b):
-        p = torch.from_numpy(msg.prompt_ids[po[i] : po[i + 1]].astype("int64"))
-        r = slice(ro[i], ro[i + 1])
-        n_p, n_r = len(p), ro[i + 1] - ro[i]
-        input_ids[i, :n_p] = p
-        input_ids[i, n_p : n_p + n_r] = torch.from_numpy(msg.response_ids[r].astype("int64"))
-        attention_mask[i, : n_p + n_r] = 1
-        loss_mask[i, n_p : n_p + n_r] = torch.from_numpy(msg.loss_mask[r].astype("float32"))
-        old_logprobs[i, n_p : n_p + n_r] = torch.from_numpy(msg.behaviour_logprobs[r].copy())
-        versions[i, n_p : n_p + n_r] = torch.from_numpy(msg.versions[r].astype("int64"))
+    versions[r_row, r_col] = flat(msg.versions, "int64")
     group_of: dict[str, int] = {}
     group_index = torch.tensor([group_of.setdefault(g, len(group_of)) for g in msg.group_ids])
     return TrainBatch(

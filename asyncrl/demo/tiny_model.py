@@ -14,8 +14,6 @@ Invariants:
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import json
 import math
 import os
@@ -24,7 +22,6 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -38,10 +35,13 @@ from transformers import (
 )
 
 from asyncrl.data import render_prompt_ids
+from asyncrl.demo.model_cache import (
+    P_CORRECT,
+    TinyModelSpec,
+    cache_key,
+    embedded_model_dir,
+)
 from asyncrl.demo.tasks import ArithmeticTask, ToolArithmeticTask
-
-FORMAT_VERSION = 1
-"""Bump when the tokenizer, template, model or warm-start recipe changes: old caches go stale."""
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
@@ -82,20 +82,6 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
-
-
-@dataclass(frozen=True)
-class TinyModelSpec:
-    """Shape of the embedded Llama. Head dim is hidden_size / num_attention_heads = 32, the
-    smallest that vLLM's attention kernels accept."""
-
-    hidden_size: int = 128
-    intermediate_size: int = 256
-    num_hidden_layers: int = 2
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 4
-    max_position_embeddings: int = 256
-    tie_word_embeddings: bool = False
 
 
 def build_tiny_model(
@@ -168,7 +154,7 @@ def prepare_embedded_model(
     warmstart_steps: int,
     seed: int,
     spec: TinyModelSpec = TinyModelSpec(),  # noqa: B008 (frozen, so a shared default is safe)
-    p_correct: float = 0.35,
+    p_correct: float = P_CORRECT,
     log: Callable[[str], None] = print,
 ) -> Path:
     """The warm-started embedded model as a Hugging Face directory, built once and cached.
@@ -179,18 +165,8 @@ def prepare_embedded_model(
     half-written cache entry; if two processes race, the first rename wins).
     """
     cache_dir = Path(cache_dir)
-    key = {
-        "format": FORMAT_VERSION,
-        "spec": dataclasses.asdict(spec),
-        "task": dataclasses.asdict(task),
-        "warmstart_steps": warmstart_steps,
-        "seed": seed,
-        "p_correct": p_correct,
-    }
-    if isinstance(task, ToolArithmeticTask):  # absent for ArithmeticTask: its keys are unchanged
-        key["task_kind"] = "arith_tool"
-    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    final = cache_dir / f"tiny-llama-{digest}"
+    key = cache_key(task, warmstart_steps, seed, spec, p_correct)
+    final = embedded_model_dir(cache_dir, key)
     if final.is_dir():
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,10 @@
 """The local backend (`launch.backend=local`): the fleets as child processes of the launcher.
 
 Each process is `python -m asyncrl.launch.worker ROLE run_dir/launch.json`, logging to
-`run_dir/logs/<name>.log`. Children run in their own sessions (so a terminal's Ctrl-C reaches
+`run_dir/logs/<name>.log`. All of them start at once, the replay first, and the launcher then
+waits until the replay answers: their imports (seconds of torch and transformers) overlap, and
+a server or learner that is ready before the replay waits on its socket, as it would for a
+replay that restarts. Children run in their own sessions (so a terminal's Ctrl-C reaches
 only the launcher, which then stops them in order) and die with the launcher even if it is
 killed outright (Linux parent-death signal), so no process outlives a run.
 
@@ -184,11 +187,6 @@ def start_local_fleets(
     worker = [sys.executable, "-m", "asyncrl.launch.worker"]
     try:
         fleet.start("replay", [*worker, "replay", str(spec_path)], process_env(spec, "replay"))
-        wait_for_replay(
-            fleet,
-            lambda: replay_answers(spec.replay_address, client_key(spec)),
-            cfg.launch.startup_timeout_s,
-        )
         for i in range(cfg.rollout.num_servers):
             name = f"server_{i}"
             argv = [*worker, "server", str(spec_path), "--index", str(i)]
@@ -201,6 +199,11 @@ def start_local_fleets(
             )
             proc = fleet.start(name, [*worker, "learner", str(spec_path)], env)
             proc.essential_until_end = False  # learner ranks finishing (code 0) ends the run
+        wait_for_replay(
+            fleet,
+            lambda: replay_answers(spec.replay_address, client_key(spec)),
+            cfg.launch.startup_timeout_s,
+        )
     except BaseException:
         fleet.stop_all()
         raise

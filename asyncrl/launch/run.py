@@ -20,8 +20,8 @@ from asyncrl.metrics import read_jsonl
 
 
 def start_fleets(cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True) -> Fleet:
-    """Start the replay (and wait until it answers), the servers and, when training, the
-    learner ranks, with the configured backend. Without a learner the servers keep the weights
+    """Start the replay, the servers and, when training, the learner ranks, with the
+    configured backend, and wait until the replay answers. Without a learner the servers keep the weights
     they loaded."""
     if cfg.launch.backend == "ray":
         try:

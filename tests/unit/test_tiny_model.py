@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -143,3 +145,23 @@ def test_prepare_embedded_model_caches_atomically(tmp_path: Path) -> None:
         tokenizer.convert_tokens_to_ids("<|assistant|>")
     )
     assert model.config.num_hidden_layers == TinyModelSpec().num_hidden_layers
+
+
+def test_the_launcher_finds_a_cached_model_without_importing_the_model_code(tmp_path: Path) -> None:
+    """A cache hit costs a hash and a stat: prepare_model never imports tiny_model (torch,
+    transformers), and names the very directory prepare_embedded_model built."""
+    built = prepare_embedded_model(tmp_path, ArithmeticTask(), warmstart_steps=2, seed=3)
+    code = (
+        "import sys\n"
+        "from asyncrl.config import load_config\n"
+        "from asyncrl.launch.fleet import prepare_model\n"
+        f"cfg = load_config(None, ['trainer.cache_dir={tmp_path}', 'trainer.warmstart_steps=2',"
+        " 'trainer.seed=3'])\n"
+        "print(prepare_model(cfg, log=lambda m: print('LOG', m)))\n"
+        "print(sorted(m for m in ('transformers', 'asyncrl.demo.tiny_model') if m in sys.modules))\n"
+    )
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", code], cwd=root, capture_output=True, text=True, check=True
+    ).stdout.splitlines()
+    assert out == [str(built), "[]"]
