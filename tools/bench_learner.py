@@ -1,0 +1,444 @@
+"""Learner throughput, memory and weight-sync cost, configurations side by side in one run.
+
+    python tools/bench_learner.py [--model DIR] [--rows 16] [--batch-rows 256] [--n 4]
+                                  [--steps 1] [--max-tokens 4096] [--micro-rows 2] [--threads N]
+                                  [--configs fp32-padded,fp32-packed,...] [--sync-dtypes
+                                  float32,bfloat16] [--sync-reps 5] [--tiny] [--json OUT.json]
+
+The batch: a whole batch of `--batch-rows` samples (groups of `--n` sharing a prompt) gets
+long-tailed response lengths: lognormal, median 128 and p99 1024 tokens (sigma = ln 8 /
+2.326), clipped to [1, 1024]; prompts lognormal around 96 tokens, clipped to [64, 128]. The
+learner trains its first `--rows` samples (random token ids and advantages), right-padded to
+the longest row of the whole batch, as a padded learner pads them (a 16-row batch of its own
+would rarely hold a row near the cap). Length statistics and padding waste (1 - real tokens /
+(rows x longest)) are printed first.
+
+Then each configuration, in a fresh learner process (world size 1, gloo, `--threads`):
+1. `fp32-padded`: right-padded rows, `--micro-rows` rows per micro-batch;
+2. `fp32-packed`: packed rows, token-budget micro-batches of `--max-tokens`;
+3. `bf16-packed`: the same with bf16 compute (fp32 master weights);
+4. `bf16-ckpt`: and activation checkpointing;
+5. `bf16-offload`: and CPU offload (on a CPU learner the weights are in host memory already,
+   so this measures the offload policy's own overhead only).
+Each runs one warm-up `Updater.run` (PPO, behaviour log-probs = the model's own plus noise)
+and `--steps` timed ones: learner tokens/s (real, unpadded tokens per second of update),
+seconds per update, and the process's peak RSS. Targets: packed >= 2x padded tokens/s;
+checkpointing lowers peak memory (reported in MiB and % against `bf16-packed`); bf16 log-probs
+stay close to fp32 (mean and max abs difference on response tokens, before any update).
+
+Weight sync: a learner process sends full versions of the model to one receiver process over
+the real path (`iter_full_tensors` -> `WeightBroadcaster` -> `WeightReceiver`, a `SyncGroup`
+on loopback gloo) in each `--sync-dtypes`; bytes and median seconds per version of
+`--sync-reps`, next to the copy floor: one gloo broadcast of one contiguous buffer of the same
+bytes between the same two processes. Target: sync / floor <= 2x.
+
+The model is the SmolLM2-135M import (`asyncrl model import-smollm2 --output
+models/smollm2-135m-instruct`) when it is there, else a random Llama of the same shape.
+`--tiny` shrinks model and lengths to a few seconds' work (for tests). The defaults take about
+ten minutes on an idle 2-core CPU (SmolLM2 fwd+bwd: ~200 tokens/s fp32; the padded run, about
+4.7x the tokens of the packed one, takes most of it). Worker processes come from a fork server
+(`setup_workers`). Other work on the machine skews every figure (the load average is printed):
+compare figures of one run only; with more threads than free cores, OpenMP's barriers make
+small ops orders of magnitude slower.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+# this checkout's asyncrl and learner (not an installed one), and the worker module
+sys.path[:0] = [str(REPO), str(REPO / "tools")]
+
+import bench_learner_worker  # noqa: E402  (tools/, next to this file)
+import torch  # noqa: E402
+
+from asyncrl.transport import free_port  # noqa: E402
+
+DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
+CONFIGS = {
+    "fp32-padded": {"packing": False, "dtype": "float32"},
+    "fp32-packed": {"packing": True, "dtype": "float32"},
+    "bf16-packed": {"packing": True, "dtype": "bfloat16"},
+    "bf16-ckpt": {"packing": True, "dtype": "bfloat16", "activation_checkpointing": True},
+    "bf16-offload": {"packing": True, "dtype": "bfloat16", "offload": True},
+}
+SMOLLM2_SHAPE = {
+    "vocab_size": 49152,
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "max_position_embeddings": 2048,
+    "rope_theta": 100000.0,
+}
+TINY_SHAPE = {
+    "vocab_size": 512,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 512,
+    "rope_theta": 10000.0,
+}
+P99_Z = 2.326  # standard normal quantile of 0.99
+
+
+# ----- the driver ---------------------------------------------------------------------------
+
+
+def setup_model_dir(args, work: Path) -> tuple[str, str, int]:
+    """(model directory, what it is, vocabulary size)."""
+    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+
+    model = args.model or (DEFAULT_MODEL if DEFAULT_MODEL.is_dir() and not args.tiny else None)
+    if model is not None:
+        return (
+            str(model),
+            f"SmolLM2-135M from {model}",
+            AutoConfig.from_pretrained(model).vocab_size,
+        )
+    shape = dict(TINY_SHAPE if args.tiny else SMOLLM2_SHAPE)
+    if args.layers:
+        shape["num_hidden_layers"] = args.layers
+    torch.manual_seed(0)
+    config = LlamaConfig(**shape, tie_word_embeddings=True, pad_token_id=0)
+    LlamaForCausalLM(config).save_pretrained(work / "model")
+    what = "random tiny Llama" if args.tiny else "random SmolLM2-135M-shaped Llama"
+    params = "{hidden_size} hidden, {num_hidden_layers} layers, vocab {vocab_size}".format(**shape)
+    return str(work / "model"), f"{what} ({params}; not imported here)", shape["vocab_size"]
+
+
+def draw_lengths(args) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """(prompt, response) lengths of the first `args.rows` samples of a whole batch of
+    `args.batch_rows`, and that batch's statistics: a padded learner pads every row to the
+    longest of its whole batch (`learner.batch.from_message`), which a small sample would not
+    reach (the longest of 16 draws is about 5x the median, of 256 the 1024 cap)."""
+    g = torch.Generator().manual_seed(args.seed)
+    total, cap = max(args.batch_rows, args.rows), args.response_max
+    sigma = math.log(8) / P99_Z
+    response = (math.log(cap / 8) + sigma * torch.randn(total, generator=g)).exp()
+    response = response.round().clamp(1, cap).long()
+    pm = args.prompt_median
+    prompt = (math.log(pm) + 0.15 * torch.randn((total + args.n - 1) // args.n, generator=g)).exp()
+    prompt = prompt.round().clamp(round(pm * 2 / 3), round(pm * 4 / 3)).long()
+    prompt = prompt[torch.arange(total) // args.n]  # a group shares its prompt
+    whole = {
+        "batch_rows": total,
+        "response_median": float(response.float().median()),
+        "response_p99": float(torch.quantile(response.float(), 0.99)),
+        "response_max": int(response.max()),
+        "prompt_median": float(prompt.float().median()),
+        "longest_row": int((prompt + response).max()),
+    }
+    return prompt[: args.rows], response[: args.rows], whole
+
+
+def make_batch(args, vocab: int):
+    """(TrainBatch, advantages [B, T], statistics) as the module docstring describes."""
+    from learner.batch import TrainBatch
+
+    prompt, response, whole = draw_lengths(args)
+    g = torch.Generator().manual_seed(args.seed + 1)
+    rows, width = args.rows, whole["longest_row"]
+    lengths = prompt + response
+    group_index = torch.arange(rows) // args.n
+    pos = torch.arange(width)[None]
+    attention = (pos < lengths[:, None]).long()
+    loss_mask = ((pos >= prompt[:, None]) & (pos < lengths[:, None])).float()
+    ids = torch.randint(1, vocab, (rows, width), generator=g)
+    for r in range(rows):  # a group shares its prompt
+        ids[r, : prompt[r]] = ids[int(group_index[r]) * args.n, : prompt[r]]
+    batch = TrainBatch(
+        input_ids=ids * attention,
+        attention_mask=attention,
+        loss_mask=loss_mask,
+        old_logprobs=torch.zeros(rows, width),
+        versions=torch.zeros(rows, width, dtype=torch.int64),
+        rewards=torch.rand(rows, generator=g),
+        group_index=group_index,
+        baseline_rewards=torch.full((rows,), float("nan")),
+    )
+    advantages = torch.randn(rows, 1, generator=g) * loss_mask[:, 1:]
+    real = int(attention.sum())
+    stats = {
+        "whole_batch": whole,
+        "rows": rows,
+        "rows_response_median": float(response.float().median()),
+        "rows_response_max": int(response.max()),
+        "real_tokens": real,
+        "padded_tokens": rows * width,
+        "padding_waste": 1 - real / (rows * width),
+    }
+    return batch, advantages, stats
+
+
+def start_worker(ctx, role: str, job: dict):
+    """`bench_learner_worker.run_job(role, job)` in a fresh process of the fork server."""
+    proc = ctx.Process(target=bench_learner_worker.run_job, args=(role, job), name=job["name"])
+    proc.start()
+    return proc
+
+
+def finish(proc, job: dict, timeout: float) -> dict:
+    """The worker's result file, or {"error": why it has none}."""
+    proc.join(timeout)
+    if proc.is_alive():
+        proc.kill()
+        proc.join()
+        return {"error": f"timed out after {timeout:.0f}s"}
+    out = Path(job["out"])
+    result = json.loads(out.read_text()) if out.exists() else {}
+    if proc.exitcode != 0 and "error" not in result:
+        why = f"killed by signal {-proc.exitcode}" if proc.exitcode < 0 else "no traceback"
+        result = {"error": f"exit status {proc.exitcode} ({why}; out of memory?)"}
+    return result
+
+
+def bench_learner(ctx, args, model: str, work: Path) -> dict:
+    """Every configuration of `args.configs`, one after the other, each in its own process."""
+    results = {}
+    for name in args.configs:
+        print(f"bench: {name} ...", flush=True)
+        job = {
+            "name": name,
+            "model": model,
+            "batch": str(work / "batch.pt"),
+            "out": str(work / f"result_{name}.json"),
+            "logprobs": str(work / f"logprobs_{name}.pt"),
+            "lc": {
+                **CONFIGS[name],
+                "device": "cpu",
+                "max_tokens_per_micro_batch": args.max_tokens if CONFIGS[name]["packing"] else 0,
+                "micro_batch_size": args.micro_rows,
+            },
+            "steps": args.steps,
+            "threads": args.threads,
+            "master_port": free_port(),
+        }
+        start = time.perf_counter()
+        results[name] = finish(start_worker(ctx, "learner", job), job, args.timeout)
+        print(f"bench: {name} took {time.perf_counter() - start:.1f}s", flush=True)
+        if "error" in results[name]:
+            print(f"bench: {name} FAILED: {results[name]['error']}", flush=True)
+    return results
+
+
+def bench_sync(ctx, args, model: str, work: Path) -> dict:
+    """Both sides of the weight sync, each in a process of its own."""
+    print("bench: weight sync ...", flush=True)
+    job = {
+        "name": "sync",
+        "model": model,
+        "port": free_port(),
+        "dtypes": args.sync_dtypes,
+        "reps": args.sync_reps,
+        "threads": args.threads,
+        "master_port": free_port(),
+        "out": str(work / "result_sync_send.json"),
+    }
+    job_recv = dict(job, name="sync-recv", out=str(work / "result_sync_recv.json"))
+    send, recv = start_worker(ctx, "sync-send", job), start_worker(ctx, "sync-recv", job_recv)
+    sent, got = finish(send, job, args.timeout), finish(recv, job_recv, args.timeout)
+    for side in (sent, got):
+        if "error" in side:
+            print(f"bench: weight sync FAILED: {side['error']}", flush=True)
+            return {"error": side["error"]}
+    return {d: {**sent[d], "apply_s": got[d]["apply_s"]} for d in args.sync_dtypes}
+
+
+def compare_logprobs(work: Path, batch, a: str, b: str) -> dict | None:
+    fa, fb = work / f"logprobs_{a}.pt", work / f"logprobs_{b}.pt"
+    if not (fa.exists() and fb.exists()):
+        return None
+    mask = batch.loss_mask[:, 1:] > 0
+    diff = (torch.load(fa) - torch.load(fb))[mask].abs()
+    return {"mean": float(diff.mean()), "max": float(diff.max())}
+
+
+def summarize(results: dict, work: Path, batch) -> dict:
+    """The derived figures: speed and memory ratios, log-prob differences."""
+    ok = {k: v for k, v in results.items() if "error" not in v}
+    out: dict = {}
+    if "fp32-padded" in ok and "fp32-packed" in ok:
+        out["packed_over_padded"] = (
+            ok["fp32-packed"]["tokens_per_s"] / ok["fp32-padded"]["tokens_per_s"]
+        )
+    if "bf16-packed" in ok and "bf16-ckpt" in ok:
+        base, ckpt = ok["bf16-packed"]["peak_rss_mb"], ok["bf16-ckpt"]["peak_rss_mb"]
+        out["ckpt_rss_saved_mb"] = base - ckpt
+        out["ckpt_rss_saved_frac"] = (base - ckpt) / base
+    out["bf16_vs_fp32_logprobs"] = compare_logprobs(work, batch, "fp32-packed", "bf16-packed")
+    out["packed_vs_padded_logprobs"] = compare_logprobs(work, batch, "fp32-padded", "fp32-packed")
+    return out
+
+
+def report(model_what: str, stats: dict, results: dict, derived: dict, sync: dict) -> None:
+    w = stats["whole_batch"]
+    print(f"\nmodel: {model_what}")
+    print(
+        f"batch of {w['batch_rows']} samples: response tokens median {w['response_median']:.0f}, "
+        f"p99 {w['response_p99']:.0f}, max {w['response_max']}; prompt median "
+        f"{w['prompt_median']:.0f}; longest row {w['longest_row']}"
+    )
+    print(
+        f"trained: its first {stats['rows']} rows (response median "
+        f"{stats['rows_response_median']:.0f}, max {stats['rows_response_max']}); real tokens "
+        f"{stats['real_tokens']}, padded tokens {stats['rows']} x {w['longest_row']} = "
+        f"{stats['padded_tokens']}, padding waste {stats['padding_waste']:.1%}"
+    )
+    print(f"\n{'config':<14}{'tokens/s':>10}{'s/update':>10}{'peak RSS MiB':>14}{'micro':>7}")
+    for name, r in results.items():
+        if "error" in r:
+            print(f"{name:<14}  FAILED: {r['error']}")
+            continue
+        print(
+            f"{name:<14}{r['tokens_per_s']:>10.1f}{r['seconds_per_update']:>10.2f}"
+            f"{r['peak_rss_mb']:>14.0f}{r['micro_batches']:>7}"
+        )
+    if "bf16-offload" in results:
+        print("note: bf16-offload on a CPU learner: parameters already live in host memory; the")
+        print("      figure is the CPUOffloadPolicy's own overhead, not a GPU memory saving")
+    if "packed_over_padded" in derived:
+        print(
+            f"packed / padded tokens/s (fp32): {derived['packed_over_padded']:.2f}x (target >= 2x)"
+        )
+    if "ckpt_rss_saved_mb" in derived:
+        print(
+            f"activation checkpointing: peak RSS {-derived['ckpt_rss_saved_mb']:+.0f} MiB "
+            f"({-derived['ckpt_rss_saved_frac']:+.1%}) vs bf16-packed"
+        )
+    for key, label in (
+        ("bf16_vs_fp32_logprobs", "bf16 vs fp32 log-probs"),
+        ("packed_vs_padded_logprobs", "packed vs padded fp32 log-probs"),
+    ):
+        if derived.get(key):
+            d = derived[key]
+            print(f"{label} (response tokens): mean abs diff {d['mean']:.2e}, max {d['max']:.2e}")
+    if not sync or "error" in sync:
+        return
+    print("\nweight sync, learner -> 1 receiver, gloo loopback (median of reps):")
+    print(
+        f"{'dtype':<10}{'MiB':>8}{'sync s':>9}{'floor s':>9}{'ratio':>7}"
+        f"{'sync GB/s':>11}{'floor GB/s':>12}{'gather s':>10}{'apply s':>9}"
+    )
+    for dtype, r in sync.items():
+        gb = r["bytes"] / 1e9
+        print(
+            f"{dtype:<10}{r['bytes'] / 2**20:>8.0f}{r['sync_s']:>9.3f}{r['floor_s']:>9.3f}"
+            f"{r['ratio']:>6.2f}x{gb / r['sync_s']:>11.2f}{gb / r['floor_s']:>12.2f}"
+            f"{r['gather_s']:>10.3f}{r['apply_s']:>9.3f}"
+        )
+    dup = next(iter(sync.values()))["tied_duplicate_names"]
+    if dup:
+        print(f"note: tied weights are sent twice ({', '.join(dup)} alias another tensor)")
+    print("target: sync / floor <= 2x; gather = iter_full_tensors + cast alone (inside sync);")
+    print("apply = the receiver's copy into its model (after sync, not counted in it)")
+
+
+# ----- entry point ---------------------------------------------------------------------------
+
+
+def parse_args() -> argparse.Namespace:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", type=Path, help="a model directory (default: the SmolLM2 import)")
+    ap.add_argument("--tiny", action="store_true", help="tiny random model and lengths (tests)")
+    ap.add_argument("--layers", type=int, default=0, help="override the random model's depth")
+    ap.add_argument("--rows", type=int, help="samples in the batch (default 16; --tiny 8)")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument(
+        "--batch-rows", type=int, default=256, help="the whole batch the rows are drawn from"
+    )
+    ap.add_argument("--response-max", type=int, help="longest response (default 1024; p99)")
+    ap.add_argument("--prompt-median", type=int, help="median prompt tokens (default 96)")
+    ap.add_argument("--steps", type=int, default=1, help="timed updates per configuration")
+    ap.add_argument("--max-tokens", type=int, help="packed token budget (default 4096)")
+    ap.add_argument(
+        "--micro-rows",
+        type=int,
+        default=2,
+        help="rows per padded micro-batch (4 x 1148 tokens peaked at 23 GiB: padded SDPA with a "
+        "mask takes the math kernel, which keeps every layer's attention weights)",
+    )
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--configs", default=",".join(CONFIGS), help="comma-separated subset")
+    ap.add_argument("--sync-dtypes", default="float32,bfloat16", help="comma-separated, or ''")
+    ap.add_argument("--sync-reps", type=int, default=5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=1800.0, help="per worker process, s")
+    ap.add_argument("--json", type=Path, help="write every figure here")
+    args = ap.parse_args()
+    small = {"rows": 8, "response_max": 64, "prompt_median": 12, "max_tokens": 256}
+    full = {"rows": 16, "response_max": 1024, "prompt_median": 96, "max_tokens": 4096}
+    for key, value in (small if args.tiny else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.configs = [c for c in args.configs.split(",") if c]
+    unknown = set(args.configs) - set(CONFIGS)
+    if unknown:
+        ap.error(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
+    args.sync_dtypes = [d for d in args.sync_dtypes.split(",") if d]
+    return args
+
+
+def setup_workers():
+    """Worker processes are forked by a fork server that imports torch, transformers and the
+    learner once (seconds per process otherwise); each is still a fresh process with its own
+    peak RSS, and none has run any torch work before its job. The server finds the worker
+    module on PYTHONPATH (Python 3.11's fork server ignores the parent's sys.path)."""
+    paths = [str(REPO), str(REPO / "tools"), os.environ.get("PYTHONPATH", "")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["bench_learner_worker"])
+    return ctx
+
+
+def main() -> int:
+    args = parse_args()
+    started, load_before = time.perf_counter(), os.getloadavg()
+    ctx = setup_workers()
+    with tempfile.TemporaryDirectory(prefix="asyncrl-bench-learner-") as tmp:
+        work = Path(tmp)
+        model, what, vocab = setup_model_dir(args, work)
+        print(f"bench: model {what}", flush=True)
+        batch, advantages, stats = make_batch(args, vocab)
+        torch.save({**vars(batch), "advantages": advantages}, work / "batch.pt")
+        results = bench_learner(ctx, args, model, work)
+        derived = summarize(results, work, batch)
+        sync = bench_sync(ctx, args, model, work) if args.sync_dtypes else {}
+    report(what, stats, results, derived, sync)
+    took, load_after = time.perf_counter() - started, os.getloadavg()
+    print(
+        f"\nbench: {took:.0f}s in all, {args.threads} threads per process; load average "
+        f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (other work skews timings)"
+    )
+    if args.json:
+        record = {"model": what, "threads": args.threads, "batch": stats, "configs": results}
+        record.update(derived=derived, sync=sync, seconds=took, args=_jsonable(vars(args)))
+        record.update(load_average=[load_before, load_after])
+        args.json.write_text(json.dumps(record, indent=1))
+    failed = [n for n, r in results.items() if "error" in r] + (["sync"] if "error" in sync else [])
+    return 1 if failed else 0
+
+
+def _jsonable(d: dict) -> dict:
+    return {k: (str(v) if isinstance(v, Path) else v) for k, v in d.items()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

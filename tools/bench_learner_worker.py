@@ -1,0 +1,227 @@
+"""The processes of tools/bench_learner.py, one per measurement (so peak memory is its own).
+
+The driver forks each from a fork server that has imported this module (torch, transformers,
+the learner) and calls `run_job(role, job)`:
+- `learner`: one learner configuration (world size 1, gloo) as `Learner` sets it up: FSDP2
+  model, AdamW, `Updater`; it recomputes the batch's log-probs (written to a file, so the
+  driver compares dtypes and layouts), then times `Updater.run`.
+- `sync-send` / `sync-recv`: the two ends of the weight sync, as `Learner.broadcast_weights`
+  and `HFEngine.follow_learner` do it, then the copy floor between the same two processes.
+Each writes its figures, or its error and traceback, as JSON to the job's `out`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # this checkout's asyncrl and learner, not an installed one
+
+import torch  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+from transformers.utils import logging as hf_logging  # noqa: E402
+
+from asyncrl.config import AlgorithmConfig, LearnerConfig  # noqa: E402
+from asyncrl.metrics import peak_rss_mb  # noqa: E402
+from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, WeightReceiver, specs_of  # noqa: E402
+from learner.batch import TrainBatch  # noqa: E402
+from learner.forward import policy_forward  # noqa: E402
+from learner.fsdp import (  # noqa: E402
+    iter_full_tensors,
+    param_specs,
+    setup_distributed,
+    setup_model,
+)
+from learner.update import UpdateInputs, Updater, recompute  # noqa: E402
+
+
+def run_job(role: str, job: dict) -> None:
+    """The process's one job; an error is written to `out` (then raised: exit status 1)."""
+    os.environ.update(
+        RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(job["master_port"])
+    )
+    torch.set_num_threads(job["threads"])
+    hf_logging.disable_progress_bar()
+    try:
+        WORKERS[role](job)
+    except Exception as e:
+        error = {"error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()}
+        Path(job["out"]).write_text(json.dumps(error, indent=1))
+        raise
+
+
+def learner_worker(job: dict) -> None:
+    """One configuration: set up, recompute log-probs, warm up, time `steps` updates."""
+
+    rank, world, device = setup_distributed("cpu")
+    lc = LearnerConfig(**job["lc"])
+    saved = torch.load(job["batch"])
+    advantages = saved.pop("advantages")
+    batch = TrainBatch(**saved)
+    start = time.perf_counter()
+    model = setup_model(job["model"], device, lc)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    updater = Updater(model, optimizer, AlgorithmConfig(), lc, 1.0, world, rank, device)
+    setup_s, setup_rss = time.perf_counter() - start, peak_rss_mb()
+    plan = updater.plan(batch, torch.arange(batch.size))
+
+    def logp(m, b):
+        return policy_forward(m, b, 1.0, False, lc.packing)[0]
+
+    start = time.perf_counter()
+    logprobs = recompute(model, batch, logp, plan, world, device)
+    recompute_s = time.perf_counter() - start
+    torch.save(logprobs, job["logprobs"])
+    mask = batch.loss_mask[:, 1:]
+    noise = 0.05 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
+    behaviour = (logprobs + noise) * mask  # near the policy's own: some ratios clip
+    inputs = UpdateInputs(advantages, behaviour, None, None, None, None, None, None)
+    updater.run(batch, inputs, 1, 0)  # warm-up
+    seconds = []
+    for _ in range(job["steps"]):
+        start = time.perf_counter()
+        stats = updater.run(batch, inputs, 1, 0)
+        seconds.append(time.perf_counter() - start)
+    per_update = statistics.median(seconds)
+    tokens = int(batch.attention_mask.sum())
+    result = {
+        "tokens_per_s": tokens / per_update,
+        "seconds_per_update": per_update,
+        "seconds": seconds,
+        "peak_rss_mb": peak_rss_mb(),
+        "setup_peak_rss_mb": setup_rss,
+        "setup_s": setup_s,
+        "recompute_s": recompute_s,
+        "micro_batches": len(plan),
+        "threads": torch.get_num_threads(),
+        "real_tokens": tokens,
+        "computed_tokens": tokens if lc.packing else batch.size * batch.input_ids.shape[1],
+        "update_stats": stats,
+    }
+    Path(job["out"]).write_text(json.dumps(result, indent=1))
+
+
+def ack(group) -> None:
+    """Both sides reach this point (a one-element all-reduce on the sync group's own gloo
+    group): a broadcast timed on the sender alone ends when its bytes leave, not arrive."""
+    group._pg.allreduce([torch.zeros(1)]).wait()
+
+
+def median_timed(reps: int, group, fn) -> float:
+    """Median seconds of `fn` between two acks, over `reps` runs after one warm-up run."""
+    seconds = []
+    for _ in range(reps + 1):
+        ack(group)
+        start = time.perf_counter()
+        fn()
+        ack(group)
+        seconds.append(time.perf_counter() - start)
+    return statistics.median(seconds[1:])
+
+
+def floor_s(group, nbytes: int, reps: int) -> float:
+    """The transport alone: one broadcast of one contiguous buffer of `nbytes`."""
+    buffer = torch.empty(nbytes, dtype=torch.uint8)
+    return median_timed(reps, group, lambda: group.broadcast(buffer))
+
+
+def tied_duplicates(model) -> list[str]:
+    """State-dict names whose storage an earlier name already holds (tied weights)."""
+    seen, dup = set(), []
+    for name, t in model.state_dict().items():
+        ptr = (t.to_local() if hasattr(t, "to_local") else t).data_ptr()
+        if ptr in seen:
+            dup.append(name)
+        seen.add(ptr)
+    return dup
+
+
+def send_versions(model, broadcaster, group, dtype: torch.dtype, reps: int) -> dict:
+    """`reps` + 1 full versions in `dtype`, as `Learner.broadcast_weights` sends them."""
+
+    specs = param_specs(model, dtype)
+    nbytes = sum(s.numel * s.dtype.itemsize for s in specs)
+    versions = iter(range(1, 1 << 30))
+
+    def sync():
+        tensors = (t for _, t in iter_full_tensors(model, dtype))
+        broadcaster.broadcast(specs, tensors, next(versions))
+
+    sync_s = median_timed(reps, group, sync)
+    floor = floor_s(group, nbytes, reps)
+    gather = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        for _ in iter_full_tensors(model, dtype):
+            pass
+        gather.append(time.perf_counter() - start)
+    return {
+        "bytes": nbytes,
+        "params": len(specs),
+        "sync_s": sync_s,
+        "floor_s": floor,
+        "ratio": sync_s / floor,
+        "gather_s": statistics.median(gather),
+        "tied_duplicate_names": tied_duplicates(model),
+    }
+
+
+def sync_send_worker(job: dict) -> None:
+    """The learner side: an FSDP2 model (world size 1) broadcasting full versions."""
+
+    _, _, device = setup_distributed("cpu")
+    lc = LearnerConfig(device="cpu")
+    model = setup_model(job["model"], device, lc)
+    group = SyncGroup("127.0.0.1", job["port"], 0, 2, device)
+    broadcaster = WeightBroadcaster(group, int(lc.bucket_mb * 2**20))
+    out = {
+        name: send_versions(model, broadcaster, group, getattr(torch, name), job["reps"])
+        for name in job["dtypes"]
+    }
+    broadcaster.shutdown()
+    Path(job["out"]).write_text(json.dumps(out, indent=1))
+
+
+def receive_versions(model_path: str, group, dtype: torch.dtype, reps: int) -> dict:
+    """The receiving end of `send_versions`, then of its floor; times the apply (the copy
+    into the model, `HFEngine.update_weights`' work) apart from the sync."""
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    params = dict(model.state_dict())
+    receiver = WeightReceiver(group, specs_of(params.items()))
+    apply = []
+
+    def receive():
+        got = receiver.receive()
+        start = time.perf_counter()
+        with torch.no_grad():
+            for key, tensor in got.weights:
+                params[key].copy_(tensor)
+        apply.append(time.perf_counter() - start)
+
+    median_timed(reps, group, receive)
+    floor_s(group, sum(s.numel * s.dtype.itemsize for s in receiver.specs), reps)
+    return {"apply_s": statistics.median(apply[1:])}
+
+
+def sync_recv_worker(job: dict) -> None:
+    """The rollout-server side, as `HFEngine.follow_learner` does it."""
+
+    group = SyncGroup("127.0.0.1", job["port"], 1, 2, torch.device("cpu"))
+    out = {
+        name: receive_versions(job["model"], group, getattr(torch, name), job["reps"])
+        for name in job["dtypes"]
+    }
+    if WeightReceiver(group, []).receive() is not None:  # the learner's shutdown comes last
+        raise RuntimeError("expected the learner's shutdown after the last version")
+    Path(job["out"]).write_text(json.dumps(out, indent=1))
+
+
+WORKERS = {"learner": learner_worker, "sync-send": sync_send_worker, "sync-recv": sync_recv_worker}
