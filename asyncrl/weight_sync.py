@@ -13,7 +13,9 @@ One sync, every collective in this order:
 Both sides derive the bucket plan from their own view of the model (names, shapes and dtypes in
 state-dict order) and the header's bucket size; the layout hash makes a mismatch fail loudly
 instead of loading garbage. A receiver assembles a whole version in staging memory before it
-hands it to the engine, so a version is applied entirely or not at all.
+hands it to the engine, so a version is applied entirely or not at all. Staging memory is
+allocated once and reused on both sides (the sender double-buffers so that packing a bucket
+overlaps sending the previous one; a receiver reuses a version's staging once it is released).
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import datetime
 import hashlib
 import logging
 import zlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -122,32 +124,65 @@ class SyncGroup:
         """Broadcast `tensor` in place from rank 0."""
         self._pg.broadcast(tensor, 0).wait()
 
+    def broadcast_async(self, tensor: torch.Tensor) -> dist.Work:
+        """Start broadcasting `tensor` from rank 0; `.wait()` on the result before touching it."""
+        return self._pg.broadcast(tensor, 0)
+
 
 class WeightBroadcaster:
-    """Learner rank 0's side: streams full tensors into buckets and broadcasts each."""
+    """Learner rank 0's side: streams full tensors into buckets and broadcasts each.
+
+    Two staging buffers per dtype live for the whole run (allocated at the first version): a
+    bucket is packed into one while the previous one is still on the wire, so packing overlaps
+    sending and no version pays for fresh memory. A bucket of one tensor (one larger than the
+    bucket size, e.g. an embedding) already in the engine's dtype is sent as it is, uncopied."""
 
     def __init__(self, group: SyncGroup, bucket_bytes: int):
         self.group, self.bucket_bytes = group, bucket_bytes
+        self._staging: dict[torch.dtype, list[torch.Tensor]] = {}
+
+    def _buffers(self, buckets: list[Bucket]) -> dict[torch.dtype, list[torch.Tensor]]:
+        for dtype in {b.dtype for b in buckets}:
+            need = max(b.numel for b in buckets if b.dtype == dtype)
+            have = self._staging.get(dtype)
+            if have is None or have[0].numel() < need:
+                device = self.group.device
+                self._staging[dtype] = [torch.empty(need, dtype=dtype, device=device) for _ in "ab"]
+        return self._staging
 
     def broadcast(
         self, specs: list[ParamSpec], tensors: Iterator[torch.Tensor], version: int
     ) -> None:
         """Send one version. `tensors` yields the full tensors in `specs` order (it may gather
-        them lazily, so at most one bucket of full weights is alive at a time)."""
+        them lazily, so at most one bucket of full weights is alive at a time); a floating-point
+        tensor is cast to its spec's dtype as it is packed (the engine's dtype, one pass)."""
         header = torch.tensor(
             [version, len(specs), layout_hash(specs), self.bucket_bytes], dtype=torch.int64
         )
         self.group.broadcast(header.to(self.group.device))
-        for bucket in plan_buckets(specs, self.bucket_bytes):
-            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.group.device)
-            offset = 0
-            for spec in bucket.params:
-                t = next(tensors)
-                if tuple(t.shape) != spec.shape or t.dtype != spec.dtype:
-                    raise ValueError(f"{spec.name}: got {tuple(t.shape)} {t.dtype}, planned {spec}")
-                flat[offset : offset + spec.numel].copy_(t.reshape(-1))
+        buckets = plan_buckets(specs, self.bucket_bytes)
+        staging = self._buffers(buckets)
+        in_flight: dict[int, dist.Work] = {}  # id of a staging buffer -> its broadcast
+        sent_whole: list[tuple[torch.Tensor, dist.Work]] = []
+        for i, bucket in enumerate(buckets):
+            if len(bucket.params) == 1:  # one tensor: sent as it is when its dtype is the spec's
+                t = _checked(bucket.params[0], next(tensors))
+                if t.dtype == bucket.dtype and t.is_contiguous():
+                    sent_whole.append((t, self.group.broadcast_async(t.reshape(-1))))
+                    continue
+                parts = iter([t])
+            else:
+                parts = (_checked(spec, next(tensors)) for spec in bucket.params)
+            buffer = staging[bucket.dtype][i % 2]
+            if (work := in_flight.pop(id(buffer), None)) is not None:
+                work.wait()
+            flat, offset = buffer[: bucket.numel], 0
+            for spec, t in zip(bucket.params, parts, strict=True):
+                flat[offset : offset + spec.numel].copy_(t.reshape(-1))  # casts to spec.dtype
                 offset += spec.numel
-            self.group.broadcast(flat)
+            in_flight[id(buffer)] = self.group.broadcast_async(flat)
+        for work in [*in_flight.values(), *(w for _, w in sent_whole)]:
+            work.wait()
 
     def shutdown(self) -> None:
         """Tell every receiver that no more versions will come."""
@@ -156,12 +191,23 @@ class WeightBroadcaster:
         )
 
 
+def _checked(spec: ParamSpec, t: torch.Tensor) -> torch.Tensor:
+    """`t` if it can be sent as `spec` (same shape; same dtype, or both floating point)."""
+    cast = t.is_floating_point() and spec.dtype.is_floating_point
+    if tuple(t.shape) != spec.shape or (t.dtype != spec.dtype and not cast):
+        raise ValueError(f"{spec.name}: got {tuple(t.shape)} {t.dtype}, planned {spec}")
+    return t
+
+
 @dataclass
 class ReceivedVersion:
     version: int
     buckets: list[list[tuple[str, torch.Tensor]]]
     """(name, tensor) pairs grouped as they were broadcast; the tensors are views of one flat
     staging buffer per bucket."""
+    release: Callable[[], None] = lambda: None
+    """Call once the weights are applied: the receiver may then reuse the staging memory for
+    the next version (without it, the next version gets fresh memory)."""
 
     @property
     def weights(self) -> list[tuple[str, torch.Tensor]]:
@@ -175,6 +221,7 @@ class WeightReceiver:
     def __init__(self, group: SyncGroup, specs: list[ParamSpec]):
         self.group, self.specs = group, specs
         self._hash = layout_hash(specs)
+        self._free: list[torch.Tensor] | None = None  # released staging, one buffer per bucket
 
     def receive(self) -> ReceivedVersion | None:
         """Block until the next version arrives; None when the learner shuts the group down."""
@@ -189,13 +236,16 @@ class WeightReceiver:
                 f"(hash {digest}), this engine has {len(self.specs)} (hash {self._hash}); "
                 "learner and servers must load the same model architecture"
             )
+        plan = plan_buckets(self.specs, bucket_bytes)
+        staging, self._free = self._free, None
+        if staging is None or [t.numel() for t in staging] != [b.numel for b in plan]:
+            staging = [torch.empty(b.numel, dtype=b.dtype, device=self.group.device) for b in plan]
         buckets: list[list[tuple[str, torch.Tensor]]] = []
-        for bucket in plan_buckets(self.specs, bucket_bytes):
-            flat = torch.empty(bucket.numel, dtype=bucket.dtype, device=self.group.device)
+        for bucket, flat in zip(plan, staging, strict=True):
             self.group.broadcast(flat)
             offset, pairs = 0, []
             for spec in bucket.params:
                 pairs.append((spec.name, flat[offset : offset + spec.numel].view(spec.shape)))
                 offset += spec.numel
             buckets.append(pairs)
-        return ReceivedVersion(version, buckets)
+        return ReceivedVersion(version, buckets, lambda: setattr(self, "_free", staging))

@@ -113,18 +113,15 @@ def attention_implementation(lc: LearnerConfig, device: torch.device) -> str:
 
 def param_specs(model: torch.nn.Module, dtype: torch.dtype | None = None) -> list[ParamSpec]:
     """Full (unsharded) layout of the state dict, in state-dict order; floating-point tensors
-    in `dtype` when given (the engine's: what `iter_full_tensors(model, dtype)` yields)."""
+    in `dtype` when given (the engine's: `WeightBroadcaster` casts to it while packing)."""
     return [
         ParamSpec(n, tuple(t.shape), dtype if dtype and t.is_floating_point() else t.dtype)
         for n, t in model.state_dict().items()
     ]
 
 
-def iter_full_tensors(
-    model: torch.nn.Module, dtype: torch.dtype | None = None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, full tensor) in state-dict order, floating-point ones cast to `dtype` when
-    given. A collective: every rank must consume the whole iterator, in step."""
+def iter_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (name, full tensor) in state-dict order. A collective: every rank must consume
+    the whole iterator, in step."""
     for name, t in model.state_dict().items():
-        full = (t.full_tensor() if isinstance(t, DTensor) else t).detach()
-        yield name, (full.to(dtype) if dtype and full.is_floating_point() else full)
+        yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()

@@ -262,9 +262,9 @@ class Learner:
         hashed: list[tuple[str, torch.Tensor]] = []
 
         def tensors():
-            for name, t in iter_full_tensors(self.model, self.sync_dtype):
+            for name, t in iter_full_tensors(self.model):  # cast while packed (no extra copy)
                 if want_sum:
-                    hashed.append((name, t.cpu().clone()))
+                    hashed.append((name, _as_sent(t, self.sync_dtype).cpu().clone()))
                 yield t
 
         if self.rank == 0:
@@ -319,7 +319,8 @@ class Learner:
         tc = self.cfg.trainer
         if self.cfg.learner.weight_checksum:
             # a collective: all ranks
-            digest = weights_checksum(iter_full_tensors(self.model, self.sync_dtype))
+            sent = ((n, _as_sent(t, self.sync_dtype)) for n, t in iter_full_tensors(self.model))
+            digest = weights_checksum(sent)
             if self.rank == 0:
                 self.weight_log.write({"version": 0, "checksum": digest})
         if tc.val_before_train or tc.val_only:
@@ -455,6 +456,11 @@ def trajectory_metric_means(msg: Batch) -> dict[str, float]:
         if len(column):
             out[f"traj/{name}"] = float(column.mean())
     return out
+
+
+def _as_sent(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A full tensor as the servers receive it (floating point in the engine's dtype)."""
+    return t.to(dtype) if t.is_floating_point() else t
 
 
 def _keep_mask(result) -> torch.Tensor:

@@ -345,7 +345,8 @@ def report(model_what: str, stats: dict, results: dict, derived: dict, sync: dic
     dup = next(iter(sync.values()))["tied_duplicate_names"]
     if dup:
         print(f"note: tied weights are sent twice ({', '.join(dup)} alias another tensor)")
-    print("target: sync / floor <= 2x; gather = iter_full_tensors + cast alone (inside sync);")
+    print("target: sync / floor <= 2x; gather = iter_full_tensors alone (inside sync; the cast")
+    print("        to the engine's dtype happens while packing);")
     print("apply = the receiver's copy into its model (after sync, not counted in it)")
 
 

@@ -114,8 +114,9 @@ def ack(group) -> None:
     group._pg.allreduce([torch.zeros(1)]).wait()
 
 
-def median_timed(reps: int, group, fn) -> float:
-    """Median seconds of `fn` between two acks, over `reps` runs after one warm-up run."""
+def median_timed(reps: int, group, fn, after=None) -> float:
+    """Median seconds of `fn` between two acks, over `reps` runs after one warm-up run;
+    `after` runs after each second ack (untimed)."""
     seconds = []
     for _ in range(reps + 1):
         ack(group)
@@ -123,6 +124,8 @@ def median_timed(reps: int, group, fn) -> float:
         fn()
         ack(group)
         seconds.append(time.perf_counter() - start)
+        if after is not None:
+            after()
     return statistics.median(seconds[1:])
 
 
@@ -151,7 +154,7 @@ def send_versions(model, broadcaster, group, dtype: torch.dtype, reps: int) -> d
     versions = iter(range(1, 1 << 30))
 
     def sync():
-        tensors = (t for _, t in iter_full_tensors(model, dtype))
+        tensors = (t for _, t in iter_full_tensors(model))
         broadcaster.broadcast(specs, tensors, next(versions))
 
     sync_s = median_timed(reps, group, sync)
@@ -159,7 +162,7 @@ def send_versions(model, broadcaster, group, dtype: torch.dtype, reps: int) -> d
     gather = []
     for _ in range(reps):
         start = time.perf_counter()
-        for _ in iter_full_tensors(model, dtype):
+        for _ in iter_full_tensors(model):
             pass
         gather.append(time.perf_counter() - start)
     return {
@@ -196,17 +199,21 @@ def receive_versions(model_path: str, group, dtype: torch.dtype, reps: int) -> d
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     params = dict(model.state_dict())
     receiver = WeightReceiver(group, specs_of(params.items()))
-    apply = []
+    apply, received = [], []
 
     def receive():
-        got = receiver.receive()
+        received.append(receiver.receive())
+
+    def apply_received():
+        got = received.pop()
         start = time.perf_counter()
         with torch.no_grad():
             for key, tensor in got.weights:
                 params[key].copy_(tensor)
+        got.release()  # as HFEngine does: the next version reuses the staging memory
         apply.append(time.perf_counter() - start)
 
-    median_timed(reps, group, receive)
+    median_timed(reps, group, receive, after=apply_received)
     floor_s(group, sum(s.numel * s.dtype.itemsize for s in receiver.specs), reps)
     return {"apply_s": statistics.median(apply[1:])}
 

@@ -148,6 +148,7 @@ class HFEngine(Engine):
         while (got := receiver.receive()) is not None:
             start = time.perf_counter()
             self.update_weights(got.weights, got.version)
+            got.release()  # copied into the model: the next version may reuse the staging
             yield AppliedVersion(got.version, time.perf_counter() - start)
 
     def weights_checksum(self) -> str | None:

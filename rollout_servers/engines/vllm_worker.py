@@ -116,6 +116,7 @@ class WeightSyncExtension:
             for bucket in staged.buckets:
                 model.load_weights(bucket)
             finalize_layerwise_reload(model, self.model_runner.model_config)
+        staged.release()  # loaded: the next version may reuse the staging memory
         self._asyncrl_staged = None
         self._asyncrl_applied.set()
         return time.perf_counter() - start
