@@ -38,6 +38,10 @@ class LearnerConfig(Section):
     """Run the policy, reference and critic on packed sequences (no pad token is computed):
     exact per-segment attention on CPU, flash-attention varlen on CUDA when installed.
     false: right-padded rows (every row as long as the longest)."""
+    share_prompts: bool = True
+    """With packing, the samples of a group that have the same prompt share one copy of it in
+    the forward (each response attends to it as to its own prompt: exact). CPU attention only;
+    flash-attn's varlen kernel packs every row whole."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype (FSDP2 MixedPrecisionPolicy): bfloat16 computes forward and backward in
     bf16 while master weights, gradients' reduction, optimizer state and log-softmax stay fp32."""

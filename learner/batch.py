@@ -28,6 +28,7 @@ class TrainBatch:
     rewards: torch.Tensor  # float32 [B]
     group_index: torch.Tensor  # int64 [B]
     baseline_rewards: torch.Tensor  # float32 [B], NaN when no greedy baseline was sampled
+    prompt_lengths: torch.Tensor  # int64 [B], tokens before the response (its first turn)
 
     @property
     def size(self) -> int:
@@ -83,6 +84,7 @@ def from_message(msg: Batch, pad_id: int) -> TrainBatch:
         torch.from_numpy(msg.rewards.copy()),
         group_index,
         torch.from_numpy(msg.baseline_rewards.copy()),
+        n_prompt,
     )
 
 
@@ -98,7 +100,7 @@ def broadcast_batch(batch: TrainBatch | None, rank: int, device: torch.device) -
     b, seq_len = (int(x) for x in shape.cpu())
     out = {}
     for name in names:
-        per_row = name in ("rewards", "group_index", "baseline_rewards")
+        per_row = name in ("rewards", "group_index", "baseline_rewards", "prompt_lengths")
         like = (b,) if per_row else (b, seq_len)
         floats = ("loss_mask", "old_logprobs", "rewards", "baseline_rewards")
         dtype = torch.float32 if name in floats else torch.int64

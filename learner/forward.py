@@ -1,27 +1,49 @@
 """The learner's model forwards: per-token log-probs, entropies and values of a micro-batch.
 
 Outputs are [b, T] aligned to *target* tokens (T = the batch's width - 1): position t holds
-what concerns input_ids[:, t + 1], the layout of `logits[:, :-1]`. With `packed=True` the model
-runs on the micro-batch's real tokens only (`learner.packing`) and the outputs are unpacked
-into that layout (0 past a row's end); with `packed=False` it runs on the right-padded rows.
+what concerns input_ids[:, t + 1], the layout of `logits[:, :-1]`. Packed, the model runs on
+the micro-batch's real tokens only (`learner.packing`; shared, a group's prompt once) and the
+outputs are unpacked into that layout (0 past a row's end); padded, on the right-padded rows.
 Log-softmax and entropy are computed in float32 whatever the compute dtype, and only at
 target positions (a packed forward never computes the vocabulary softmax of a pad token).
 """
 
 from __future__ import annotations
 
+from typing import Literal
+
 import torch
 
+from asyncrl.config import LearnerConfig
 from learner.batch import TrainBatch
 from learner.losses import entropy_from_logits
-from learner.packing import pack_rows
+from learner.packing import PACKED_ATTENTION, pack_rows
+
+Layout = Literal["padded", "packed", "shared"]
+"""How a micro-batch reaches the model: right-padded rows; packed rows; packed rows whose
+groups share one copy of their prompt (`learner.packing`)."""
 
 
-def _outputs(model: torch.nn.Module, mb: TrainBatch, packed: bool):
+def layout_of(model: torch.nn.Module, lc: LearnerConfig) -> Layout:
+    """The layout `lc` asks for that `model`'s attention can run (flash-attn's varlen kernel
+    cannot share prompts)."""
+    if not lc.packing:
+        return "padded"
+    own_attention = model.config._attn_implementation == PACKED_ATTENTION
+    return "shared" if lc.share_prompts and own_attention else "packed"
+
+
+def _outputs(model: torch.nn.Module, mb: TrainBatch, layout: Layout):
     """(model outputs at the target positions [M, ...], targets [M], unpack: [M] -> [b, T])."""
     width = mb.input_ids.shape[1] - 1
-    if packed:
-        p = pack_rows(mb.input_ids, mb.attention_mask)
+    if layout != "padded":
+        shared = layout == "shared"
+        p = pack_rows(
+            mb.input_ids,
+            mb.attention_mask,
+            mb.prompt_lengths if shared else None,
+            mb.group_index if shared else None,
+        )
         out = model(input_ids=p.input_ids, position_ids=p.position_ids, **p.attention_kwargs())
         return out.logits[0, p.flat], p.targets(), lambda v: p.unpack(v, width)
     out = model(input_ids=mb.input_ids, attention_mask=mb.attention_mask).logits[:, :-1]
@@ -29,18 +51,18 @@ def _outputs(model: torch.nn.Module, mb: TrainBatch, packed: bool):
 
 
 def policy_forward(
-    model: torch.nn.Module, mb: TrainBatch, temperature: float, with_entropy: bool, packed: bool
+    model: torch.nn.Module, mb: TrainBatch, temperature: float, with_entropy: bool, layout: Layout
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p of each target token under softmax(logits / T), entropy or None), [b, T].
     The same log-prob the engines report as behaviour log-probs."""
-    logits, targets, unpack = _outputs(model, mb, packed)
+    logits, targets, unpack = _outputs(model, mb, layout)
     logits = logits.float() / temperature
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
     entropy = unpack(entropy_from_logits(logits)) if with_entropy else None
     return unpack(logp), entropy
 
 
-def value_forward(critic: torch.nn.Module, mb: TrainBatch, packed: bool) -> torch.Tensor:
+def value_forward(critic: torch.nn.Module, mb: TrainBatch, layout: Layout) -> torch.Tensor:
     """V(state before each target token), [b, T]."""
-    values, _, unpack = _outputs(critic, mb, packed)
+    values, _, unpack = _outputs(critic, mb, layout)
     return unpack(values[..., 0].float())

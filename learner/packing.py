@@ -1,18 +1,22 @@
 """Sequence packing: a micro-batch's rows laid end to end in one row, no pad token computed.
 
 Rows of a `TrainBatch` are right-padded to the batch's longest. Packing keeps only real tokens
-(`attention_mask == 1`), restarts `position_ids` at 0 for every row, and makes attention stay
-inside each row:
+(`attention_mask == 1`), gives every token its position within its own row, and makes
+attention stay inside each row:
 - on CPU (and on CUDA without flash-attn) by `packed_attention`, registered with transformers
-  as the attention implementation "asyncrl_packed": rows of equal length are gathered into one
-  [rows, heads, length, dim] batch and run through causal SDPA, so every row attends exactly
-  to its own prefix (the same arithmetic as the padded forward, without the pad tokens);
-- on CUDA with flash-attn installed by transformers' "flash_attention_2" on `cu_seq_lens_*`
-  (flash-attn's varlen kernel). Not exercised on this project's CPU machines.
+  as the attention implementation "asyncrl_packed". Rows of a group with the same prompt (the
+  n samples of a GRPO group) share ONE copy of it: the prompt is a segment of its own and each
+  response attends to it as a prefix, then causally to itself, which is exactly the attention
+  each row would compute alone (a causal prompt does not depend on what follows it). Segments
+  of one shape run as one batched SDPA call;
+- on CUDA in bf16 with flash-attn installed by transformers' "flash_attention_2" on
+  `cu_seq_lens_*` (flash-attn's varlen kernel; one segment per row, no prompt sharing). Not
+  exercised on this project's CPU machines.
 
 Outputs (log-probs, entropies, values) come back to the [b, T] target layout of
-`learner.update` with `PackedRows.unpack`, 0 at positions past a row's end, so losses,
-advantages and their aggregation are computed exactly as in the padded layout.
+`learner.update` with `PackedRows.unpack`, 0 at positions past a row's end (a shared prompt's
+outputs go to every row that shares it), so losses, advantages and their aggregation are
+computed exactly as in the padded layout.
 """
 
 from __future__ import annotations
@@ -29,32 +33,36 @@ PACKED_ATTENTION = "asyncrl_packed"
 
 @dataclass
 class PackedRows:
-    """b right-padded rows packed into one row of N = sum of their lengths tokens."""
+    """b right-padded rows packed into one row of N tokens (their real tokens, less the prompt
+    copies that sharing saves)."""
 
     input_ids: torch.Tensor  # [1, N] the rows' real tokens end to end
-    position_ids: torch.Tensor  # [1, N] 0, 1, ... within every row
-    cu_seqlens: torch.Tensor  # int32 [b + 1] row starts in the packed row, then N
+    position_ids: torch.Tensor  # [1, N] each token's position within its own row
+    cu_seqlens: torch.Tensor | None  # int32 [b + 1] row starts then N (unshared packing only)
     max_len: int  # the longest row
-    groups: list[torch.Tensor]  # per distinct length l: [rows of length l, l] packed positions
-    order_inverse: torch.Tensor  # [N] undoes the concatenation of `groups`
+    groups: list[tuple[torch.Tensor, torch.Tensor]]  # per segment shape: (queries, keys)
+    order_inverse: torch.Tensor  # [N] undoes the concatenation of the groups' queries
     rows: torch.Tensor  # [M] for each target token: its row in the micro-batch
     cols: torch.Tensor  # [M] ... its column in the [b, T] target layout
     flat: torch.Tensor  # [M] ... the packed position whose output predicts it
+    target_ids: torch.Tensor  # [M] ... the token itself
     num_rows: int
 
     def attention_kwargs(self) -> dict:
         """Keyword arguments a transformers model passes down to its attention function."""
-        return {
-            "packed_rows": self,
-            "cu_seq_lens_q": self.cu_seqlens,
-            "cu_seq_lens_k": self.cu_seqlens,
-            "max_length_q": self.max_len,
-            "max_length_k": self.max_len,
-        }
+        kwargs: dict = {"packed_rows": self}
+        if self.cu_seqlens is not None:  # flash-attn varlen (one segment per row)
+            kwargs.update(
+                cu_seq_lens_q=self.cu_seqlens,
+                cu_seq_lens_k=self.cu_seqlens,
+                max_length_q=self.max_len,
+                max_length_k=self.max_len,
+            )
+        return kwargs
 
     def targets(self) -> torch.Tensor:
         """[M] the token each target position predicts."""
-        return self.input_ids[0, self.flat + 1]
+        return self.target_ids
 
     def unpack(self, values: torch.Tensor, width: int) -> torch.Tensor:
         """[M] per-target values -> [b, width] in the target layout, 0 past each row's end."""
@@ -63,38 +71,107 @@ class PackedRows:
         return out
 
 
-def pack_rows(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> PackedRows:
+def prompt_owners(
+    input_ids: torch.Tensor, prompt_lengths: torch.Tensor, group_index: torch.Tensor
+) -> torch.Tensor:
+    """[b] for each row, the first row of its group with the same (non-empty) prompt tokens,
+    itself when none comes before it: the row whose copy of the prompt it will share."""
+    owners = list(range(len(prompt_lengths)))
+    lengths = prompt_lengths.tolist()
+    seen: dict[int, list[int]] = {}
+    for i, g in enumerate(group_index.tolist()):
+        p = lengths[i]
+        for j in seen.setdefault(g, []):
+            if p and p == lengths[j] and torch.equal(input_ids[i, :p], input_ids[j, :p]):
+                owners[i] = j
+                break
+        else:
+            seen[g].append(i)
+    return torch.tensor(owners, device=input_ids.device)
+
+
+def pack_rows(
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    prompt_lengths: torch.Tensor | None = None,
+    group_index: torch.Tensor | None = None,
+) -> PackedRows:
     """Pack right-padded rows ([b, L] ids and 0/1 mask; row i's real tokens are its first
-    mask.sum() positions)."""
+    mask.sum() positions). Given prompt lengths and groups, rows of a group with the same
+    prompt share one copy of it; without them every row is one segment."""
     keep = attention_mask.bool()
     lengths = keep.sum(1)
     if bool((lengths == 0).any()):
         raise ValueError("pack_rows: a row has no tokens")
-    device = input_ids.device
-    starts = torch.cumsum(lengths, 0) - lengths
-    n = int(lengths.sum())
-    packed_ids = input_ids[keep]
-    position_ids = torch.arange(n, device=device) - torch.repeat_interleave(starts, lengths)
-    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32, device=device)
-    cu[1:] = torch.cumsum(lengths, 0)
-    groups = []
-    for length in torch.unique(lengths).tolist():
-        which = torch.nonzero(lengths == length).squeeze(-1)
-        groups.append(starts[which, None] + torch.arange(length, device=device))
-    order = torch.cat([g.reshape(-1) for g in groups])
+    device, b = input_ids.device, len(lengths)
+    rows_ = torch.arange(b, device=device)
+    share = prompt_lengths is not None and group_index is not None
+    if share:
+        prompt = torch.minimum(prompt_lengths.to(device), lengths)
+        owner = prompt_owners(input_ids, prompt, group_index)
+    else:
+        prompt, owner = torch.zeros_like(lengths), rows_
+    owns = owner == rows_
+    skip = torch.where(owns, 0, prompt)  # a sharing row's packed tokens start after its prompt
+    emitted = lengths - skip
+    starts = torch.cumsum(emitted, 0) - emitted
+    n = int(emitted.sum())
+    row_of = torch.repeat_interleave(rows_, emitted)
+    col = torch.arange(n, device=device) - starts[row_of] + skip[row_of]
+    prompt_start = starts[owner]
+    response_start = torch.where(owns, starts + prompt, starts)
+    groups = _segments(prompt, lengths - prompt, owns, starts, response_start, prompt_start)
     rows, cols = torch.nonzero(keep[:, 1:], as_tuple=True)
+    p = prompt[rows]
+    flat = torch.where(cols < p, prompt_start[rows] + cols, response_start[rows] + cols - p)
+    cu = None
+    if not share:
+        cu = torch.zeros(b + 1, dtype=torch.int32, device=device)
+        cu[1:] = torch.cumsum(lengths, 0)
+    order = torch.cat([queries.reshape(-1) for queries, _ in groups])
     return PackedRows(
-        input_ids=packed_ids[None],
-        position_ids=position_ids[None],
+        input_ids=input_ids[row_of, col][None],
+        position_ids=col[None],
         cu_seqlens=cu,
         max_len=int(lengths.max()),
         groups=groups,
         order_inverse=torch.argsort(order),
         rows=rows,
         cols=cols,
-        flat=starts[rows] + cols,
-        num_rows=len(lengths),
+        flat=flat,
+        target_ids=input_ids[rows, cols + 1],
+        num_rows=b,
     )
+
+
+def _segments(prompt, response, owns, starts, response_start, prompt_start):
+    """Attention segments grouped by shape: (queries [k, len], keys [k, prefix + len]) packed
+    positions. An owner's prompt is a segment without prefix; a response attends to its
+    (possibly shared) prompt as a prefix, then causally to itself."""
+    by_shape: dict[tuple[int, int], list[tuple[int, int]]] = {}
+    table = zip(
+        prompt.tolist(),
+        response.tolist(),
+        owns.tolist(),
+        starts.tolist(),
+        response_start.tolist(),
+        prompt_start.tolist(),
+        strict=True,
+    )
+    for p, r, own, start, r_start, p_start in table:
+        if own and p:
+            by_shape.setdefault((p, 0), []).append((start, 0))
+        if r:
+            by_shape.setdefault((r, p), []).append((r_start, p_start))
+    device = starts.device
+    groups = []
+    for (length, prefix), where in by_shape.items():
+        q0 = torch.tensor([w[0] for w in where], device=device)[:, None]
+        k0 = torch.tensor([w[1] for w in where], device=device)[:, None]
+        queries = q0 + torch.arange(length, device=device)
+        keys = torch.cat([k0 + torch.arange(prefix, device=device), queries], dim=1)
+        groups.append((queries, keys))
+    return groups
 
 
 def packed_attention(
@@ -111,8 +188,10 @@ def packed_attention(
     """Causal attention within each packed row (transformers' attention-function signature:
     query [1, heads, N, dim], key/value [1, kv_heads, N, dim]; returns [1, N, heads, dim]).
 
-    Rows of one length run as one batched causal SDPA call; the outputs are put back in
-    packed order with one gather. Grouped-query attention is SDPA's `enable_gqa`."""
+    Segments of one shape run as one batched SDPA call: causal when a segment has no prefix,
+    else under a lower-right causal mask over [prefix, segment] keys (a response sees its
+    whole prompt and its own past). Outputs are put back in packed order with one gather.
+    Grouped-query attention is SDPA's `enable_gqa`."""
     if packed_rows is None:
         raise ValueError(
             f"attention {PACKED_ATTENTION!r} needs packed inputs (learner.packing.pack_rows); "
@@ -121,15 +200,20 @@ def packed_attention(
     q, k, v = query[0], key[0], value[0]  # [heads, N, dim]
     gqa = k.shape[0] != q.shape[0]
     outs = []
-    for index in packed_rows.groups:  # [rows, length]
-        rows, length = index.shape
-        take = _gather_rows(index.reshape(-1), rows, length)
+    for queries, keys in packed_rows.groups:  # [rows, length], [rows, prefix + length]
+        rows, length = queries.shape
+        prefix = keys.shape[1] - length
+        mask = None
+        if prefix:
+            i = torch.arange(length, device=q.device)[:, None]
+            mask = torch.arange(prefix + length, device=q.device)[None] <= prefix + i
         out = F.scaled_dot_product_attention(
-            take(q),
-            take(k),
-            take(v),
+            _gather(q, queries),
+            _gather(k, keys),
+            _gather(v, keys),
+            attn_mask=mask,
             dropout_p=dropout,
-            is_causal=True,
+            is_causal=not prefix,
             scale=scaling,
             enable_gqa=gqa,
         )  # [rows, heads, length, dim]
@@ -137,13 +221,10 @@ def packed_attention(
     return torch.cat(outs)[packed_rows.order_inverse][None], None
 
 
-def _gather_rows(flat: torch.Tensor, rows: int, length: int):
-    """[heads, N, dim] -> [rows, heads, length, dim] at packed positions `flat`."""
-
-    def take(t: torch.Tensor) -> torch.Tensor:
-        return t[:, flat].reshape(t.shape[0], rows, length, t.shape[-1]).transpose(0, 1)
-
-    return take
+def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """[heads, N, dim] at packed positions `index` [rows, len] -> [rows, heads, len, dim]."""
+    rows, length = index.shape
+    return t[:, index.reshape(-1)].reshape(t.shape[0], rows, length, t.shape[-1]).transpose(0, 1)
 
 
 def register_packed_attention() -> str:

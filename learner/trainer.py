@@ -38,7 +38,7 @@ from asyncrl.trace import SpanWriter
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, weights_checksum
 from learner.batch import TrainBatch, broadcast_batch, from_message
 from learner.checkpoint import load_sharded, save_sharded
-from learner.forward import policy_forward, value_forward
+from learner.forward import layout_of, policy_forward, value_forward
 from learner.fsdp import iter_full_tensors, param_specs, setup_distributed, setup_model
 from learner.losses import (
     AdaptiveKLController,
@@ -153,12 +153,12 @@ class Learner:
         """The no-grad forwards the chosen algorithm needs before the update: proximal policy
         (decoupled PPO, IS, rejection), frozen reference (KL), critic values (gae)."""
         out: dict[str, torch.Tensor] = {}
-        packed = self.cfg.learner.packing
+        lc = self.cfg.learner
         every_row = torch.arange(batch.size, device=self.device)
         args = (self.updater.plan(batch, every_row), self.world, self.device)
 
         def logp(model, b):
-            return policy_forward(model, b, self.temperature, False, packed)[0]
+            return policy_forward(model, b, self.temperature, False, layout_of(model, lc))[0]
 
         if self.needs_proximal:
             out["proximal"] = recompute(self.model, batch, logp, *args)
@@ -166,7 +166,7 @@ class Learner:
             out["ref"] = recompute(self.ref_model, batch, logp, *args)
         if self.critic is not None:
             out["values"] = recompute(
-                self.critic, batch, lambda m, b: value_forward(m, b, packed), *args
+                self.critic, batch, lambda m, b: value_forward(m, b, layout_of(m, lc)), *args
             )
         return out
 

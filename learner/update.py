@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig
 from learner.batch import TrainBatch
-from learner.forward import policy_forward, value_forward
+from learner.forward import layout_of, policy_forward, value_forward
 from learner.losses import (
     aggregate_denominator,
     aggregate_loss,
@@ -91,15 +91,24 @@ class Updater:
     ):
         self.model, self.optimizer, self.algo, self.lc = model, optimizer, algo, lc
         self.critic, self.critic_optimizer = critic, critic_optimizer
-        self.temperature, self.packed = temperature, lc.packing
+        self.temperature = temperature
+        self.layout = layout_of(model, lc) if model is not None else "padded"
         self.world, self.rank, self.device = world, rank, device
 
     def plan(self, batch: TrainBatch, rows: torch.Tensor) -> list[MicroBatch]:
-        """This rank's micro-batches over `rows` of `batch` (`learner.micro_batches`)."""
-        tokens = batch.attention_mask.sum(1)
+        """This rank's micro-batches over `rows` of `batch` (`learner.micro_batches`); a
+        group's rows stay together when they share their prompt in the forward."""
         lc = self.lc
+        shared = self.layout == "shared"
         return plan_micro_batches(
-            rows, tokens, self.world, self.rank, lc.micro_batch_size, lc.max_tokens_per_micro_batch
+            rows,
+            batch.attention_mask.sum(1),
+            self.world,
+            self.rank,
+            lc.micro_batch_size,
+            lc.max_tokens_per_micro_batch,
+            batch.group_index if shared else None,
+            batch.prompt_lengths if shared else None,
         )
 
     def run(
@@ -145,7 +154,7 @@ class Updater:
             idx, mb, w = micro.rows, batch.select(micro.rows), micro.weights
             self.model.set_requires_gradient_sync(i == len(plan) - 1)
             m = mask[idx] * w[:, None]
-            logp, entropy = policy_forward(self.model, mb, self.temperature, True, self.packed)
+            logp, entropy = policy_forward(self.model, mb, self.temperature, True, self.layout)
             per_token, st = self._policy_loss(logp, idx, inputs, m)
             num, _ = aggregate_loss(per_token, m, algo.loss_agg_mode, horizon)
             loss = num
@@ -246,7 +255,7 @@ class Updater:
             idx, mb, w = micro.rows, batch.select(micro.rows), micro.weights
             self.critic.set_requires_gradient_sync(i == len(plan) - 1)
             m = batch.loss_mask[:, 1:][idx] * w[:, None]
-            v = value_forward(self.critic, mb, self.packed)
+            v = value_forward(self.critic, mb, layout_of(self.critic, self.lc))
             per_token, st = value_token_loss(v, inputs.old_values[idx], inputs.returns[idx], m, c)
             (per_token.sum() * scale).backward()
             with torch.no_grad():

@@ -171,6 +171,7 @@ def make_batch(args, vocab: int):
         rewards=torch.rand(rows, generator=g),
         group_index=group_index,
         baseline_rewards=torch.full((rows,), float("nan")),
+        prompt_lengths=prompt,
     )
     advantages = torch.randn(rows, 1, generator=g) * loss_mask[:, 1:]
     real = int(attention.sum())

@@ -22,7 +22,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig
 from learner.batch import TrainBatch
-from learner.forward import policy_forward, value_forward
+from learner.forward import layout_of, policy_forward, value_forward
 from learner.fsdp import iter_full_tensors, setup_distributed, setup_model
 from learner.losses import AGGREGATION_MODES
 from learner.update import UpdateInputs, Updater, recompute
@@ -47,16 +47,22 @@ def build_model(path: str) -> None:
     LlamaForCausalLM(config).save_pretrained(path)
 
 
-def make_batch(rows: int = 22, groups_of: int = 2) -> TrainBatch:
-    """Rows of 3 to 40 tokens (long-tailed), prompts of 2 to 6, right-padded."""
+def make_batch(rows: int = 24, groups_of: int = 4) -> TrainBatch:
+    """Groups of rows sharing a prompt of 2 to 6 tokens, responses of 1 to ~35 (long-tailed),
+    right-padded. One row of group 1 has a prompt of its own (same length, other tokens)."""
     g = torch.Generator().manual_seed(1)
-    lengths = torch.clamp((torch.randn(rows, generator=g) * 0.7 + 2.4).exp().long(), 3, 40)
-    prompts = torch.randint(2, 7, (rows,), generator=g).clamp(max=lengths - 1)
+    group = torch.arange(rows) // groups_of
+    prompts = torch.randint(2, 7, (rows // groups_of,), generator=g)[group]
+    responses = torch.clamp((torch.randn(rows, generator=g) * 0.8 + 2.0).exp().long(), 1, 35)
+    lengths = prompts + responses
     width = int(lengths.max())
     pos = torch.arange(width)[None]
     attention = (pos < lengths[:, None]).long()
     loss_mask = ((pos >= prompts[:, None]) & (pos < lengths[:, None])).float()
-    ids = torch.randint(1, VOCAB, (rows, width), generator=g) * attention
+    ids = torch.randint(1, VOCAB, (rows, width), generator=g)
+    first = group * groups_of
+    ids = torch.where(pos < prompts[:, None], ids[first], ids) * attention
+    ids[groups_of + 1, 0] = ids[groups_of, 0] % (VOCAB - 1) + 1  # not the group's prompt
     return TrainBatch(
         input_ids=ids,
         attention_mask=attention,
@@ -64,8 +70,9 @@ def make_batch(rows: int = 22, groups_of: int = 2) -> TrainBatch:
         old_logprobs=torch.zeros(rows, width),
         versions=torch.zeros(rows, width, dtype=torch.int64),
         rewards=torch.rand(rows, generator=g),
-        group_index=torch.arange(rows) // groups_of,
+        group_index=group,
         baseline_rewards=torch.full((rows,), float("nan")),
+        prompt_lengths=prompts,
     )
 
 
@@ -82,7 +89,7 @@ def run_case(path, lc: LearnerConfig, algo: AlgorithmConfig, batch, old, adv, wo
     plan = updater.plan(batch, torch.arange(batch.size, device=device))
 
     def logp(m, b):
-        return policy_forward(m, b, 1.0, False, lc.packing)[0]
+        return policy_forward(m, b, 1.0, False, layout_of(m, lc))[0]
 
     logprobs = recompute(model, batch, logp, plan, world, device)
     before = full_params(model)
@@ -99,7 +106,7 @@ def critic_values(path, lc: LearnerConfig, batch, world, rank) -> torch.Tensor:
     updater = Updater(critic, None, AlgorithmConfig(), lc, 1.0, world, rank, device)
     plan = updater.plan(batch, torch.arange(batch.size, device=device))
     return recompute(
-        critic, batch, lambda m, b: value_forward(m, b, lc.packing), plan, world, device
+        critic, batch, lambda m, b: value_forward(m, b, layout_of(m, lc)), plan, world, device
     )
 
 
@@ -111,7 +118,10 @@ def main() -> None:
     g = torch.Generator().manual_seed(3)
     adv = torch.randn(mask.shape, generator=g).to(device) * mask
     padded = LearnerConfig(packing=False, micro_batch_size=5, grad_clip=1e9)
-    packed = LearnerConfig(packing=True, max_tokens_per_micro_batch=TOKEN_BUDGET, grad_clip=1e9)
+    packed = LearnerConfig(
+        packing=True, share_prompts=False, max_tokens_per_micro_batch=TOKEN_BUDGET, grad_clip=1e9
+    )
+    shared = packed.model_copy(update={"share_prompts": True})
     report: dict = {"rows": batch.size, "width": batch.input_ids.shape[1]}
     old = None
     for mode in AGGREGATION_MODES:
@@ -122,15 +132,20 @@ def main() -> None:
             )
             old = (ref_logp + 0.2 * torch.randn(mask.shape, generator=g).to(device)) * mask
         a_logp, a_loss, a_grad = run_case(path, padded, algo, batch, old, adv, world, rank)
-        b_logp, b_loss, b_grad = run_case(path, packed, algo, batch, old, adv, world, rank)
-        report[mode] = {
-            "logprob_max_abs_diff": float((a_logp - b_logp)[mask].abs().max()),
-            "loss": [a_loss, b_loss],
-            "grad_max_abs_diff": max(float((a_grad[k] - b_grad[k]).abs().max()) for k in a_grad),
-            "grad_max_abs": max(float(a_grad[k].abs().max()) for k in a_grad),
-        }
-    values = [critic_values(path, lc, batch, world, rank) for lc in (padded, packed)]
-    report["value_max_abs_diff"] = float((values[0] - values[1])[mask].abs().max())
+        for name, lc in (("packed", packed), ("shared", shared)):
+            b_logp, b_loss, b_grad = run_case(path, lc, algo, batch, old, adv, world, rank)
+            report[f"{mode}/{name}"] = {
+                "logprob_max_abs_diff": float((a_logp - b_logp)[mask].abs().max()),
+                "loss": [a_loss, b_loss],
+                "grad_max_abs_diff": max(
+                    float((a_grad[k] - b_grad[k]).abs().max()) for k in a_grad
+                ),
+                "grad_max_abs": max(float(a_grad[k].abs().max()) for k in a_grad),
+            }
+    values = [critic_values(path, lc, batch, world, rank) for lc in (padded, packed, shared)]
+    report["value_max_abs_diff"] = max(
+        float((values[0] - other)[mask].abs().max()) for other in values[1:]
+    )
     algo = AlgorithmConfig()
     fp32_logp, fp32_loss, fp32_grad = run_case(path, packed, algo, batch, old, adv, world, rank)
     for saver in ("activation_checkpointing", "offload"):  # same arithmetic, less memory

@@ -66,11 +66,13 @@ def report(request, tmp_path_factory) -> dict:
     return data
 
 
+@pytest.mark.parametrize("layout", ["packed", "shared"])
 @pytest.mark.parametrize(
     "mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 )
-def test_packed_matches_padded_with_token_budget_on_two_ranks(report, mode):
-    case = report[mode]
+def test_packed_matches_padded_with_token_budget_on_two_ranks(report, mode, layout):
+    """packed: every row whole; shared: a group's rows share one copy of their prompt."""
+    case = report[f"{mode}/{layout}"]
     assert case["logprob_max_abs_diff"] < TOLERANCE
     padded, packed = case["loss"]
     assert abs(padded - packed) < TOLERANCE

@@ -27,6 +27,23 @@ def test_layout_by_hand():
     assert p.unpack(torch.tensor([1.0, 2.0, 3.0]), 2).tolist() == [[1, 2], [0, 0], [3, 0]]
 
 
+def test_shared_prompt_layout_by_hand():
+    """Rows 0 and 1 share the prompt [1, 2]; row 2 is in their group with another prompt."""
+    ids = torch.tensor([[1, 2, 5, 6], [1, 2, 7, 0], [1, 3, 8, 0]])
+    mask = (ids > 0).long()
+    p = pack_rows(ids, mask, torch.tensor([2, 2, 2]), torch.tensor([0, 0, 0]))
+    assert p.input_ids.tolist() == [[1, 2, 5, 6, 7, 1, 3, 8]]  # row 1's prompt is not copied
+    assert p.position_ids.tolist() == [[0, 1, 2, 3, 2, 0, 1, 2]]
+    # row 1 (1 2 7): 1->2 and 2->7 are predicted at packed 0 and 1 (row 0's prompt copy)
+    assert p.rows.tolist() == [0, 0, 0, 1, 1, 2, 2]
+    assert p.flat.tolist() == [0, 1, 2, 0, 1, 5, 6]
+    assert p.targets().tolist() == [2, 5, 6, 2, 7, 3, 8]
+    shapes = sorted((q.shape[1], k.shape[1] - q.shape[1], q.shape[0]) for q, k in p.groups)
+    # (length, prefix, count): two 2-token prompts; rows 1 and 2's responses (1 token after a
+    # 2-token prefix); row 0's (2 tokens after a 2-token prefix)
+    assert shapes == [(1, 2, 2), (2, 0, 2), (2, 2, 1)]
+
+
 def test_an_empty_row_is_refused():
     ids, mask = _rows([2, 0], 2)
     with pytest.raises(ValueError, match="no tokens"):
@@ -52,15 +69,24 @@ def test_packed_forward_equals_padded_forward(kv_heads):
     packed = LlamaForCausalLM(config_packed)
     packed.load_state_dict(padded.state_dict())
     padded.config._attn_implementation = "sdpa"
-    ids, mask = _rows([7, 2, 7, 5, 1], 7)
+    ids, mask = _rows([7, 2, 7, 5, 1, 6], 7)
     ids = ids % 50
+    ids[3, :3] = ids[2, :3] = ids[0, :3]  # rows 0, 2, 3 share a 3-token prompt
     want = padded(input_ids=ids, attention_mask=mask).logits
-    p = pack_rows(ids, mask)
-    got = packed(input_ids=p.input_ids, position_ids=p.position_ids, **p.attention_kwargs()).logits[
-        0
-    ]
+    logp_want = want[:, :-1].log_softmax(-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
     keep = mask.bool()
-    torch.testing.assert_close(got, want[keep], atol=1e-5, rtol=1e-5)
+    prompts, groups = torch.tensor([3, 1, 3, 3, 1, 2]), torch.tensor([0, 1, 0, 0, 2, 2])
+    for shared in (False, True):
+        p = pack_rows(ids, mask, prompts, groups) if shared else pack_rows(ids, mask)
+        got = packed(
+            input_ids=p.input_ids, position_ids=p.position_ids, **p.attention_kwargs()
+        ).logits[0]
+        assert p.input_ids.shape[1] == int(keep.sum()) - (6 if shared else 0)
+        logp = p.unpack(got[p.flat].log_softmax(-1).gather(-1, p.targets()[:, None])[:, 0], 6)
+        target = keep[:, 1:]
+        torch.testing.assert_close(logp[target], logp_want[target], atol=1e-5, rtol=1e-5)
+        if not shared:
+            torch.testing.assert_close(got, want[keep], atol=1e-5, rtol=1e-5)
 
 
 def test_activation_checkpointing_recomputes_layers_in_the_backward(tmp_path, monkeypatch):
