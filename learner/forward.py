@@ -36,6 +36,8 @@ def layout_of(model: torch.nn.Module, lc: LearnerConfig) -> Layout:
 def _outputs(model: torch.nn.Module, mb: TrainBatch, layout: Layout):
     """(model outputs at the target positions [M, ...], targets [M], unpack: [M] -> [b, T])."""
     width = mb.input_ids.shape[1] - 1
+    if layout not in ("padded", "packed", "shared"):
+        raise ValueError(f"unknown layout {layout!r}: padded, packed or shared")
     if layout != "padded":
         shared = layout == "shared"
         p = pack_rows(

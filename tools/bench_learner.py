@@ -15,10 +15,12 @@ would rarely hold a row near the cap). Length statistics and padding waste (1 - 
 
 Then each configuration, in a fresh learner process (world size 1, gloo, `--threads`):
 1. `fp32-padded`: right-padded rows, `--micro-rows` rows per micro-batch;
-2. `fp32-packed`: packed rows, token-budget micro-batches of `--max-tokens`;
-3. `bf16-packed`: the same with bf16 compute (fp32 master weights);
-4. `bf16-ckpt`: and activation checkpointing;
-5. `bf16-offload`: and CPU offload (on a CPU learner the weights are in host memory already,
+2. `fp32-packed-rows`: packed rows, each row whole (`learner.share_prompts=false`), token-budget
+   micro-batches of `--max-tokens`;
+3. `fp32-packed`: packed rows whose groups share one copy of their prompt (the default);
+4. `bf16-packed`: the same with bf16 compute (fp32 master weights);
+5. `bf16-ckpt`: and activation checkpointing;
+6. `bf16-offload`: and CPU offload (on a CPU learner the weights are in host memory already,
    so this measures the offload policy's own overhead only).
 Each runs one warm-up `Updater.run` (PPO, behaviour log-probs = the model's own plus noise)
 and `--steps` timed ones: learner tokens/s (real, unpadded tokens per second of update),
@@ -66,6 +68,7 @@ from asyncrl.transport import free_port  # noqa: E402
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
 CONFIGS = {
     "fp32-padded": {"packing": False, "dtype": "float32"},
+    "fp32-packed-rows": {"packing": True, "share_prompts": False, "dtype": "float32"},
     "fp32-packed": {"packing": True, "dtype": "float32"},
     "bf16-packed": {"packing": True, "dtype": "bfloat16"},
     "bf16-ckpt": {"packing": True, "dtype": "bfloat16", "activation_checkpointing": True},
@@ -274,10 +277,12 @@ def summarize(results: dict, work: Path, batch) -> dict:
     """The derived figures: speed and memory ratios, log-prob differences."""
     ok = {k: v for k, v in results.items() if "error" not in v}
     out: dict = {}
-    if "fp32-padded" in ok and "fp32-packed" in ok:
-        out["packed_over_padded"] = (
-            ok["fp32-packed"]["tokens_per_s"] / ok["fp32-padded"]["tokens_per_s"]
-        )
+    for name, key in (
+        ("fp32-packed", "packed_over_padded"),
+        ("fp32-packed-rows", "rows_over_padded"),
+    ):
+        if "fp32-padded" in ok and name in ok:
+            out[key] = ok[name]["tokens_per_s"] / ok["fp32-padded"]["tokens_per_s"]
     if "bf16-packed" in ok and "bf16-ckpt" in ok:
         base, ckpt = ok["bf16-packed"]["peak_rss_mb"], ok["bf16-ckpt"]["peak_rss_mb"]
         out["ckpt_rss_saved_mb"] = base - ckpt
@@ -301,21 +306,26 @@ def report(model_what: str, stats: dict, results: dict, derived: dict, sync: dic
         f"{stats['real_tokens']}, padded tokens {stats['rows']} x {w['longest_row']} = "
         f"{stats['padded_tokens']}, padding waste {stats['padding_waste']:.1%}"
     )
-    print(f"\n{'config':<14}{'tokens/s':>10}{'s/update':>10}{'peak RSS MiB':>14}{'micro':>7}")
+    head = f"{'config':<18}{'tokens/s':>10}{'s/update':>10}{'peak RSS MiB':>14}{'micro':>7}"
+    print(f"\n{head}{'computed tokens':>17}")
     for name, r in results.items():
         if "error" in r:
-            print(f"{name:<14}  FAILED: {r['error']}")
+            print(f"{name:<18}  FAILED: {r['error']}")
             continue
         print(
-            f"{name:<14}{r['tokens_per_s']:>10.1f}{r['seconds_per_update']:>10.2f}"
-            f"{r['peak_rss_mb']:>14.0f}{r['micro_batches']:>7}"
+            f"{name:<18}{r['tokens_per_s']:>10.1f}{r['seconds_per_update']:>10.2f}"
+            f"{r['peak_rss_mb']:>14.0f}{r['micro_batches']:>7}{r['computed_tokens']:>17}"
         )
+    print("(tokens/s: the batch's real tokens per second; computed: what the forwards ran on)")
     if "bf16-offload" in results:
         print("note: bf16-offload on a CPU learner: parameters already live in host memory; the")
         print("      figure is the CPUOffloadPolicy's own overhead, not a GPU memory saving")
+    if "rows_over_padded" in derived:
+        print(f"packed rows / padded tokens/s (fp32): {derived['rows_over_padded']:.2f}x")
     if "packed_over_padded" in derived:
         print(
-            f"packed / padded tokens/s (fp32): {derived['packed_over_padded']:.2f}x (target >= 2x)"
+            f"packed (shared prompts) / padded tokens/s (fp32): "
+            f"{derived['packed_over_padded']:.2f}x (target >= 2x)"
         )
     if "ckpt_rss_saved_mb" in derived:
         print(

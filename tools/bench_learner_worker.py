@@ -31,13 +31,14 @@ from asyncrl.config import AlgorithmConfig, LearnerConfig  # noqa: E402
 from asyncrl.metrics import peak_rss_mb  # noqa: E402
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, WeightReceiver, specs_of  # noqa: E402
 from learner.batch import TrainBatch  # noqa: E402
-from learner.forward import policy_forward  # noqa: E402
+from learner.forward import layout_of, policy_forward  # noqa: E402
 from learner.fsdp import (  # noqa: E402
     iter_full_tensors,
     param_specs,
     setup_distributed,
     setup_model,
 )
+from learner.packing import pack_rows  # noqa: E402
 from learner.update import UpdateInputs, Updater, recompute  # noqa: E402
 
 
@@ -73,7 +74,7 @@ def learner_worker(job: dict) -> None:
     plan = updater.plan(batch, torch.arange(batch.size))
 
     def logp(m, b):
-        return policy_forward(m, b, 1.0, False, lc.packing)[0]
+        return policy_forward(m, b, 1.0, False, layout_of(m, lc))[0]
 
     start = time.perf_counter()
     logprobs = recompute(model, batch, logp, plan, world, device)
@@ -102,10 +103,24 @@ def learner_worker(job: dict) -> None:
         "micro_batches": len(plan),
         "threads": torch.get_num_threads(),
         "real_tokens": tokens,
-        "computed_tokens": tokens if lc.packing else batch.size * batch.input_ids.shape[1],
+        "computed_tokens": computed_tokens(batch, plan, layout_of(model, lc)),
         "update_stats": stats,
     }
     Path(job["out"]).write_text(json.dumps(result, indent=1))
+
+
+def computed_tokens(batch, plan, layout: str) -> int:
+    """Tokens the forwards of `plan` run on: padded rows, or the packed rows (less the prompt
+    copies a shared layout saves)."""
+    if layout == "padded":
+        return sum(len(mb.rows) for mb in plan) * batch.input_ids.shape[1]
+    total = 0
+    for mb in plan:
+        b = batch.select(mb.rows)
+        shared = layout == "shared"
+        args = (b.prompt_lengths, b.group_index) if shared else (None, None)
+        total += pack_rows(b.input_ids, b.attention_mask, *args).input_ids.shape[1]
+    return total
 
 
 def ack(group) -> None:

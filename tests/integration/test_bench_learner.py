@@ -11,7 +11,14 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-CONFIGS = ["fp32-padded", "fp32-packed", "bf16-packed", "bf16-ckpt", "bf16-offload"]
+CONFIGS = [
+    "fp32-padded",
+    "fp32-packed-rows",
+    "fp32-packed",
+    "bf16-packed",
+    "bf16-ckpt",
+    "bf16-offload",
+]
 
 
 def test_bench_learner_reports_every_configuration_and_the_sync(tmp_path):
@@ -28,7 +35,10 @@ def test_bench_learner_reports_every_configuration_and_the_sync(tmp_path):
         assert result["tokens_per_s"] > 0 and result["peak_rss_mb"] > 0, name
         assert result["real_tokens"] == report["batch"]["real_tokens"]
     padded, packed = report["configs"]["fp32-padded"], report["configs"]["fp32-packed"]
+    rows = report["configs"]["fp32-packed-rows"]
     assert padded["computed_tokens"] == report["batch"]["padded_tokens"] > packed["real_tokens"]
+    # whole packed rows compute every real token; shared prompts save the group's copies
+    assert rows["computed_tokens"] == packed["real_tokens"] > packed["computed_tokens"]
     derived = report["derived"]
     assert derived["packed_over_padded"] > 0
     assert "ckpt_rss_saved_mb" in derived
