@@ -3,13 +3,15 @@ sub-packages around it.
 
 The core (the modules directly in `asyncrl/`) is what every fleet shares; it imports no fleet,
 no launch code and no demo:
-- `config`: the typed configuration tree (`load_config`).
+- `config`: the typed configuration tree (`load_config`; the learner's sections live in
+  `learner_config`, the common base in `config_base`, the sandbox's in `sandbox_config`).
 - `protocol` (every message between processes) over `codec` (typed MessagePack frames, validated
   on decode) and `transport` (ZeroMQ sockets); `replay_client`: the learner's side of the replay.
 - `weight_sync`: bucketed broadcast of weights from learner rank 0 to the rollout servers.
 - `data`: verl-schema rows (validation, `PromptReader`, `render_prompt_ids`, row -> `PromptItem`)
   and the `TASKS` registry; `gsm8k`: GSM8K preparation and its final-answer parser.
-- `advantages`: the advantage estimators, each declared once in `ESTIMATORS`.
+- `estimators`: the advantage estimators, each declared once in `ESTIMATORS` (torch-free);
+  `advantages`: their tensor math and `compute_advantages`.
 - `evaluation`: pass@k and the evaluation job the learner and `asyncrl eval` run.
 - `registry`: the one `Registry` class behind every family users extend.
 - `metrics`, `trace`, `loggers`, `run_spec`: what a run writes and where things are.

@@ -1,12 +1,9 @@
-"""Advantage estimators, each declared once: what it needs and how it computes.
+"""Advantage estimators: how each computes (pure tensor math, no model, no I/O).
 
-`ESTIMATORS` is the one registry of estimators. Each member is an `Estimator` declaration made
-with `@estimator(name, level=..., ...)` over its compute function, stating what the estimator
-needs: a critic (the learner builds one), a minimum group size (config validation checks
-`rollout.n`), a greedy baseline (the rollout servers sample one per group), and whether it
-computes one advantage per sequence or per token. Config validation, the learner and the servers
-all read these declarations, so adding an estimator is one declaration here (or in a user's
-module) plus its test. The functions are pure tensor math (no model, no I/O).
+What each estimator needs is declared once in `asyncrl.estimators` (torch-free, so config
+validation reads it without importing torch); the built-ins' compute functions are the
+`_name(x: AdvantageInputs)` functions at the end of this module, and `compute_advantages` is
+the one dispatch the learner calls. `ESTIMATORS` and `estimator` are re-exported here.
 
 Conventions: response tensors are [B, T] aligned to token positions; `mask` [B, T] is 1 on tokens
 the policy sampled and 0 on prompt, padding and tool output (a multi-turn sequence has mask holes
@@ -22,13 +19,16 @@ same sequence (tool output between two turns is part of the environment, not an 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from asyncrl.registry import Registry
+from asyncrl.estimators import (  # noqa: F401 (re-exported: the registry users know)
+    ESTIMATORS,
+    Estimator,
+    EstimatorFn,
+    estimator,
+)
 
 
 @dataclass(frozen=True)
@@ -50,49 +50,6 @@ class AdvantageInputs:
     gamma: float = 1.0
     lam: float = 1.0
     norm_adv_by_std: bool = True
-
-
-EstimatorFn = Callable[[AdvantageInputs], "torch.Tensor | tuple[torch.Tensor, torch.Tensor]"]
-
-
-@dataclass(frozen=True)
-class Estimator:
-    """One advantage estimator: how it computes and what it needs."""
-
-    name: str
-    compute: EstimatorFn
-    """[B] per-sequence advantages (level "sequence", broadcast over sampled tokens), or [B, T]
-    per-token advantages (level "token"); critic estimators return (advantages, value targets)."""
-    level: Literal["sequence", "token"]
-    needs_critic: bool = False
-    """The learner trains a value model and passes its values; compute returns value targets."""
-    min_group_size: int = 1
-    """Config validation refuses rollout.n below this (a group-relative baseline needs 2)."""
-    greedy_baseline: bool = False
-    """The servers sample one greedy answer per group and send its reward as baseline_rewards."""
-
-
-ESTIMATORS: Registry[Estimator] = Registry("advantage estimator", "asyncrl.estimators")
-"""`algorithm.adv_estimator` names one of these (verl's names for the built-ins)."""
-
-
-def estimator(
-    name: str,
-    *,
-    level: Literal["sequence", "token"],
-    needs_critic: bool = False,
-    min_group_size: int = 1,
-    greedy_baseline: bool = False,
-) -> Callable[[EstimatorFn], EstimatorFn]:
-    """Declare the decorated function as the estimator `name` (see `Estimator`)."""
-
-    def wrap(fn: EstimatorFn) -> EstimatorFn:
-        ESTIMATORS.register(
-            name, Estimator(name, fn, level, needs_critic, min_group_size, greedy_baseline)
-        )
-        return fn
-
-    return wrap
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
@@ -286,34 +243,28 @@ def remax_advantages(
     return diff[:, None] * mask.to(torch.float32)
 
 
-# ---- the declarations ---------------------------------------------------------------------------
-@estimator("gae", level="token", needs_critic=True)
+# ---- the built-ins declared in asyncrl.estimators ----------------------------------------------
 def _gae(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     assert x.values is not None
     return gae_advantages(x.token_rewards, x.values, x.mask, x.gamma, x.lam)
 
 
-@estimator("grpo", level="sequence", min_group_size=2)
 def _grpo(x: AdvantageInputs) -> torch.Tensor:
     return grpo_advantages(x.rewards, x.group_index, norm_by_std=x.norm_adv_by_std)
 
 
-@estimator("rloo", level="sequence", min_group_size=2)
 def _rloo(x: AdvantageInputs) -> torch.Tensor:
     return rloo_advantages(x.rewards, x.group_index)
 
 
-@estimator("reinforce_plus_plus", level="token")
 def _reinforce_plus_plus(x: AdvantageInputs) -> torch.Tensor:
     return reinforce_plus_plus_advantages(x.token_rewards, x.mask, x.gamma)
 
 
-@estimator("reinforce_plus_plus_baseline", level="token", min_group_size=2)
 def _reinforce_plus_plus_baseline(x: AdvantageInputs) -> torch.Tensor:
     return reinforce_plus_plus_baseline_advantages(x.rewards, x.group_index, x.mask)
 
 
-@estimator("remax", level="token", greedy_baseline=True)
 def _remax(x: AdvantageInputs) -> torch.Tensor:
     assert x.baseline_rewards is not None
     return remax_advantages(x.rewards, x.baseline_rewards, x.mask)
@@ -345,6 +296,7 @@ def compute_advantages(
     if name not in ESTIMATORS:
         raise ValueError(f"unknown advantage estimator {name!r}; valid: {', '.join(ESTIMATORS)}")
     est = ESTIMATORS[name]
+    compute = est.function()
     if est.needs_critic and values is None:
         raise ValueError(f"the {name} estimator needs `values` (a critic)")
     if est.greedy_baseline and baseline_rewards is None:
@@ -364,7 +316,7 @@ def compute_advantages(
         lam,
         norm_adv_by_std,
     )
-    out = est.compute(inputs)
+    out = compute(inputs)
     advantages, returns = out if isinstance(out, tuple) else (out, None)
     if est.level == "sequence":
         advantages = advantages[:, None] * m

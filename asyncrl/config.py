@@ -302,7 +302,7 @@ class Config(_Section):
                 "the PPO ratio is already taken against the behaviour policy (verl's bypass "
                 "mode), and importance weights on top would correct the same lag twice"
             )
-        from asyncrl.advantages import ESTIMATORS
+        from asyncrl.estimators import ESTIMATORS
 
         if (est := ESTIMATORS.get(algo.adv_estimator)) is None:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""Advantage estimators are declared once (`asyncrl.advantages.ESTIMATORS`), and config
+"""Advantage estimators are declared once (`asyncrl.estimators.ESTIMATORS`), and config
 validation, the learner's dispatch and the rollout servers all read that declaration: a new
 estimator is one registration."""
 
@@ -142,3 +142,17 @@ def test_a_group_that_fails_is_counted_and_the_server_goes_on_until_too_many_in_
     server.agent_loop = _Loop()
     asyncio.run(server.run_group(bad))  # a group that samples ends the run of failures
     assert server.counters["groups"] == 1 and server._failed_in_a_row == 0
+
+
+def test_validating_a_config_imports_no_torch():
+    """The launcher and every process validate the config first; the estimator declarations
+    it reads must not cost a torch import (about 1.3 s on this project's CPUs)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from asyncrl.config import load_config; load_config(); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
