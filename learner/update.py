@@ -24,6 +24,7 @@ import torch.distributed as dist
 from asyncrl.config import AlgorithmConfig, LearnerConfig
 from learner.batch import TrainBatch
 from learner.forward import layout_of, policy_forward, value_forward
+from learner.fsdp import set_gradient_sync
 from learner.losses import (
     aggregate_denominator,
     aggregate_loss,
@@ -152,7 +153,7 @@ class Updater:
         ratio_max = torch.zeros((), device=self.device)
         for i, micro in enumerate(plan):
             idx, mb, w = micro.rows, batch.select(micro.rows), micro.weights
-            self.model.set_requires_gradient_sync(i == len(plan) - 1)
+            set_gradient_sync(self.model, i == len(plan) - 1)
             m = mask[idx] * w[:, None]
             logp, entropy = policy_forward(self.model, mb, self.temperature, True, self.layout)
             per_token, st = self._policy_loss(logp, idx, inputs, m)
@@ -253,7 +254,7 @@ class Updater:
         sums = torch.zeros(3, device=self.device)
         for i, micro in enumerate(plan):
             idx, mb, w = micro.rows, batch.select(micro.rows), micro.weights
-            self.critic.set_requires_gradient_sync(i == len(plan) - 1)
+            set_gradient_sync(self.critic, i == len(plan) - 1)
             m = batch.loss_mask[:, 1:][idx] * w[:, None]
             v = value_forward(self.critic, mb, layout_of(self.critic, self.lc))
             per_token, st = value_token_loss(v, inputs.old_values[idx], inputs.returns[idx], m, c)

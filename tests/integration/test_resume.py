@@ -54,3 +54,43 @@ def test_checkpoint_and_resume(tmp_path):
     assert set(after) <= pending | set(range(drawn, drawn + len(after)))
     first_batch = set(_rows(read_jsonl(second / "samples.jsonl")[:1]))
     assert first_batch <= pending or len(pending) < 4
+
+
+def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
+    """One fp32 rank trains a plain (unsharded) module; its checkpoint loads into a 2-rank FSDP
+    learner with exactly the weights it saved (the checksum of version 3 matches)."""
+    common = [
+        f"trainer.cache_dir={tmp_path / 'cache'}",
+        "trainer.warmstart_steps=50",
+        "data.train_batch_size=4",
+        "rollout.n=4",
+        "launch.progress=none",
+        "trainer.save_final=false",
+        "learner.weight_checksum=true",
+    ]
+    first = launch(
+        load_config(
+            overrides=[
+                *common,
+                f"trainer.run_dir={tmp_path / 'a'}",
+                "trainer.save_every=3",
+                "trainer.total_steps=3",
+            ]
+        )
+    )
+    ckpt = first / "checkpoints" / "step_3"
+    second = launch(
+        load_config(
+            overrides=[
+                *common,
+                f"trainer.run_dir={tmp_path / 'b'}",
+                f"trainer.resume_from={ckpt}",
+                "trainer.total_steps=4",
+                "learner.world_size=2",
+            ]
+        )
+    )
+    saved = {r["version"]: r["checksum"] for r in read_jsonl(first / "weights_learner.jsonl")}
+    resumed = {r["version"]: r["checksum"] for r in read_jsonl(second / "weights_learner.jsonl")}
+    assert resumed[3] == saved[3]
+    assert [r["version"] for r in read_jsonl(second / "metrics.jsonl")] == [4]
