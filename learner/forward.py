@@ -53,14 +53,23 @@ def _outputs(model: torch.nn.Module, mb: TrainBatch, layout: Layout):
 
 
 def policy_forward(
-    model: torch.nn.Module, mb: TrainBatch, temperature: float, with_entropy: bool, layout: Layout
+    model: torch.nn.Module,
+    mb: TrainBatch,
+    temperature: float,
+    with_entropy: bool,
+    layout: Layout,
+    entropy_grad: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log p of each target token under softmax(logits / T), entropy or None), [b, T].
-    The same log-prob the engines report as behaviour log-probs."""
+    The same log-prob the engines report as behaviour log-probs. The entropy carries a
+    gradient only when `entropy_grad` (an entropy bonus); as a statistic it is computed from
+    detached logits, so its vocabulary-sized intermediates are not kept for the backward."""
     logits, targets, unpack = _outputs(model, mb, layout)
     logits = logits.float() / temperature
     logp = torch.log_softmax(logits, dim=-1).gather(-1, targets[..., None]).squeeze(-1)
-    entropy = unpack(entropy_from_logits(logits)) if with_entropy else None
+    entropy = None
+    if with_entropy:
+        entropy = unpack(entropy_from_logits(logits if entropy_grad else logits.detach()))
     return unpack(logp), entropy
 
 

@@ -155,7 +155,9 @@ class Updater:
             idx, mb, w = micro.rows, batch.select(micro.rows), micro.weights
             set_gradient_sync(self.model, i == len(plan) - 1)
             m = mask[idx] * w[:, None]
-            logp, entropy = policy_forward(self.model, mb, self.temperature, True, self.layout)
+            logp, entropy = policy_forward(
+                self.model, mb, self.temperature, True, self.layout, algo.entropy_coeff > 0
+            )
             per_token, st = self._policy_loss(logp, idx, inputs, m)
             num, _ = aggregate_loss(per_token, m, algo.loss_agg_mode, horizon)
             loss = num

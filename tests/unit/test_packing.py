@@ -141,3 +141,27 @@ def _counting(forward, calls: dict, key):
         return forward(*args, **kwargs)
 
     return counted
+
+
+def test_entropy_carries_a_gradient_only_for_an_entropy_bonus():
+    from learner.batch import TrainBatch
+    from learner.forward import policy_forward
+
+    config = LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        pad_token_id=0,
+    )
+    model = LlamaForCausalLM(config)
+    ids, mask = _rows([4, 3], 4)
+    z = torch.zeros(2, 4)
+    mb = TrainBatch(
+        ids % 50, mask, z, z, z.long(), z[:, 0], torch.tensor([0, 1]), z[:, 0], mask[:, 0]
+    )
+    for bonus in (False, True):
+        logp, entropy = policy_forward(model, mb, 1.0, True, "padded", entropy_grad=bonus)
+        assert logp.requires_grad and entropy.requires_grad == bonus
