@@ -16,17 +16,20 @@ def _rows(samples):
     return [int(g.split("-")[0]) for s in samples for g in s["group_ids"]]
 
 
-def test_checkpoint_and_resume(tmp_path):
-    common = [
+def _common(tmp_path) -> list[str]:
+    """A short run on a small warm-start, without final weights."""
+    return [
         f"trainer.cache_dir={tmp_path / 'cache'}",
         "trainer.warmstart_steps=50",
         "data.train_batch_size=4",
         "rollout.n=4",
         "launch.progress=none",
-        "trainer.log_samples=true",
         "trainer.save_final=false",
-        "trainer.total_steps=6",
     ]
+
+
+def test_checkpoint_and_resume(tmp_path):
+    common = [*_common(tmp_path), "trainer.log_samples=true", "trainer.total_steps=6"]
     first = launch(
         load_config(
             overrides=[*common, f"trainer.run_dir={tmp_path / 'a'}", "trainer.save_every=3"]
@@ -59,15 +62,7 @@ def test_checkpoint_and_resume(tmp_path):
 def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
     """One fp32 rank trains a plain (unsharded) module; its checkpoint loads into a 2-rank FSDP
     learner with exactly the weights it saved (the checksum of version 3 matches)."""
-    common = [
-        f"trainer.cache_dir={tmp_path / 'cache'}",
-        "trainer.warmstart_steps=50",
-        "data.train_batch_size=4",
-        "rollout.n=4",
-        "launch.progress=none",
-        "trainer.save_final=false",
-        "learner.weight_checksum=true",
-    ]
+    common = [*_common(tmp_path), "learner.weight_checksum=true"]
     first = launch(
         load_config(
             overrides=[

@@ -9,6 +9,18 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from learner.packing import pack_rows, register_packed_attention
 
 
+def _tiny_config(kv_heads: int = 4, layers: int = 2) -> LlamaConfig:
+    return LlamaConfig(
+        vocab_size=50,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=layers,
+        num_attention_heads=4,
+        num_key_value_heads=kv_heads,
+        pad_token_id=0,
+    )
+
+
 def _rows(lengths, width):
     ids = torch.arange(1, len(lengths) * width + 1).reshape(len(lengths), width)
     mask = (torch.arange(width)[None] < torch.tensor(lengths)[:, None]).long()
@@ -53,15 +65,7 @@ def test_an_empty_row_is_refused():
 @pytest.mark.parametrize("kv_heads", [4, 2])
 def test_packed_forward_equals_padded_forward(kv_heads):
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=kv_heads,
-        pad_token_id=0,
-    )
+    config = _tiny_config(kv_heads)
     padded = LlamaForCausalLM(config)
     config_packed = LlamaConfig(
         **{**config.to_dict(), "_attn_implementation": register_packed_attention()}
@@ -100,15 +104,7 @@ def test_activation_checkpointing_recomputes_layers_in_the_backward(tmp_path, mo
     from asyncrl.transport import free_port
     from learner.fsdp import setup_model
 
-    config = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        pad_token_id=0,
-    )
+    config = _tiny_config()
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(tmp_path)
     monkeypatch.setitem(os.environ, "MASTER_ADDR", "127.0.0.1")
@@ -147,15 +143,7 @@ def test_entropy_carries_a_gradient_only_for_an_entropy_bonus():
     from learner.batch import TrainBatch
     from learner.forward import policy_forward
 
-    config = LlamaConfig(
-        vocab_size=50,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        pad_token_id=0,
-    )
+    config = _tiny_config(layers=1)
     model = LlamaForCausalLM(config)
     ids, mask = _rows([4, 3], 4)
     z = torch.zeros(2, 4)
