@@ -154,7 +154,7 @@ class WeightBroadcaster:
         self, specs: list[ParamSpec], tensors: Iterator[torch.Tensor], version: int
     ) -> None:
         """Send one version. `tensors` yields the full tensors in `specs` order (it may gather
-        them lazily, so at most one bucket of full weights is alive at a time); a floating-point
+        them lazily: one bucket's full tensors are alive at a time); a floating-point
         tensor is cast to its spec's dtype as it is packed (the engine's dtype, one pass)."""
         header = torch.tensor(
             [version, len(specs), layout_hash(specs), self.bucket_bytes], dtype=torch.int64
@@ -165,14 +165,10 @@ class WeightBroadcaster:
         in_flight: dict[int, dist.Work] = {}  # id of a staging buffer -> its broadcast
         sent_whole: list[tuple[torch.Tensor, dist.Work]] = []
         for i, bucket in enumerate(buckets):
-            if len(bucket.params) == 1:  # one tensor: sent as it is when its dtype is the spec's
-                t = _checked(bucket.params[0], next(tensors))
-                if t.dtype == bucket.dtype and t.is_contiguous():
-                    sent_whole.append((t, self.group.broadcast_async(t.reshape(-1))))
-                    continue
-                parts = iter([t])
-            else:
-                parts = (_checked(spec, next(tensors)) for spec in bucket.params)
+            parts = [_checked(spec, next(tensors)) for spec in bucket.params]
+            if len(parts) == 1 and parts[0].dtype == bucket.dtype and parts[0].is_contiguous():
+                sent_whole.append((parts[0], self.group.broadcast_async(parts[0].reshape(-1))))
+                continue  # one tensor already as the engine wants it: sent uncopied
             buffer = staging[bucket.dtype][i % 2]
             if (work := in_flight.pop(id(buffer), None)) is not None:
                 work.wait()

@@ -16,6 +16,7 @@ import torch
 
 from asyncrl.config import LearnerConfig
 from learner.batch import TrainBatch
+from learner.fsdp import attention_implementation
 from learner.losses import entropy_from_logits
 from learner.packing import PACKED_ATTENTION, pack_rows
 
@@ -24,12 +25,13 @@ Layout = Literal["padded", "packed", "shared"]
 groups share one copy of their prompt (`learner.packing`)."""
 
 
-def layout_of(model: torch.nn.Module, lc: LearnerConfig) -> Layout:
-    """The layout `lc` asks for that `model`'s attention can run (flash-attn's varlen kernel
-    cannot share prompts)."""
+def layout_of(lc: LearnerConfig, device: torch.device) -> Layout:
+    """The layout `lc` asks for that the models' attention on `device` can run
+    (`learner.fsdp.attention_implementation`; flash-attn's varlen kernel cannot share
+    prompts)."""
     if not lc.packing:
         return "padded"
-    own_attention = model.config._attn_implementation == PACKED_ATTENTION
+    own_attention = attention_implementation(lc, device) == PACKED_ATTENTION
     return "shared" if lc.share_prompts and own_attention else "packed"
 
 

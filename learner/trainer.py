@@ -38,7 +38,7 @@ from asyncrl.trace import SpanWriter
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, weights_checksum
 from learner.batch import TrainBatch, broadcast_batch, from_message
 from learner.checkpoint import load_sharded, save_sharded
-from learner.forward import layout_of, policy_forward, value_forward
+from learner.forward import policy_forward, value_forward
 from learner.fsdp import iter_full_tensors, param_specs, setup_distributed, setup_model
 from learner.losses import (
     AdaptiveKLController,
@@ -61,8 +61,7 @@ class Learner:
         self.cfg, self.spec, self.rank, self.world, self.device = cfg, spec, rank, world, device
         self.stop_requested = False
         lc = cfg.learner
-        self.model = setup_model(spec.model_path, device, lc)
-        self.model.train()
+        self.model = setup_model(spec.model_path, device, lc)  # in training mode
         self.optimizer = setup_optimizer(self.model, lc.lr, lc)
         self.sync_dtype = getattr(torch, cfg.rollout.dtype)  # weights go out in the engine's
         self.specs = param_specs(self.model, self.sync_dtype)
@@ -75,7 +74,6 @@ class Learner:
         self.critic = self.critic_optimizer = None
         if ESTIMATORS[algo.adv_estimator].needs_critic:
             self.critic = setup_model(spec.model_path, device, lc, head="value")
-            self.critic.train()
             self.critic_optimizer = setup_optimizer(self.critic, lc.critic_lr, lc)
         self.kl_ctrl = (
             AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
@@ -153,12 +151,12 @@ class Learner:
         """The no-grad forwards the chosen algorithm needs before the update: proximal policy
         (decoupled PPO, IS, rejection), frozen reference (KL), critic values (gae)."""
         out: dict[str, torch.Tensor] = {}
-        lc = self.cfg.learner
+        layout = self.updater.layout  # every model here is set up alike
         every_row = torch.arange(batch.size, device=self.device)
         args = (self.updater.plan(batch, every_row), self.world, self.device)
 
         def logp(model, b):
-            return policy_forward(model, b, self.temperature, False, layout_of(model, lc))[0]
+            return policy_forward(model, b, self.temperature, False, layout)[0]
 
         if self.needs_proximal:
             out["proximal"] = recompute(self.model, batch, logp, *args)
@@ -166,7 +164,7 @@ class Learner:
             out["ref"] = recompute(self.ref_model, batch, logp, *args)
         if self.critic is not None:
             out["values"] = recompute(
-                self.critic, batch, lambda m, b: value_forward(m, b, layout_of(m, lc)), *args
+                self.critic, batch, lambda m, b: value_forward(m, b, layout), *args
             )
         return out
 

@@ -93,7 +93,7 @@ class Updater:
         self.model, self.optimizer, self.algo, self.lc = model, optimizer, algo, lc
         self.critic, self.critic_optimizer = critic, critic_optimizer
         self.temperature = temperature
-        self.layout = layout_of(model, lc) if model is not None else "padded"
+        self.layout = layout_of(lc, device)
         self.world, self.rank, self.device = world, rank, device
 
     def plan(self, batch: TrainBatch, rows: torch.Tensor) -> list[MicroBatch]:
@@ -258,7 +258,7 @@ class Updater:
             idx, mb, w = micro.rows, batch.select(micro.rows), micro.weights
             set_gradient_sync(self.critic, i == len(plan) - 1)
             m = batch.loss_mask[:, 1:][idx] * w[:, None]
-            v = value_forward(self.critic, mb, layout_of(self.critic, self.lc))
+            v = value_forward(self.critic, mb, self.layout)
             per_token, st = value_token_loss(v, inputs.old_values[idx], inputs.returns[idx], m, c)
             (per_token.sum() * scale).backward()
             with torch.no_grad():

@@ -67,14 +67,13 @@ def learner_worker(job: dict) -> None:
     batch = TrainBatch(**saved)
     start = time.perf_counter()
     model = setup_model(job["model"], device, lc)
-    model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
     updater = Updater(model, optimizer, AlgorithmConfig(), lc, 1.0, world, rank, device)
     setup_s, setup_rss = time.perf_counter() - start, peak_rss_mb()
     plan = updater.plan(batch, torch.arange(batch.size))
 
     def logp(m, b):
-        return policy_forward(m, b, 1.0, False, layout_of(m, lc))[0]
+        return policy_forward(m, b, 1.0, False, layout_of(lc, device))[0]
 
     start = time.perf_counter()
     logprobs = recompute(model, batch, logp, plan, world, device)
@@ -103,7 +102,7 @@ def learner_worker(job: dict) -> None:
         "micro_batches": len(plan),
         "threads": torch.get_num_threads(),
         "real_tokens": tokens,
-        "computed_tokens": computed_tokens(batch, plan, layout_of(model, lc)),
+        "computed_tokens": computed_tokens(batch, plan, updater.layout),
         "update_stats": stats,
     }
     Path(job["out"]).write_text(json.dumps(result, indent=1))

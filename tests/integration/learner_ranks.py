@@ -89,7 +89,7 @@ def run_case(path, lc: LearnerConfig, algo: AlgorithmConfig, batch, old, adv, wo
     plan = updater.plan(batch, torch.arange(batch.size, device=device))
 
     def logp(m, b):
-        return policy_forward(m, b, 1.0, False, layout_of(m, lc))[0]
+        return policy_forward(m, b, 1.0, False, layout_of(lc, device))[0]
 
     logprobs = recompute(model, batch, logp, plan, world, device)
     before = full_params(model)
@@ -106,7 +106,7 @@ def critic_values(path, lc: LearnerConfig, batch, world, rank) -> torch.Tensor:
     updater = Updater(critic, None, AlgorithmConfig(), lc, 1.0, world, rank, device)
     plan = updater.plan(batch, torch.arange(batch.size, device=device))
     return recompute(
-        critic, batch, lambda m, b: value_forward(m, b, layout_of(m, lc)), plan, world, device
+        critic, batch, lambda m, b: value_forward(m, b, layout_of(lc, device)), plan, world, device
     )
 
 

@@ -1,5 +1,6 @@
-"""A run checkpointed at step 3 and resumed continues at version 4, with the optimizer state,
-and trains on prompts that neither repeat nor skip the ones before the checkpoint."""
+"""A run checkpointed at step 3 and resumed continues at version 4, with the optimizer state
+and the learning-rate schedule, and trains on prompts that neither repeat nor skip the ones
+before the checkpoint."""
 
 import json
 
@@ -29,7 +30,13 @@ def _common(tmp_path) -> list[str]:
 
 
 def test_checkpoint_and_resume(tmp_path):
-    common = [*_common(tmp_path), "trainer.log_samples=true", "trainer.total_steps=6"]
+    common = [
+        *_common(tmp_path),
+        "trainer.log_samples=true",
+        "trainer.total_steps=6",
+        "learner.warmup_steps=4",
+        "learner.lr=5e-4",
+    ]
     first = launch(
         load_config(
             overrides=[*common, f"trainer.run_dir={tmp_path / 'a'}", "trainer.save_every=3"]
@@ -46,6 +53,8 @@ def test_checkpoint_and_resume(tmp_path):
     )
     rows = read_jsonl(second / "metrics.jsonl")
     assert [r["version"] for r in rows] == [4, 5, 6]
+    # the schedule continues where it stopped: learner steps 3, 4, 5 of a 4-step warmup
+    assert [r["lr"] for r in rows] == pytest.approx([4e-4, 5e-4, 5e-4])
 
     before = _rows(read_jsonl(first / "samples.jsonl")[:3])
     after = _rows(read_jsonl(second / "samples.jsonl"))

@@ -26,3 +26,50 @@ def test_layout_hash_and_checksum_detect_differences():
     assert weights_checksum(a.items()) == weights_checksum(c.items())
     c["b"][1] = 1e-30
     assert weights_checksum(a.items()) != weights_checksum(c.items())
+
+
+def test_sync_reuses_released_staging_and_never_overwrites_an_unreleased_version():
+    """A real gloo pair (sender thread, receiver here) sends three versions in 4 buckets:
+    [a, b] and [d] (int64) packed into the sender's staging, [c] and [big] (one tensor each)
+    sent uncopied. Version 1 is kept unreleased while version 2 arrives: it must stay intact
+    (fresh staging); version 2 is released, so version 3 lands in its memory."""
+    import threading
+
+    from asyncrl.transport import free_port
+    from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, WeightReceiver
+
+    shapes = {"a": (8,), "b": (8,), "c": (8,), "big": (64,), "d": (8,)}
+    dtypes = {"d": torch.int64}
+    specs = [ParamSpec(n, s, dtypes.get(n, torch.float32)) for n, s in shapes.items()]
+    port, cpu = free_port(), torch.device("cpu")
+    sent_error: list[BaseException] = []
+
+    def send():
+        try:
+            group = SyncGroup("127.0.0.1", port, 0, 2, cpu, timeout_s=60)
+            broadcaster = WeightBroadcaster(group, bucket_bytes=64)  # 16 floats a bucket
+            for v in (1, 2, 3):
+                broadcaster.broadcast(
+                    specs, (torch.full(s.shape, v, dtype=s.dtype) for s in specs), v
+                )
+            broadcaster.shutdown()
+        except BaseException as e:  # surfaced by the assertion below
+            sent_error.append(e)
+
+    sender = threading.Thread(target=send)
+    sender.start()
+    receiver = WeightReceiver(SyncGroup("127.0.0.1", port, 1, 2, cpu, timeout_s=60), specs)
+    first = receiver.receive()
+    second = receiver.receive()  # `first` was not released: it must not be overwritten
+    assert all(bool((t == 1).all()) for _, t in first.weights)
+    assert all(bool((t == 2).all()) for _, t in second.weights)
+    second_ptrs = [t.data_ptr() for _, t in second.weights]
+    assert second_ptrs != [t.data_ptr() for _, t in first.weights]
+    second.release()
+    third = receiver.receive()
+    assert [t.data_ptr() for _, t in third.weights] == second_ptrs  # its staging, reused
+    assert all(bool((t == 3).all()) for _, t in third.weights)
+    assert [n for n, _ in third.weights] == list(shapes)
+    assert receiver.receive() is None
+    sender.join(timeout=60)
+    assert not sent_error, sent_error
