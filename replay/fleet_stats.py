@@ -4,6 +4,10 @@ Servers report cumulative counters (engine busy time, generation paused for weig
 with every lease request; `FleetStats` keeps the latest per server and, when a batch is served,
 turns the change since the previous batch into the step's fleet metrics: replay occupancy, the
 servers' mean idle ratio and total generation pause, and the latency of the batch's samples.
+
+A server that has not reported since the previous batch (it is busy with all its slots, or its
+lease request is being held) keeps its interval open: its last measured idle ratio stands in
+until its next report covers the whole span, so every step carries the metric.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ class FleetStats:
         self._now: dict[int, tuple[float, float, float]] = {}
         self._at_last_batch: dict[int, tuple[float, float, float]] = {}
         self._last_seen: dict[int, float] = {}
+        self._idle: dict[int, float] = {}  # each server's idle ratio over its latest interval
         self.forgotten = 0
 
     def report(
@@ -34,6 +39,7 @@ class FleetStats:
         for server_id in [s for s, t in self._last_seen.items() if now - t > silent_s]:
             del self._last_seen[server_id], self._now[server_id]
             self._at_last_batch.pop(server_id, None)
+            self._idle.pop(server_id, None)
             self.forgotten += 1
 
     def for_batch(
@@ -47,15 +53,16 @@ class FleetStats:
             "traj_latency_p50_s": float(np.percentile(lat, 50)) if len(lat) else 0.0,
             "traj_latency_p99_s": float(np.percentile(lat, 99)) if len(lat) else 0.0,
         }
-        idle, pause = [], 0.0
+        pause = 0.0
         for server, now in self._now.items():
             before = self._at_last_batch.get(server, (0.0, 0.0, 0.0))
             span = now[2] - before[2]
-            if span > 0:
-                idle.append(1.0 - min(1.0, (now[0] - before[0]) / span))
+            if span <= 0:
+                continue  # nothing new: the interval stays open, the last ratio stands
+            self._idle[server] = 1.0 - min(1.0, (now[0] - before[0]) / span)
             pause += now[1] - before[1]
-        if idle:
-            stats["server_idle_ratio"] = sum(idle) / len(idle)
+            self._at_last_batch[server] = now
+        if self._idle:
+            stats["server_idle_ratio"] = sum(self._idle.values()) / len(self._idle)
             stats["generation_pause_s"] = pause
-        self._at_last_batch = dict(self._now)
         return stats

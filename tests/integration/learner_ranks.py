@@ -21,6 +21,7 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig
+from asyncrl.launch.worker import exit_now
 from learner.batch import TrainBatch
 from learner.forward import layout_of, policy_forward, value_forward
 from learner.fsdp import iter_full_tensors, setup_distributed, setup_model
@@ -168,3 +169,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    exit_now(0)  # as the launcher's workers: torch's process-group threads can abort teardown
