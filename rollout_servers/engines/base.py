@@ -20,9 +20,10 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
-import torch
+if TYPE_CHECKING:  # the launcher checks agent-loop names through this module: no torch import
+    import torch
 
 
 @dataclass(frozen=True)

@@ -143,3 +143,19 @@ def test_an_agent_name_the_servers_lack_is_named(tmp_path):
         check_run_data(load_config(None, [f"data.train_files=[{good}]", f"data.val_files=[{bad}]"]))
     with pytest.raises(DataError, match="--data: .*'single_turn'"):
         check_eval_data([bad], load_config(None, []))
+
+
+def test_the_launchers_checks_before_start_import_no_torch():
+    """`asyncrl launch` checks datasets, rewards and agent-loop names before any fleet starts;
+    those checks must not cost a torch import (about 1.1 s here, on the critical path of every
+    launch: the fleets start only after them)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from asyncrl.config import load_config; "
+        "from asyncrl.launch.run import check_run_data; check_run_data(load_config()); "
+        "print('torch' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
