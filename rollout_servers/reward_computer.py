@@ -8,6 +8,11 @@ over a socketpair). Whatever goes wrong scores 0.0 and is counted in `failures` 
 reward function costs one timeout, never the pool, and a bad reward function never takes down a
 rollout server.
 
+Calls made in the same turn of the event loop (a group's samples finish together) travel as one
+batch: one thread hand-off and one message to a worker, which answers item by item as each is
+scored. Each item still has its own timeout and its own failure: a batch whose item k hangs or
+crashes gets k's failure for k alone, and the items after it run again on the replacement.
+
 A reward that runs model code (`needs_sandbox`, the code reward) takes another path: the server
 runs its `SandboxJob` in the one sandbox it shares with the python tool, and the verdict comes
 from the reward's trusted `judge` in a worker, as above.
@@ -115,9 +120,10 @@ def _recv(conn: Connection) -> Any:
 
 
 def worker_main(fd: int) -> None:
-    """A reward worker process: receive (function ref, kwargs) on socket `fd`, reply ("ok",
-    score, extras) or ("exception", message, {}). Functions are resolved once and cached. The
-    socket is a private socketpair with the parent that started us, never a network socket."""
+    """A reward worker process: receive a batch of (function ref, kwargs) on socket `fd`, reply
+    to each item in order, as soon as it is scored: ("ok", score, extras) or ("exception",
+    message, {}). Functions are resolved once and cached. The socket is a private socketpair
+    with the parent that started us, never a network socket."""
     die_with_parent()
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when workers stop
     conn = Connection(fd)
@@ -125,16 +131,17 @@ def worker_main(fd: int) -> None:
     cache: dict[FnRef, RewardFn] = {}
     while True:
         try:
-            ref, kwargs = _recv(conn)
-            ref = tuple(ref)
+            batch = _recv(conn)
         except (EOFError, OSError):
             return
-        try:
-            if ref not in cache:
-                cache[ref] = _resolve(ref)
-            _send(conn, ("ok", *_plain_result(cache[ref](**kwargs))))
-        except (Exception, SystemExit) as e:
-            _send(conn, ("exception", f"{type(e).__name__}: {e}", {}))
+        for ref, kwargs in batch:
+            ref = tuple(ref)
+            try:
+                if ref not in cache:
+                    cache[ref] = _resolve(ref)
+                _send(conn, ("ok", *_plain_result(cache[ref](**kwargs))))
+            except (Exception, SystemExit) as e:
+                _send(conn, ("exception", f"{type(e).__name__}: {e}", {}))
 
 
 class _Worker:
@@ -177,32 +184,60 @@ class _Worker:
                 self._ready = False
             return True
 
-    def call(self, ref: FnRef, kwargs: dict[str, Any], timeout_s: float) -> tuple[Any, ...]:
-        """("ok", score, extras) | (failure kind, detail, {}); never raises."""
+    def call_many(self, items: list[tuple[FnRef, dict[str, Any]]], timeout_s: float) -> list:
+        """One result per item, in order: ("ok", score, extras) | (failure kind, detail, {});
+        never raises. An item past `timeout_s` (or whose run kills the worker) fails alone: the
+        worker is replaced and the items after it are sent again."""
+        results: list[tuple[Any, ...] | None] = [None] * len(items)
+        encoded: list[tuple[int, str]] = []
+        for i, item in enumerate(items):
+            try:  # an item that cannot be encoded fails before any byte is written
+                encoded.append((i, json.dumps(item, allow_nan=True)))
+            except Exception as e:
+                results[i] = ("exception", f"arguments cannot be sent: {type(e).__name__}: {e}", {})
+        while encoded:
+            done = self._run(encoded, timeout_s, results)
+            encoded = encoded[done:]
+        return results
+
+    def _run(self, encoded: list[tuple[int, str]], timeout_s: float, results: list) -> int:
+        """Send `encoded` as one batch and collect answers into `results` until one fails;
+        returns how many items have a result (the failed one included)."""
+        first = encoded[0][0]
         if not self.start():
-            return ("closed", "the reward computer is closed", {})
+            for i, _ in encoded:
+                results[i] = ("closed", "the reward computer is closed", {})
+            return len(encoded)
         conn, proc = self._conn, self._proc
         assert conn is not None and proc is not None
         try:
             if not self._ready:  # a fresh worker's boot never counts against the timeout
                 if not conn.poll(_BOOT_TIMEOUT_S) or _recv(conn) != "ready":
                     self.stop()
-                    return ("crash", f"worker not up within {_BOOT_TIMEOUT_S}s", {})
+                    results[first] = ("crash", f"worker not up within {_BOOT_TIMEOUT_S}s", {})
+                    return 1
                 self._ready = True
-            _send(conn, (ref, kwargs))  # encoding happens before any byte is written
+            conn.send_bytes(("[" + ",".join(text for _, text in encoded) + "]").encode())
         except (EOFError, OSError) as e:
             self.stop()
-            return ("crash", f"worker unreachable ({type(e).__name__})", {})
-        except Exception as e:
-            return ("exception", f"arguments cannot be sent: {type(e).__name__}: {e}", {})
-        try:
-            if not conn.poll(timeout_s):
+            results[first] = ("crash", f"worker unreachable ({type(e).__name__})", {})
+            return 1
+        for n, (i, _) in enumerate(encoded):
+            try:
+                if not conn.poll(timeout_s):
+                    self.stop()
+                    results[i] = ("timeout", f"no result within {timeout_s}s; worker replaced", {})
+                    return n + 1
+                results[i] = tuple(_recv(conn))
+            except (EOFError, OSError) as e:
                 self.stop()
-                return ("timeout", f"no result within {timeout_s}s; worker replaced", {})
-            return tuple(_recv(conn))
-        except (EOFError, OSError) as e:
-            self.stop()
-            return ("crash", f"worker died ({type(e).__name__}, exit code {proc.poll()})", {})
+                results[i] = (
+                    "crash",
+                    f"worker died ({type(e).__name__}, exit code {proc.poll()})",
+                    {},
+                )
+                return n + 1
+        return len(encoded)
 
     def stop(self, retire: bool = False) -> None:
         """Kill the process (it may be running a hung function); `retire` forbids restarts."""
@@ -215,6 +250,15 @@ class _Worker:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+def _answer(calls: list[tuple[Any, Any, asyncio.Future]], batch: asyncio.Future) -> None:
+    """Hand each caller its item of a finished batch (a caller that gave up is skipped)."""
+    error = batch.exception() if not batch.cancelled() else RuntimeError("cancelled")
+    results = batch.result() if error is None else [("closed", str(error), {})] * len(calls)
+    for (_, _, answer), result in zip(calls, results, strict=True):
+        if not answer.done():
+            answer.set_result(result)
 
 
 class RewardComputer:
@@ -251,6 +295,7 @@ class RewardComputer:
             worker.start()
             self._idle.put(worker)
         self._threads = ThreadPoolExecutor(max_workers=num_workers, thread_name_prefix="reward")
+        self._pending: list[tuple[FnRef, dict[str, Any], asyncio.Future]] = []
 
     async def score(
         self,
@@ -326,10 +371,11 @@ class RewardComputer:
         self, ref: FnRef, kwargs: dict[str, Any], data_source: str
     ) -> tuple[float, dict[str, float]]:
         loop = asyncio.get_running_loop()
-        try:
-            kind, score, extras = await loop.run_in_executor(self._threads, self._call, ref, kwargs)
-        except RuntimeError as e:  # the pool was closed under us (shutdown)
-            kind, score, extras = "closed", str(e), {}
+        answer: asyncio.Future = loop.create_future()
+        self._pending.append((ref, kwargs, answer))
+        if len(self._pending) == 1:  # the first call of this turn sends the turn's batch
+            loop.call_soon(self._flush, loop)
+        kind, score, extras = await answer
         if kind != "ok":
             self._count(kind, f"reward function for {data_source!r}: {score}")
             return 0.0, {}
@@ -360,14 +406,27 @@ class RewardComputer:
             self._kwargs_cache[fn] = wanted
         return self._kwargs_cache[fn]
 
-    def _call(self, ref: FnRef, kwargs: dict[str, Any]) -> tuple[Any, ...]:
+    def _flush(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Send the calls of this turn as at most one batch per worker."""
+        calls, self._pending = self._pending, []
+        ways = min(len(self._workers), len(calls))
+        for part in (calls[i::ways] for i in range(ways)):
+            items = [(ref, kwargs) for ref, kwargs, _ in part]
+            try:
+                batch = loop.run_in_executor(self._threads, self._call_batch, items)
+            except RuntimeError as e:  # the pool was closed under us (shutdown)
+                batch = loop.create_future()
+                batch.set_exception(e)
+            batch.add_done_callback(lambda done, part=part: _answer(part, done))
+
+    def _call_batch(self, items: list[tuple[FnRef, dict[str, Any]]]) -> list[tuple[Any, ...]]:
         """On a pool thread: borrow an idle worker (there is one per thread), call, give back."""
         worker = self._idle.get()
         try:
-            result = worker.call(ref, kwargs, self.timeout_s)
-            if result[0] in ("timeout", "crash"):
-                worker.start()  # replace the killed worker now, off the event loop
-            return result
+            results = worker.call_many(items, self.timeout_s)
+            if any(r[0] in ("timeout", "crash") for r in results):
+                worker.start()  # replace a killed worker now, off the event loop
+            return results
         finally:
             self._idle.put(worker)
 

@@ -24,9 +24,12 @@ from rollout_servers.sandbox import SandboxConfig, SharedSandbox
 CUSTOM = textwrap.dedent(
     """
     import math
+    import os
     import time
 
     def compute_score(data_source, solution_str, ground_truth, extra_info=None, **kwargs):
+        if solution_str == "die":
+            os._exit(3)
         if solution_str == "raise":
             raise RuntimeError("boom")
         if solution_str == "hang":
@@ -161,6 +164,36 @@ async def test_failures_score_zero_are_counted_and_the_pool_keeps_working(custom
         assert await rc.score("any/source", "b", "b", None) == (1.0, {"length": 1.0})
         assert time.monotonic() - start < 1.0
         assert rc.failures == {"exception": 1, "non_finite": 3, "non_number": 1, "timeout": 1}
+    finally:
+        rc.close()
+
+
+async def test_a_turns_calls_travel_as_one_batch_and_each_fails_alone(custom_file):
+    """Calls made together go to the worker as one batch; the item that hangs and the item that
+    kills the worker fail alone, the others are scored (those after them on the replacement),
+    and the batch costs one timeout, not one per item after the hang."""
+    rc = RewardComputer(1.0, num_workers=1, custom_path=str(custom_file))
+    batches: list[int] = []
+    call_batch = rc._call_batch
+    rc._call_batch = lambda items: (batches.append(len(items)), call_batch(items))[1]  # type: ignore[method-assign]
+    try:
+        texts = ["a", "hang", "b", "die", "c", "x"]
+        start = time.monotonic()
+        scores = await asyncio.gather(
+            *(rc.score("any/source", t, "y" if t == "x" else t, None) for t in texts)
+        )
+        took = time.monotonic() - start
+        assert [s for s, _ in scores] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
+        assert batches == [6]
+        assert rc.failures == {"timeout": 1, "crash": 1}
+        assert 1.0 <= took < 3.0
+
+        # a caller that gives up does not disturb the others of its batch
+        calls = [asyncio.create_task(rc.score("any/source", t, t, None)) for t in ("hang", "d")]
+        await asyncio.sleep(0.2)
+        calls[0].cancel()
+        assert await calls[1] == (1.0, {"length": 1.0})
+        assert batches == [6, 2]
     finally:
         rc.close()
 
