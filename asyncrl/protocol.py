@@ -4,6 +4,7 @@ Who sends what (replies echo the request's `request_id`):
 
     rollout server -> replay   LeaseRequest   -> LeaseGrant   (prompts to sample; may be empty)
     rollout server -> replay   Trajectory     -> Ack          (accepted/duplicate/late/rejected)
+    rollout server -> replay   Trajectories   -> Acks         (several at once: one status each)
     learner rank 0 -> replay   BatchRequest   -> Batch        (whole groups; may be empty)
     learner rank 0 -> replay   VersionUpdate  -> Ack
     anyone         -> replay   StatsRequest   -> Stats        (counters for progress and tests)
@@ -33,6 +34,7 @@ from asyncrl.codec import Array, JsonObject, check, message, struct
 MAX_ID_CHARS = 256  # traj_id, group_id, job_id, data_source, agent names
 MAX_SAMPLES_PER_PROMPT = 1024  # PromptItem.n
 MAX_METRICS = 256  # Trajectory.metrics entries
+MAX_TRAJECTORIES_PER_MESSAGE = 4096  # Trajectories
 MAX_INDEX = 2**31 - 1  # server ids, sample indices, versions, counts (they travel as int32)
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_ABS_REWARD = 1e6
@@ -167,6 +169,123 @@ class Ack:
     status: Literal["accepted", "duplicate", "late", "rejected", "ok"]
 
 
+@message("trajectories")
+class Trajectories:
+    """Several trajectories of one server in one message: what a server's agent loops finish in
+    the same event-loop turn travels together (one header, one signature, one `Acks`). Sample i
+    owns prompt_ids[prompt_offsets[i]:prompt_offsets[i+1]] and the response arrays
+    [response_offsets[i]:response_offsets[i+1]]; `unpack()` gives each back as the `Trajectory`
+    it would have been alone, and each is checked as if it came alone."""
+
+    server_id: int  # the server that generated all of them
+    traj_ids: list[str]  # [B]
+    group_ids: list[str]  # [B]
+    finish_reasons: list[str]  # [B]
+    metrics: list[dict[str, float]]  # [B]
+    attempts: Array("int32")  # [B]
+    sample_indices: Array("int32")  # [B]
+    rewards: Array("float64")  # [B]
+    baseline_rewards: Array("float64")  # [B]
+    prompt_offsets: Array("int64")  # [B+1]
+    response_offsets: Array("int64")  # [B+1]
+    prompt_ids: Array("int32")  # [sum P]
+    response_ids: Array("int32")  # [sum R]
+    loss_mask: Array("uint8")  # [sum R]
+    behaviour_logprobs: Array("float32")  # [sum R]
+    versions: Array("int32")  # [sum R]
+
+    @classmethod
+    def pack(cls, trajs: list[Trajectory]) -> Trajectories:
+        """One server's samples whose response arrays have one length each (`packable`)."""
+        server_ids = {t.server_id for t in trajs}
+        if len(server_ids) != 1 or not all(map(packable, trajs)):
+            raise ValueError("one server's samples, each with equal-length response arrays")
+
+        def cat(name: str, dtype: str) -> np.ndarray:
+            return np.concatenate([np.asarray(getattr(t, name), dtype) for t in trajs])
+
+        def offsets(name: str) -> np.ndarray:
+            return np.cumsum([0] + [len(getattr(t, name)) for t in trajs], dtype=np.int64)
+
+        return cls(
+            server_id=trajs[0].server_id,
+            traj_ids=[t.traj_id for t in trajs],
+            group_ids=[t.group_id for t in trajs],
+            finish_reasons=[t.finish_reason for t in trajs],
+            metrics=[t.metrics for t in trajs],
+            attempts=np.array([t.attempt for t in trajs], np.int32),
+            sample_indices=np.array([t.sample_index for t in trajs], np.int32),
+            rewards=np.array([t.reward for t in trajs], np.float64),
+            baseline_rewards=np.array([t.baseline_reward for t in trajs], np.float64),
+            prompt_offsets=offsets("prompt_ids"),
+            response_offsets=offsets("response_ids"),
+            prompt_ids=cat("prompt_ids", "int32"),
+            response_ids=cat("response_ids", "int32"),
+            loss_mask=cat("loss_mask", "uint8"),
+            behaviour_logprobs=cat("behaviour_logprobs", "float32"),
+            versions=cat("versions", "int32"),
+        )
+
+    def unpack(self) -> list[Trajectory]:
+        p, r = self.prompt_offsets.tolist(), self.response_offsets.tolist()
+        return [
+            Trajectory(
+                traj_id=self.traj_ids[i],
+                attempt=int(self.attempts[i]),
+                group_id=self.group_ids[i],
+                sample_index=int(self.sample_indices[i]),
+                server_id=self.server_id,
+                prompt_ids=self.prompt_ids[p[i] : p[i + 1]],
+                response_ids=self.response_ids[r[i] : r[i + 1]],
+                loss_mask=self.loss_mask[r[i] : r[i + 1]],
+                behaviour_logprobs=self.behaviour_logprobs[r[i] : r[i + 1]],
+                versions=self.versions[r[i] : r[i + 1]],
+                reward=float(self.rewards[i]),
+                baseline_reward=float(self.baseline_rewards[i]),
+                finish_reason=self.finish_reasons[i],
+                metrics=self.metrics[i],
+            )
+            for i in range(len(self.traj_ids))
+        ]
+
+    def validate(self) -> None:
+        """Consistent lengths and offsets, then every sample's own `Trajectory.validate`."""
+        b = len(self.traj_ids)
+        check(
+            1 <= b <= MAX_TRAJECTORIES_PER_MESSAGE,
+            f"Trajectories: {b} samples outside 1..{MAX_TRAJECTORIES_PER_MESSAGE}",
+        )
+        for name in ("group_ids", "finish_reasons", "metrics"):
+            check(len(getattr(self, name)) == b, f"Trajectories.{name}: {b} entries expected")
+        for name in ("attempts", "sample_indices", "rewards", "baseline_rewards"):
+            check(getattr(self, name).shape == (b,), f"Trajectories.{name} must have shape [{b}]")
+        n = len(self.response_ids)
+        for name in ("loss_mask", "behaviour_logprobs", "versions"):
+            check(getattr(self, name).shape == (n,), f"Trajectories.{name} must have shape [{n}]")
+        _check_offsets(self.prompt_offsets, b, len(self.prompt_ids), "Trajectories.prompt_offsets")
+        _check_offsets(self.response_offsets, b, n, "Trajectories.response_offsets")
+        for traj in self.unpack():
+            traj.validate()
+
+
+def packable(traj: Trajectory) -> bool:
+    """Whether `traj` fits in a `Trajectories` (its response arrays share offsets); one that
+    does not is sent alone, for the replay to answer `rejected`."""
+    n = len(traj.response_ids)
+    return len(traj.loss_mask) == len(traj.behaviour_logprobs) == len(traj.versions) == n
+
+
+@message("acks")
+class Acks:
+    """The replay's answer to `Trajectories`: one status per sample, in the message's order."""
+
+    traj_ids: list[str]
+    statuses: list[Literal["accepted", "duplicate", "late", "rejected"]]
+
+    def validate(self) -> None:
+        check(len(self.statuses) == len(self.traj_ids), "Acks: one status per traj_id")
+
+
 @message("batch_request")
 class BatchRequest:
     request_id: int  # echoed in the reply
@@ -216,8 +335,8 @@ class Batch:
         r = len(self.response_ids)
         for name in ("loss_mask", "behaviour_logprobs", "versions"):
             check(getattr(self, name).shape == (r,), f"Batch.{name} must have shape [{r}]")
-        _check_offsets(self.prompt_offsets, b, len(self.prompt_ids), "prompt_offsets")
-        _check_offsets(self.response_offsets, b, r, "response_offsets")
+        _check_offsets(self.prompt_offsets, b, len(self.prompt_ids), "Batch.prompt_offsets")
+        _check_offsets(self.response_offsets, b, r, "Batch.response_offsets")
         check(bool(np.isfinite(self.rewards).all()), "Batch.rewards: a reward is not finite")
         sampled = self.loss_mask == 1
         check(
@@ -324,10 +443,10 @@ class WeightReceiverFailed:
 
 
 def _check_offsets(offsets: np.ndarray, b: int, total: int, name: str) -> None:
-    check(offsets.shape == (b + 1,), f"Batch.{name} must have shape [{b + 1}]")
+    check(offsets.shape == (b + 1,), f"{name} must have shape [{b + 1}]")
     check(
         offsets[0] == 0 and offsets[-1] == total and bool((np.diff(offsets) >= 0).all()),
-        f"Batch.{name} must rise from 0 to {total}",
+        f"{name} must rise from 0 to {total}",
     )
 
 

@@ -20,6 +20,7 @@ from asyncrl.protocol import (
     EvalSubmit,
     LeaseRequest,
     StatsRequest,
+    Trajectories,
     Trajectory,
     VersionUpdate,
 )
@@ -28,7 +29,7 @@ PERMISSIONS: dict[str, frozenset[type]] = {
     "learner": frozenset(
         {BatchRequest, VersionUpdate, CheckpointRequest, EvalSubmit, EvalPoll, StatsRequest}
     ),
-    "server": frozenset({LeaseRequest, Trajectory, StatsRequest}),
+    "server": frozenset({LeaseRequest, Trajectory, Trajectories, StatsRequest}),
     "client": frozenset({EvalSubmit, EvalPoll, StatsRequest}),
 }
 """Message types each role may send; anything else is answered `Error` and counted as

@@ -32,6 +32,7 @@ COUNTERS = (
     "accepted",
     "duplicates",
     "late",
+    "untrainable",
     "stale_dropped",
     "batch_requests",
     "batches_served",

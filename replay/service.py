@@ -10,9 +10,10 @@ Messages (see `asyncrl.protocol`):
 - LeaseRequest -> LeaseGrant: admission judges a server by the version its engine holds (the
   request says); a server asks again as soon as its engine moves to a new version, and that
   newer request supersedes its held one.
-- Trajectory -> Ack(accepted | duplicate | late | rejected): every trajectory is acknowledged
-  every time it arrives, so a resending sender stops; `rejected` (it decoded but cannot be
-  trained on: uneven arrays, NaN reward, ...) is also logged and counted here.
+- Trajectory -> Ack(accepted | duplicate | late | rejected), Trajectories -> Acks (one status
+  per sample): every trajectory is acknowledged every time it arrives, so a resending sender
+  stops; `rejected` (it decoded but cannot be trained on: uneven arrays, NaN reward, ...) is
+  also logged and counted (`untrainable`).
 - BatchRequest -> Batch: exactly `num_groups` whole groups trainable at the request's
   `learner_version` (authoritative), or an empty batch after the wait.
 - VersionUpdate -> Ack(ok); StatsRequest -> Stats; EvalSubmit -> Ack; EvalPoll -> EvalResults;
@@ -44,6 +45,7 @@ from asyncrl.data import row_to_prompt_item
 from asyncrl.metrics import peak_rss_mb, write_json_atomic
 from asyncrl.protocol import (
     Ack,
+    Acks,
     BatchRequest,
     ChatMessage,
     CheckpointRequest,
@@ -54,6 +56,7 @@ from asyncrl.protocol import (
     PromptItem,
     Stats,
     StatsRequest,
+    Trajectories,
     Trajectory,
     VersionUpdate,
     empty_batch,
@@ -140,6 +143,7 @@ class ReplayService(Endpoint):
         self._handlers = {
             LeaseRequest: self._on_lease_request,
             Trajectory: self._on_trajectory,
+            Trajectories: self._on_trajectories,
             BatchRequest: self._on_batch_request,
             VersionUpdate: self._on_version_update,
             StatsRequest: self._on_stats_request,
@@ -226,6 +230,20 @@ class ReplayService(Endpoint):
             self._hold(self._held_leases, peer, req)
 
     def _on_trajectory(self, peer: Peer, traj: Trajectory) -> None:
+        status, why = self._take(traj)
+        if why:  # an untrainable sample alone is its message's outcome too
+            self._reject(peer, "rejected_invalid", why, reply=False)
+        self._send(peer, Ack(request_id=0, traj_id=traj.traj_id, status=status))
+
+    def _on_trajectories(self, peer: Peer, msg: Trajectories) -> None:
+        """Each sample as if it came alone; the message itself is `handled`."""
+        taken = [self._take(traj) for traj in msg.unpack()]
+        for why in [why for _, why in taken if why][:3]:
+            log.warning("rejected sample: %s", why)
+        self._send(peer, Acks(traj_ids=msg.traj_ids, statuses=[status for status, _ in taken]))
+
+    def _take(self, traj: Trajectory) -> tuple[str, str]:
+        """One sample into its group or evaluation job: (Ack status, why untrainable or "")."""
         try:
             if self.eval_jobs.owns(traj.group_id):
                 check_trajectory(traj, self.buffer.limits)
@@ -235,11 +253,10 @@ class ReplayService(Endpoint):
                 status = self.buffer.add(traj)
                 self.counters[_ACK_COUNTERS[status]] += 1
         except MalformedTrajectory as e:
-            reason = f"trajectory {short_repr(traj.traj_id)}: {e}"
-            self._reject(peer, "rejected_invalid", reason, reply=False)
-            status = "rejected"
+            self.counters["untrainable"] += 1
+            return "rejected", f"trajectory {short_repr(traj.traj_id)}: {e}"
         self._changed |= status == "accepted"
-        self._send(peer, Ack(request_id=0, traj_id=traj.traj_id, status=status))
+        return status, ""
 
     def _on_batch_request(self, peer: Peer, req: BatchRequest) -> None:
         if req.num_groups > self.cfg.replay.capacity_groups:

@@ -4,6 +4,10 @@ Invariant: a trajectory stays in the outbox until the replay acknowledges it (ac
 duplicate or late all count as acknowledged). Unacknowledged trajectories are sent again with
 the next attempt number after `ack_timeout_s`; the replay drops the duplicates, so a lost
 reply or a restarted replay socket never loses or doubles a trajectory.
+
+Trajectories put in the same event-loop turn (a group's samples finish together) leave as one
+`Trajectories` message, answered by one `Acks`: one header, signature and reply for the lot
+instead of one each. Resends go one `Trajectory` at a time.
 """
 
 from __future__ import annotations
@@ -20,10 +24,25 @@ import zmq.asyncio
 
 from asyncrl.auth import AuthError, RoleKey
 from asyncrl.codec import ProtocolError
-from asyncrl.protocol import Ack, Error, LeaseGrant, LeaseRequest, PromptItem, Trajectory
+from asyncrl.protocol import (
+    MAX_TRAJECTORIES_PER_MESSAGE,
+    Ack,
+    Acks,
+    Error,
+    LeaseGrant,
+    LeaseRequest,
+    PromptItem,
+    Trajectories,
+    Trajectory,
+    packable,
+)
 from asyncrl.transport import decode_signed, send_msg, setup_socket
 
 log = logging.getLogger("asyncrl.rollout.replay_client")
+
+MESSAGE_BYTES = 8 << 20
+"""Trajectories sent together are split into messages of about this many array bytes (the
+replay refuses messages over replay.max_message_mb, 64 MiB by default)."""
 
 
 class AsyncReplayClient:
@@ -42,6 +61,7 @@ class AsyncReplayClient:
             dict.fromkeys(["sent", "acked", "resent", "ack_accepted", "errors"], 0)
         )
         self._tasks: list[asyncio.Task] = []
+        self._unsent: list[Trajectory] = []  # put in this event-loop turn, not yet sent
 
     def start(self) -> list[asyncio.Task]:
         """Start the reply reader and the resender; the caller watches these tasks."""
@@ -80,10 +100,28 @@ class AsyncReplayClient:
         return grant.prompts
 
     async def put(self, traj: Trajectory) -> None:
-        """Send a trajectory and keep it until acknowledged."""
+        """Send a trajectory and keep it until acknowledged. The first put of an event-loop
+        turn waits for the turn's other puts and sends them all; a failed send leaves them in
+        the outbox, sent again after ack_timeout_s."""
         self.outbox[traj.traj_id] = (traj, time.monotonic())
         self.counters["sent"] += 1
-        await send_msg(self._sock, traj, auth=self.auth)
+        self._unsent.append(traj)
+        if len(self._unsent) > 1:
+            return
+        await asyncio.sleep(0)  # the turn's other callbacks run (and put) first
+        trajs, self._unsent = self._unsent, []
+        alone = [[t] for t in trajs if not packable(t)]  # the replay rejects it: on its own
+        for part in _split([t for t in trajs if packable(t)], MESSAGE_BYTES) + alone:
+            msg = part[0] if len(part) == 1 else Trajectories.pack(part)
+            await send_msg(self._sock, msg, auth=self.auth)
+
+    def _acknowledged(self, traj_id: str, status: str) -> None:
+        if self.outbox.pop(traj_id, None) is None:
+            return
+        self.counters["acked"] += 1
+        self.counters[f"ack_{status}"] += 1
+        if status == "rejected":
+            log.error("replay rejected trajectory %s as untrainable (see its log)", traj_id)
 
     async def _read_replies(self) -> None:
         while True:
@@ -101,14 +139,10 @@ class AsyncReplayClient:
                 log.error("undecodable reply from replay: %s", e)
                 continue
             if isinstance(msg, Ack) and msg.traj_id:
-                if self.outbox.pop(msg.traj_id, None) is not None:
-                    self.counters["acked"] += 1
-                    self.counters[f"ack_{msg.status}"] += 1
-                    if msg.status == "rejected":
-                        log.error(
-                            "replay rejected trajectory %s as untrainable (see its log)",
-                            msg.traj_id,
-                        )
+                self._acknowledged(msg.traj_id, msg.status)
+            elif isinstance(msg, Acks):
+                for traj_id, status in zip(msg.traj_ids, msg.statuses, strict=True):
+                    self._acknowledged(traj_id, status)
             elif isinstance(msg, LeaseGrant):
                 fut = self._waiting.get(msg.request_id)
                 if fut is not None and not fut.done():
@@ -141,3 +175,20 @@ class AsyncReplayClient:
             t.cancel()
         self._sock.close(linger=0)
         self._ctx.term()
+
+
+def _split(trajs: list[Trajectory], max_bytes: int) -> list[list[Trajectory]]:
+    """Consecutive runs of `trajs`, each of at most `max_bytes` array bytes (or one sample) and
+    MAX_TRAJECTORIES_PER_MESSAGE samples."""
+    parts: list[list[Trajectory]] = [[]]
+    size = 0
+    for traj in trajs:
+        # int32 prompt ids; per response token an id, a mask byte, a log-prob and a version
+        n = 4 * len(traj.prompt_ids) + 13 * len(traj.response_ids)
+        full = len(parts[-1]) == MAX_TRAJECTORIES_PER_MESSAGE
+        if parts[-1] and (size + n > max_bytes or full):
+            parts.append([])
+            size = 0
+        parts[-1].append(traj)
+        size += n
+    return [part for part in parts if part]

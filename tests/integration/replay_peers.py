@@ -14,14 +14,14 @@ import zmq
 from asyncrl.auth import Keyring, role_key
 from asyncrl.codec import decode, encode
 from asyncrl.config import Config
-from asyncrl.protocol import LeaseRequest, Trajectory
+from asyncrl.protocol import LeaseRequest, Trajectories, Trajectory
 from asyncrl.transport import decode_signed, free_port, tcp_address
 from replay.prompts import setup_prompt_source
 from replay.service import ReplayService
 
 SECRET = bytes(range(32))  # the test run's secret
 KEYRING = Keyring(SECRET, num_servers=4)
-_SERVER_TYPES = (LeaseRequest, Trajectory)
+_SERVER_TYPES = (LeaseRequest, Trajectory, Trajectories)
 
 
 @contextmanager

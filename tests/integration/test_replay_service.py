@@ -1,6 +1,7 @@
 """The replay service over real ZeroMQ sockets: bad input is rejected and counted while the
 service keeps serving; held requests are answered when something changes."""
 
+import asyncio
 import json
 import os
 import signal
@@ -14,13 +15,14 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
-from replay_peers import SECRET, ask, dealer, recv, running_replay, send
+from replay_peers import KEYRING, SECRET, ask, dealer, recv, running_replay, send
 from replay_peers import trajectory as _traj
 
 from asyncrl.codec import encode
 from asyncrl.config import Config
 from asyncrl.protocol import (
     Ack,
+    Acks,
     Batch,
     BatchRequest,
     Error,
@@ -29,6 +31,7 @@ from asyncrl.protocol import (
     PromptItem,
     Stats,
     StatsRequest,
+    Trajectories,
     Trajectory,
     VersionUpdate,
 )
@@ -165,6 +168,60 @@ def test_bad_messages_are_rejected_counted_and_the_service_keeps_serving(client)
     assert (stats["accepted"], stats["duplicates"], stats["late"]) == (B * N, 1, 1)
     assert (stats["batches_served"], stats["samples_served"]) == (1, B * N)
     assert (stats["leases_granted"], stats["groups_ready"], stats["groups_in_flight"]) == (B, 0, 0)
+
+
+def test_samples_sent_together_are_each_taken_as_if_alone(client):
+    """One Trajectories message, one Acks: a status per sample in its order (accepted,
+    duplicate, late, untrainable), and a batch as if they had come one by one."""
+    sock = client
+    prompts = _lease(sock, 1, version=0, max_groups=5)
+    first, second = prompts
+    sent = [
+        _traj(first.group_id, 0),
+        _traj(first.group_id, 0, attempt=1),  # the same sample again
+        _traj("never-leased", 0),
+        _traj(first.group_id, 1, reward=float("nan")),  # untrainable
+        _traj(first.group_id, 1),
+        _traj(second.group_id, 0),
+        _traj(second.group_id, 1, r=5),
+    ]
+    reply = _ask(sock, Trajectories.pack(sent))
+    assert isinstance(reply, Acks) and reply.traj_ids == [t.traj_id for t in sent]
+    assert reply.statuses == [
+        "accepted", "duplicate", "late", "rejected", "accepted", "accepted", "accepted"
+    ]  # fmt: skip
+    batch = _ask(sock, BatchRequest(request_id=7, learner_version=0, num_groups=B))
+    assert isinstance(batch, Batch) and batch.response_offsets.tolist() == [0, 3, 6, 9, 14]
+    stats = _stats(sock)
+    assert (stats["accepted"], stats["duplicates"], stats["late"]) == (B * N, 1, 1)
+    assert (stats["untrainable"], stats["handled"], stats["rejected_invalid"]) == (1, 3, 0)
+    # a server speaks only for itself, in a batch too
+    other = Trajectories.pack([_traj(first.group_id, 0, server_id=1)])
+    reply = ask(sock, other, "server_0")
+    assert isinstance(reply, Error) and "may not speak for server 1" in reply.reason
+
+
+async def test_a_servers_samples_of_one_turn_leave_as_one_message_and_are_all_acknowledged():
+    """The rollout server's client: samples put in one event-loop turn travel as one
+    Trajectories message (one Acks back); one that cannot be packed (uneven arrays) goes alone
+    and is answered `rejected`; nothing stays unacknowledged."""
+    from rollout_servers.replay_client import AsyncReplayClient
+
+    with running_replay(_config()) as address, dealer(address) as sock:
+        prompts = _lease(sock, 1, version=0, max_groups=5)
+        client = AsyncReplayClient(address, KEYRING.key("server_0"), ack_timeout_s=30.0)
+        client.start()
+        try:
+            trajs = [_traj(p.group_id, i) for p in prompts for i in range(N)]
+            uneven = _traj(prompts[0].group_id, 0, traj_id="uneven", versions=np.zeros(1, np.int32))
+            await asyncio.gather(*(client.put(t) for t in [*trajs[:2], uneven, *trajs[2:]]))
+            assert await client.drain(timeout_s=5.0) == 0
+            assert (client.counters["ack_accepted"], client.counters["ack_rejected"]) == (B * N, 1)
+            stats = _stats(sock)
+            assert stats["received"] == 3  # the lease, one Trajectories, the lone Trajectory
+            assert (stats["accepted"], stats["untrainable"]) == (B * N, 1)
+        finally:
+            client.close()
 
 
 def test_held_batch_request_is_answered_when_the_groups_complete(client):

@@ -9,6 +9,7 @@ from asyncrl.protocol import (
     LeaseGrant,
     PromptItem,
     Stats,
+    Trajectories,
     Trajectory,
     empty_batch,
 )
@@ -234,3 +235,49 @@ def test_a_batch_that_indexes_outside_its_arrays_or_carries_inf_is_rejected_at_t
     ]:
         with pytest.raises(ProtocolError, match=reason):
             decode(_wire(Batch(**{**one, **change})))
+
+
+def test_trajectories_sent_together_come_back_as_they_were_sent():
+    sent = [
+        _traj(),
+        _traj(traj_id="t2", sample_index=1, prompt_ids=np.arange(5), reward=0.25),
+        _traj(
+            traj_id="t3", response_ids=np.array([], np.int64), loss_mask=np.array([], np.uint8),
+            behaviour_logprobs=np.array([]), versions=np.array([], np.int64), metrics={},
+            baseline_reward=0.5, finish_reason="length", attempt=2,
+        ),
+    ]  # fmt: skip
+    back = decode(_wire(Trajectories.pack(sent))).unpack()
+    assert len(back) == len(sent)
+    for a, b in zip(sent, back, strict=True):
+        for name in ("traj_id", "attempt", "group_id", "sample_index", "server_id", "reward"):
+            assert getattr(a, name) == getattr(b, name)
+        assert (a.finish_reason, a.metrics) == (b.finish_reason, b.metrics)
+        assert b.baseline_reward == a.baseline_reward or np.isnan(a.baseline_reward)
+        for name in ("prompt_ids", "response_ids", "loss_mask", "behaviour_logprobs", "versions"):
+            assert np.array_equal(getattr(a, name), getattr(b, name))
+
+
+def test_trajectories_that_do_not_add_up_or_carry_a_bad_sample_are_rejected():
+    good = Trajectories.pack([_traj(), _traj(traj_id="t2")])
+    for change, reason in [
+        ({"response_offsets": np.array([0, 2, 5])}, "response_offsets"),
+        ({"prompt_offsets": np.array([0, 4, 3])}, "prompt_offsets"),
+        ({"versions": np.zeros(3, np.int32)}, "versions"),
+        ({"rewards": np.zeros(1)}, "rewards"),
+        ({"group_ids": ["g"]}, "group_ids"),
+        ({"traj_ids": ["t1", "x" * 300]}, "traj_id"),  # one sample's own check
+        ({"attempts": np.array([0, -1], np.int32)}, "attempt"),
+        (
+            {k: [] if isinstance(v, list) else v[:1] for k, v in vars(good).items()
+             if k != "server_id"},
+            "samples outside",
+        ),
+    ]:  # fmt: skip
+        fields = {**vars(good), **change}
+        with pytest.raises(ProtocolError, match=reason):
+            decode(_wire(Trajectories(**fields)))
+    with pytest.raises(ValueError, match="one server"):
+        Trajectories.pack([_traj(), _traj(traj_id="t2", server_id=1)])
+    with pytest.raises(ValueError, match="equal-length"):
+        Trajectories.pack([_traj(versions=np.array([3]))])

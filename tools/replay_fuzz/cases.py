@@ -36,6 +36,7 @@ FAMILIES = {"valid": 8, "bytes": 14, "frames": 8, "header": 36, "arrays": 14, "s
 ACCEPTED = [
     P.LeaseRequest,
     P.Trajectory,
+    P.Trajectories,
     P.BatchRequest,
     P.VersionUpdate,
     P.StatsRequest,

@@ -242,6 +242,14 @@ def trajectory(
     return P.Trajectory(**fields)
 
 
+def trajectories(rng: random.Random, ctx: Context) -> P.Trajectories:
+    """One to four samples of one server in one message (as a server sends a turn's samples)."""
+    server = rng.randrange(ctx.servers - 1)
+    return P.Trajectories.pack(
+        [trajectory(rng, ctx, server_id=server) for _ in range(rng.randint(1, 4))]
+    )
+
+
 def eval_submit(rng: random.Random, ctx: Context, job_id: str, prompts: int = 0) -> P.EvalSubmit:
     """A valid evaluation job (remembered in `ctx`: its groups get samples later)."""
     k = prompts or rng.randint(1, 3)
@@ -280,6 +288,7 @@ def _eval_poll(rng: random.Random, ctx: Context, case: str) -> Any:
 BUILDERS: dict[type, Callable[[random.Random, Context, str], Any]] = {
     P.LeaseRequest: _lease_request,
     P.Trajectory: lambda rng, ctx, case: trajectory(rng, ctx),
+    P.Trajectories: lambda rng, ctx, case: trajectories(rng, ctx),
     P.BatchRequest: lambda rng, ctx, case: P.BatchRequest(
         _request_id(rng), ctx.version, rng.randint(1, ctx.batch_groups)
     ),
@@ -292,6 +301,7 @@ BUILDERS: dict[type, Callable[[random.Random, Context, str], Any]] = {
     ),
     # answers, which the replay must refuse: consistent lengths, as their senders make them
     P.Batch: lambda rng, ctx, case: P.empty_batch(_request_id(rng)),
+    P.Acks: lambda rng, ctx, case: P.Acks(["a", "b"], ["accepted", "late"]),
     P.EvalResults: _eval_results,
 }
 """The replay's requests and the answers whose fields must agree; `case` names the case
