@@ -108,8 +108,10 @@ class AsyncReplayClient:
         self._unsent.append(traj)
         if len(self._unsent) > 1:
             return
-        await asyncio.sleep(0)  # the turn's other callbacks run (and put) first
-        trajs, self._unsent = self._unsent, []
+        try:
+            await asyncio.sleep(0)  # the turn's other callbacks run (and put) first
+        finally:  # even if cancelled: what is not sent now stays in the outbox, resent later
+            trajs, self._unsent = self._unsent, []
         alone = [[t] for t in trajs if not packable(t)]  # the replay rejects it: on its own
         for part in _split([t for t in trajs if packable(t)], MESSAGE_BYTES) + alone:
             msg = part[0] if len(part) == 1 else Trajectories.pack(part)

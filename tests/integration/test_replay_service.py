@@ -224,6 +224,28 @@ async def test_a_servers_samples_of_one_turn_leave_as_one_message_and_are_all_ac
             client.close()
 
 
+async def test_a_first_put_cancelled_in_its_turn_loses_nothing_and_batching_goes_on():
+    from rollout_servers.replay_client import AsyncReplayClient
+
+    with running_replay(_config()) as address, dealer(address) as sock:
+        first, second = _lease(sock, 1, version=0, max_groups=5)
+        client = AsyncReplayClient(address, KEYRING.key("server_0"), ack_timeout_s=0.5)
+        client.start()
+        try:
+            leader = asyncio.create_task(client.put(_traj(first.group_id, 0)))
+            await asyncio.sleep(0)  # the first put now waits for its turn's other puts
+            leader.cancel()
+            await asyncio.gather(leader, return_exceptions=True)
+            await client.put(_traj(first.group_id, 1))  # leads a turn of its own
+            await asyncio.gather(*(client.put(_traj(second.group_id, i)) for i in range(N)))
+            assert await client.drain(timeout_s=5.0) == 0
+            assert (client.counters["ack_accepted"], client.counters["resent"]) == (B * N, 1)
+            # the lease, the lone put, the second turn's Trajectories, the resent sample
+            assert _stats(sock)["received"] == 4
+        finally:
+            client.close()
+
+
 def test_held_batch_request_is_answered_when_the_groups_complete(client):
     prompts = _lease(client, 1, version=0, max_groups=B)
     _complete(client, prompts[:1])
