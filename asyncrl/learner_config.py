@@ -14,6 +14,32 @@ from pydantic import Field
 from asyncrl.config_base import Section
 
 
+class LoraConfig(Section):
+    """LoRA RL (`peft`): the policy trains low-rank adapters on `target_modules` only, and each
+    version's weight sync carries only the adapters; the engine merges them into its copy of
+    the base weights (W = W0 + alpha / rank x B A). rank 0: full fine-tuning."""
+
+    rank: int = Field(0, ge=0, le=4096)
+    alpha: float = Field(16.0, gt=0)
+    dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    target_modules: list[str] = Field(
+        default_factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ]  # fmt: skip
+    )
+    """Names (last component) of the linear layers that get adapters."""
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / self.rank
+
+
 class LearnerConfig(Section):
     world_size: int = Field(1, ge=1, le=1024)
     """Learner ranks (N), sharded with FSDP2."""
@@ -66,6 +92,8 @@ class LearnerConfig(Section):
     """gae: AdamW learning rate of the critic (its value head starts from scratch)."""
     bucket_mb: float = Field(64.0, gt=0)
     """Weight broadcast bucket size."""
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    """Adapters instead of full fine-tuning (rank > 0); see `LoraConfig`."""
     weight_checksum: bool = False
     """Checksum the weights at every sync on both sides (for tests; costs a pass over the bytes)."""
 

@@ -22,6 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClas
 from asyncrl.binds import bind_collectives_to, setup_store
 from asyncrl.config import LearnerConfig
 from asyncrl.weight_sync import ParamSpec
+from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters, is_adapted
 from learner.packing import register_packed_attention
 
 
@@ -76,6 +77,8 @@ def setup_model(
     else:
         model = AutoModelForCausalLM.from_pretrained(model_path, **kwargs)
     model.to(device)
+    if head == "lm" and trainable and lc.lora.rank:
+        model = add_adapters(model, lc.lora)  # the base frozen, adapters trainable
     if not trainable:
         model.requires_grad_(False)
         model.eval()
@@ -135,3 +138,13 @@ def iter_full_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tenso
     the whole iterator, in step."""
     for name, t in model.state_dict().items():
         yield name, (t.full_tensor() if isinstance(t, DTensor) else t).detach()
+
+
+def sync_specs(model: torch.nn.Module, dtype: torch.dtype) -> list[ParamSpec]:
+    """What a weight sync carries: the adapters of a LoRA model, else every weight."""
+    return adapter_sync_specs(model, dtype) if is_adapted(model) else param_specs(model, dtype)
+
+
+def sync_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, full tensor) in `sync_specs` order; a collective, as `iter_full_tensors`."""
+    return adapter_tensors(model) if is_adapted(model) else iter_full_tensors(model)

@@ -29,8 +29,9 @@ def lr_factor(step: int, lc: LearnerConfig, total_steps: int) -> float:
 
 
 def setup_optimizer(model: torch.nn.Module, lr: float, lc: LearnerConfig) -> torch.optim.AdamW:
+    trainable = [p for p in model.parameters() if p.requires_grad]  # LoRA: the adapters
     return torch.optim.AdamW(
-        model.parameters(), lr=lr, betas=lc.betas, weight_decay=lc.weight_decay, fused=True
+        trainable, lr=lr, betas=lc.betas, weight_decay=lc.weight_decay, fused=True
     )
 
 

@@ -39,7 +39,14 @@ from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, weights_checksum
 from learner.batch import TrainBatch, broadcast_batch, from_message
 from learner.checkpoint import load_sharded, save_sharded
 from learner.forward import policy_forward, value_forward
-from learner.fsdp import iter_full_tensors, param_specs, setup_distributed, setup_model
+from learner.fsdp import (
+    iter_full_tensors,
+    setup_distributed,
+    setup_model,
+    sync_specs,
+    sync_tensors,
+)
+from learner.lora import is_adapted, merged_state, save_adapter
 from learner.losses import (
     AdaptiveKLController,
     FixedKLController,
@@ -64,7 +71,7 @@ class Learner:
         self.model = setup_model(spec.model_path, device, lc)  # in training mode
         self.optimizer = setup_optimizer(self.model, lc.lr, lc)
         self.sync_dtype = getattr(torch, cfg.rollout.dtype)  # weights go out in the engine's
-        self.specs = param_specs(self.model, self.sync_dtype)
+        self.specs = sync_specs(self.model, self.sync_dtype)  # LoRA: the adapters only
         self.temperature = cfg.rollout.temperature or 1.0
         algo = cfg.algorithm
         self.needs_proximal = algo.decoupled or algo.is_level != "off" or algo.reject_level != "off"
@@ -260,7 +267,7 @@ class Learner:
         hashed: list[tuple[str, torch.Tensor]] = []
 
         def tensors():
-            for name, t in iter_full_tensors(self.model):  # cast while packed (no extra copy)
+            for name, t in sync_tensors(self.model):  # cast while packed (no extra copy)
                 if want_sum:
                     hashed.append((name, _as_sent(t, self.sync_dtype).cpu().clone()))
                 yield t
@@ -317,7 +324,7 @@ class Learner:
         tc = self.cfg.trainer
         if self.cfg.learner.weight_checksum:
             # a collective: all ranks
-            sent = ((n, _as_sent(t, self.sync_dtype)) for n, t in iter_full_tensors(self.model))
+            sent = ((n, _as_sent(t, self.sync_dtype)) for n, t in sync_tensors(self.model))
             digest = weights_checksum(sent)
             if self.rank == 0:
                 self.weight_log.write({"version": 0, "checksum": digest})
@@ -428,16 +435,22 @@ class Learner:
             )
 
     def save_final(self, out: Path) -> None:
-        """Write the final weights as an ordinary Hugging Face model directory (rank 0)."""
+        """Write the final weights as an ordinary Hugging Face model directory (rank 0); with
+        LoRA, the merged model, and the adapter in peft's format under out/adapter."""
         full = {name: t.cpu().clone() for name, t in iter_full_tensors(self.model)}
         if self.rank != 0:
             return
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        lora, adapter = self.cfg.learner.lora, None
+        if is_adapted(self.model):
+            full, adapter = merged_state(full, lora)
         plain = AutoModelForCausalLM.from_pretrained(self.spec.model_path, dtype=torch.float32)
         plain.load_state_dict(full)
         plain.save_pretrained(out, safe_serialization=True)
         AutoTokenizer.from_pretrained(self.spec.model_path).save_pretrained(out)
+        if adapter is not None:
+            save_adapter(out / "adapter", adapter, lora, self.spec.model_path)
         log.info("final weights written to %s", out)
 
 

@@ -34,6 +34,7 @@ import torch
 from asyncrl.advantages import ESTIMATORS
 from asyncrl.auth import key_from_env
 from asyncrl.config import Config, RolloutConfig
+from asyncrl.learner_config import LoraConfig
 from asyncrl.metrics import JsonlWriter, peak_rss_mb, write_json_atomic
 from asyncrl.protocol import PromptItem, Trajectory
 from asyncrl.run_spec import RunSpec
@@ -385,15 +386,23 @@ def _uses_cuda(device: str) -> bool:
     return device == "cuda" or (device == "auto" and torch.cuda.is_available())
 
 
-def setup_engine(rc: RolloutConfig, model_path: str, seed: int) -> Engine:
-    """The configured inference engine on the model at `model_path` (version 0)."""
+def setup_engine(
+    rc: RolloutConfig, model_path: str, seed: int, lora: LoraConfig | None = None
+) -> Engine:
+    """The configured inference engine on the model at `model_path` (version 0); `lora`: the
+    learner's adapters (`learner.lora`), which versions then carry."""
     device = "cuda" if _uses_cuda(rc.device) else "cpu"
     if rc.engine == "vllm":
         from rollout_servers.engines.vllm import VLLMEngine
 
         return VLLMEngine(model_path, rc.vllm, device=device, seed=seed, dtype=rc.dtype)
     return HFEngine(
-        model_path, device=device, max_batch_size=rc.max_batch_size, seed=seed, dtype=rc.dtype
+        model_path,
+        device=device,
+        max_batch_size=rc.max_batch_size,
+        seed=seed,
+        dtype=rc.dtype,
+        lora=lora,
     )
 
 
@@ -403,7 +412,8 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
 
     rc = cfg.rollout
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
-    engine = setup_engine(rc, spec.model_path, seed=cfg.trainer.seed + 1000 * (server_id + 1))
+    seed = cfg.trainer.seed + 1000 * (server_id + 1)
+    engine = setup_engine(rc, spec.model_path, seed, cfg.learner.lora)
     sandbox = setup_sandbox(cfg)
     tools = load_tool_config(rc.tool_config, sandbox) if rc.tool_config else None
     limits = ToolAgentLimits(

@@ -21,7 +21,9 @@ Then each configuration, in a fresh learner process (world size 1, gloo, `--thre
 4. `bf16-packed`: the same with bf16 compute (fp32 master weights);
 5. `bf16-ckpt`: and activation checkpointing;
 6. `bf16-offload`: and CPU offload (on a CPU learner the weights are in host memory already,
-   so this measures the offload policy's own overhead only).
+   so this measures the offload policy's own overhead only);
+7. `bf16-lora`: `bf16-packed` training LoRA adapters of rank 16 on every linear layer of the
+   blocks (`learner.lora`), with the bytes one version's sync then carries next to a full one.
 Each runs one warm-up `Updater.run` (PPO, behaviour log-probs = the model's own plus noise)
 and `--steps` timed ones: learner tokens/s (real, unpadded tokens per second of update),
 seconds per update, and the process's peak RSS. Targets: packed >= 2x padded tokens/s;
@@ -73,6 +75,7 @@ CONFIGS = {
     "bf16-packed": {"packing": True, "dtype": "bfloat16"},
     "bf16-ckpt": {"packing": True, "dtype": "bfloat16", "activation_checkpointing": True},
     "bf16-offload": {"packing": True, "dtype": "bfloat16", "offload": True},
+    "bf16-lora": {"packing": True, "dtype": "bfloat16", "lora": {"rank": 16, "alpha": 32.0}},
 }
 SMOLLM2_SHAPE = {
     "vocab_size": 49152,
@@ -292,6 +295,20 @@ def summarize(results: dict, work: Path, batch) -> dict:
     return out
 
 
+def lora_sync_bytes(model: str, lora: dict) -> dict:
+    """Bytes of one version's sync in float32: the adapters (`asyncrl.lora`) and every weight."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from asyncrl.learner_config import LoraConfig
+    from asyncrl.lora import adapter_specs
+
+    with torch.device("meta"):
+        shapes = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))
+    adapters = sum(s.numel for s in adapter_specs(shapes, LoraConfig(**lora), torch.float32)) * 4
+    full = sum(t.numel() for t in shapes.state_dict().values()) * 4
+    return {"adapter_bytes": adapters, "full_bytes": full, "ratio": adapters / full}
+
+
 def report(model_what: str, stats: dict, results: dict, derived: dict, sync: dict) -> None:
     w = stats["whole_batch"]
     print(f"\nmodel: {model_what}")
@@ -331,6 +348,12 @@ def report(model_what: str, stats: dict, results: dict, derived: dict, sync: dic
         print(
             f"activation checkpointing: peak RSS {-derived['ckpt_rss_saved_mb']:+.0f} MiB "
             f"({-derived['ckpt_rss_saved_frac']:+.1%}) vs bf16-packed"
+        )
+    if "lora_sync" in derived:
+        d = derived["lora_sync"]
+        print(
+            f"LoRA rank 16 sync: {d['adapter_bytes'] / 2**20:.1f} MiB of adapters per version, "
+            f"{d['ratio']:.1%} of a full version's {d['full_bytes'] / 2**20:.0f} MiB (float32)"
         )
     for key, label in (
         ("bf16_vs_fp32_logprobs", "bf16 vs fp32 log-probs"),
@@ -432,6 +455,8 @@ def main() -> int:
         torch.save({**vars(batch), "advantages": advantages}, work / "batch.pt")
         results = bench_learner(ctx, args, model, work)
         derived = summarize(results, work, batch)
+        if "bf16-lora" in results:
+            derived["lora_sync"] = lora_sync_bytes(model, CONFIGS["bf16-lora"]["lora"])
         sync = bench_sync(ctx, args, model, work) if args.sync_dtypes else {}
     report(what, stats, results, derived, sync)
     took, load_after = time.perf_counter() - started, os.getloadavg()

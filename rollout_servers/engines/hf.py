@@ -18,6 +18,8 @@ from typing import Literal
 import torch
 from transformers import AutoModelForCausalLM, DynamicCache
 
+from asyncrl.learner_config import LoraConfig
+from asyncrl.lora import AdapterMerger, adapter_specs
 from asyncrl.weight_sync import SyncGroup, WeightReceiver, specs_of, weights_checksum
 from rollout_servers.engines.base import (
     AppliedVersion,
@@ -57,6 +59,7 @@ class HFEngine(Engine):
         seed: int = 0,
         version: int = 0,
         dtype: str = "float32",
+        lora: LoraConfig | None = None,
     ):
         self.device = torch.device(device)
         self.max_batch_size = max_batch_size
@@ -73,6 +76,10 @@ class HFEngine(Engine):
         self._lock = threading.Lock()
         self._version = version
         self._params = dict(self.model.state_dict())
+        # LoRA (`asyncrl.lora`): versions carry adapters, merged into a copy of the base weights
+        self._lora = lora if lora is not None and lora.rank else None
+        self._merger = AdapterMerger(self.model, self._lora) if self._lora else None
+        self._adapters_checksum: str | None = None
         self._pending: list[_Request] = []
         self._runner: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
@@ -144,19 +151,33 @@ class HFEngine(Engine):
             target.device,
             target.timeout_s,
         )
-        receiver = WeightReceiver(group, specs_of(self.named_weights()))
+        specs = specs_of(self.named_weights())
+        if self._lora is not None:
+            specs = adapter_specs(self.model, self._lora, self.model.dtype)
+        receiver = WeightReceiver(group, specs)
         while (got := receiver.receive()) is not None:
             start = time.perf_counter()
-            self.update_weights(got.weights, got.version)
+            if self._merger is None:
+                self.update_weights(got.weights, got.version)
+            else:
+                merged = self._merger.merged(got.weights)
+                self._adapters_checksum = weights_checksum(got.weights)
+                self.update_weights(merged, got.version, subset=True)
             got.release()  # copied into the model: the next version may reuse the staging
             yield AppliedVersion(got.version, time.perf_counter() - start)
 
     def weights_checksum(self) -> str | None:
+        """With LoRA, of the adapters last merged (what the learner sent), None before any."""
+        if self._lora is not None:
+            return self._adapters_checksum
         return weights_checksum(self.named_weights())
 
-    def update_weights(self, weights: Iterable[tuple[str, torch.Tensor]], version: int) -> None:
+    def update_weights(
+        self, weights: Iterable[tuple[str, torch.Tensor]], version: int, subset: bool = False
+    ) -> None:
         """Apply a whole weight version (thread-safe); raises ValueError and applies nothing
-        when a name, shape or dtype does not match the model."""
+        when a name, shape or dtype does not match the model. `subset`: the weights not given
+        stay as they are (LoRA: only the adapted layers change)."""
         staged = list(weights)
         seen: set[str] = set()
         for name, tensor in staged:
@@ -172,7 +193,7 @@ class HFEngine(Engine):
                 )
             seen.add(name)
         missing = [n for n in self._params if n not in seen]
-        if missing:
+        if missing and not subset:
             raise ValueError(
                 f"update_weights: missing parameter {missing[0]!r} (and {len(missing) - 1} more)"
             )

@@ -1,5 +1,5 @@
 """tools/bench_learner.py runs end to end on a tiny random model: every learner configuration
-(padded, packed, bf16, checkpointing, offload) trains in a process of its own, and the weight
+(padded, packed, bf16, checkpointing, offload, LoRA) trains in a process of its own, and the weight
 sync reaches a receiver process in both dtypes, next to its copy floor. Figures are checked
 for presence and sign only: their size depends on the machine."""
 
@@ -18,6 +18,7 @@ CONFIGS = [
     "bf16-packed",
     "bf16-ckpt",
     "bf16-offload",
+    "bf16-lora",
 ]
 
 
@@ -42,6 +43,8 @@ def test_bench_learner_reports_every_configuration_and_the_sync(tmp_path):
     derived = report["derived"]
     assert derived["packed_over_padded"] > 0
     assert "ckpt_rss_saved_mb" in derived
+    lora = derived["lora_sync"]
+    assert 0 < lora["adapter_bytes"] < lora["full_bytes"] and lora["ratio"] < 0.5
     assert derived["packed_vs_padded_logprobs"]["max"] < 1e-4  # the same model, two layouts
     assert 0 < derived["bf16_vs_fp32_logprobs"]["mean"] < 0.05
     for dtype, itemsize in (("float32", 4), ("bfloat16", 2)):

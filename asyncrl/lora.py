@@ -1,0 +1,83 @@
+"""LoRA adapters on the wire: their layout, and how an engine merges them into its weights.
+
+With `learner.lora.rank > 0` the learner trains low-rank adapters (A: [rank, in], B: [out,
+rank]) on the linear layers named in `learner.lora.target_modules`, and each version's weight
+sync carries only the adapters. Both sides derive the same layout from a plain Hugging Face
+model (`adapter_specs`: per targeted layer, in module order, `<layer>.lora_A` then
+`<layer>.lora_B`), so the layout hash of `asyncrl.weight_sync` checks them against each other.
+
+An engine keeps a copy of the base weights of the targeted layers and, for every version,
+writes W = W0 + alpha / rank x (B @ A) into its live weights (`AdapterMerger`): a version
+replaces the previous one, it never accumulates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+from asyncrl.learner_config import LoraConfig
+from asyncrl.weight_sync import ParamSpec
+
+
+def adapter_targets(model: torch.nn.Module, lora: LoraConfig) -> list[str]:
+    """Names of the linear layers that carry adapters, in module order."""
+    wanted = set(lora.target_modules)
+    names = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) and name.rsplit(".", 1)[-1] in wanted
+    ]
+    if not names:
+        raise ValueError(
+            f"learner.lora.target_modules={lora.target_modules} names no linear layer of the model"
+        )
+    return names
+
+
+def adapter_specs(model: torch.nn.Module, lora: LoraConfig, dtype: torch.dtype) -> list[ParamSpec]:
+    """The sync layout of the adapters of `model` (a plain Hugging Face model)."""
+    specs = []
+    for name in adapter_targets(model, lora):
+        layer = model.get_submodule(name)
+        specs.append(ParamSpec(f"{name}.lora_A", (lora.rank, layer.in_features), dtype))
+        specs.append(ParamSpec(f"{name}.lora_B", (layer.out_features, lora.rank), dtype))
+    return specs
+
+
+def merged_weight(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """W0 + scale x (B @ A), computed in float32, in W0's dtype."""
+    delta = (b.float() @ a.float()) * scale
+    return (base.float() + delta).to(base.dtype)
+
+
+class AdapterMerger:
+    """An engine's side: the base weights of the targeted layers, and the merge of a version."""
+
+    def __init__(self, model: torch.nn.Module, lora: LoraConfig):
+        self.scale = lora.scale
+        self.targets = adapter_targets(model, lora)
+        self._base = {
+            f"{name}.weight": model.get_submodule(name).weight.detach().clone()
+            for name in self.targets
+        }
+
+    def merged(
+        self, adapters: Iterable[tuple[str, torch.Tensor]]
+    ) -> list[tuple[str, torch.Tensor]]:
+        """(weight name, merged weight) of every targeted layer, from one version's adapters
+        in `adapter_specs` order; ValueError when they do not cover the targets pairwise."""
+        got = dict(adapters)
+        out = []
+        for name in self.targets:
+            a, b = got.pop(f"{name}.lora_A", None), got.pop(f"{name}.lora_B", None)
+            if a is None or b is None:
+                raise ValueError(f"adapters of {name!r} missing from the version")
+            weight = f"{name}.weight"
+            out.append((weight, merged_weight(self._base[weight], a, b, self.scale)))
+        if got:
+            raise ValueError(f"adapters for unknown layers: {sorted(got)[:3]}")
+        return out

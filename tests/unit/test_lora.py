@@ -1,0 +1,119 @@
+"""LoRA RL: only adapters train, a sync carries only the adapters, and the engine then samples
+the learner's merged policy; the final output is the merged model and a peft adapter."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+from asyncrl.learner_config import LoraConfig
+from asyncrl.lora import adapter_specs
+from asyncrl.transport import free_port
+from asyncrl.weight_sync import SyncGroup, WeightBroadcaster
+from learner.lora import (
+    adapter_sync_specs,
+    adapter_tensors,
+    add_adapters,
+    merged_state,
+    save_adapter,
+)
+from rollout_servers.engines.base import SamplingParams, SyncTarget
+from rollout_servers.engines.hf import HFEngine
+
+LORA = LoraConfig(rank=4, alpha=8.0)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    tokenizer = build_tokenizer()
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(tokenizer, TinyModelSpec(), seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def adapted(model_path: Path, seed: int) -> torch.nn.Module:
+    """The learner's policy with adapters that moved (B is zero at the start: no change)."""
+    model = add_adapters(AutoModelForCausalLM.from_pretrained(model_path), LORA)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
+def logprobs(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids])).logits[0, :-1]
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+
+
+def test_only_the_adapters_train_and_a_sync_carries_only_them(model_path):
+    model = adapted(model_path, seed=1)
+    trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    specs = adapter_sync_specs(model, torch.float32)
+    # the engine derives the same layout from the plain model: the layout hash will agree
+    plain = AutoModelForCausalLM.from_pretrained(model_path)
+    assert specs == adapter_specs(plain, LORA, torch.float32)
+    assert [n for n, _ in adapter_tensors(model)] == [s.name for s in specs]
+    adapter_bytes = sum(s.numel * 4 for s in specs)
+    full_bytes = sum(t.numel() * 4 for t in plain.state_dict().values())
+    assert adapter_bytes < 0.2 * full_bytes  # a tiny model; SmolLM2's ratio is in the docs
+
+
+async def test_the_engine_samples_the_learners_merged_policy_after_each_sync(model_path):
+    engine = HFEngine(model_path, seed=0, lora=LORA)
+    port = free_port("127.0.0.1")
+    applied = []
+
+    def server_side():  # what the rollout server's weight-receiver thread does
+        target = SyncTarget("127.0.0.1", port, 1, 2, torch.device("cpu"), timeout_s=60)
+        applied.extend(engine.follow_learner(target))
+
+    receiver = threading.Thread(target=server_side, daemon=True)
+    receiver.start()
+    group = await asyncio.to_thread(SyncGroup, "127.0.0.1", port, 0, 2, torch.device("cpu"), 60.0)
+    broadcaster = WeightBroadcaster(group, bucket_bytes=4096)  # several buckets
+    prompt = [5, 6, 7]
+    try:
+        for version in (1, 2):  # versions replace each other: nothing accumulates
+            learner = adapted(model_path, seed=version)
+            specs = adapter_sync_specs(learner, torch.float32)
+            tensors = (t for _, t in adapter_tensors(learner))
+            await asyncio.to_thread(broadcaster.broadcast, specs, tensors, version)
+            while engine.version != version:
+                await asyncio.sleep(0.02)
+            out = await engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=8))
+            expected = logprobs(learner, prompt + out.token_ids)[len(prompt) - 1 :]
+            assert (torch.tensor(out.logprobs) - expected).abs().max() < 1e-4
+        await asyncio.to_thread(broadcaster.shutdown)
+        await asyncio.to_thread(receiver.join, 30)
+    finally:
+        await engine.close()
+    assert [a.version for a in applied] == [1, 2]
+
+
+def test_the_final_output_is_the_merged_model_and_a_peft_adapter(model_path, tmp_path):
+    from peft import PeftModel
+
+    learner = adapted(model_path, seed=3)
+    state = {k: v.detach().clone() for k, v in learner.state_dict().items()}
+    merged, adapter = merged_state(state, LORA)
+    plain = AutoModelForCausalLM.from_pretrained(model_path)
+    plain.load_state_dict(merged)  # every weight under its Hugging Face name
+    save_adapter(tmp_path / "adapter", adapter, LORA, str(model_path))
+    reloaded = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(model_path), tmp_path / "adapter"
+    ).eval()
+    ids = [3, 9, 4, 11, 2, 8]
+    want = logprobs(learner, ids)
+    assert (logprobs(plain.eval(), ids) - want).abs().max() < 1e-4
+    assert (logprobs(reloaded, ids) - want).abs().max() < 1e-5
