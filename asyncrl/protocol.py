@@ -227,6 +227,8 @@ class Trajectories:
         )
 
     def unpack(self) -> list[Trajectory]:
+        """The samples, each with arrays of its own (a kept sample must not pin the message);
+        not validated: the replay checks each one alone (`Trajectory.validate`)."""
         p, r = self.prompt_offsets.tolist(), self.response_offsets.tolist()
         return [
             Trajectory(
@@ -235,11 +237,11 @@ class Trajectories:
                 group_id=self.group_ids[i],
                 sample_index=int(self.sample_indices[i]),
                 server_id=self.server_id,
-                prompt_ids=self.prompt_ids[p[i] : p[i + 1]],
-                response_ids=self.response_ids[r[i] : r[i + 1]],
-                loss_mask=self.loss_mask[r[i] : r[i + 1]],
-                behaviour_logprobs=self.behaviour_logprobs[r[i] : r[i + 1]],
-                versions=self.versions[r[i] : r[i + 1]],
+                prompt_ids=self.prompt_ids[p[i] : p[i + 1]].copy(),
+                response_ids=self.response_ids[r[i] : r[i + 1]].copy(),
+                loss_mask=self.loss_mask[r[i] : r[i + 1]].copy(),
+                behaviour_logprobs=self.behaviour_logprobs[r[i] : r[i + 1]].copy(),
+                versions=self.versions[r[i] : r[i + 1]].copy(),
                 reward=float(self.rewards[i]),
                 baseline_reward=float(self.baseline_rewards[i]),
                 finish_reason=self.finish_reasons[i],
@@ -249,7 +251,8 @@ class Trajectories:
         ]
 
     def validate(self) -> None:
-        """Consistent lengths and offsets, then every sample's own `Trajectory.validate`."""
+        """Consistent lengths and offsets (each sample's own checks are the receiver's, so that
+        a bad sample fails alone: `replay.service`)."""
         b = len(self.traj_ids)
         check(
             1 <= b <= MAX_TRAJECTORIES_PER_MESSAGE,
@@ -264,8 +267,7 @@ class Trajectories:
             check(getattr(self, name).shape == (n,), f"Trajectories.{name} must have shape [{n}]")
         _check_offsets(self.prompt_offsets, b, len(self.prompt_ids), "Trajectories.prompt_offsets")
         _check_offsets(self.response_offsets, b, n, "Trajectories.response_offsets")
-        for traj in self.unpack():
-            traj.validate()
+        _check_index(self.server_id, "server_id")
 
 
 def packable(traj: Trajectory) -> bool:

@@ -105,6 +105,9 @@ def decode_signed(frames: list[Any], auth: RoleKey, max_bytes: int | None = None
         raise ProtocolError(f"oversized message: {size} bytes > limit {max_bytes}")
     if raw[0] == b"":
         msg = decode(raw[1:], max_bytes=max_bytes)
+        if isinstance(msg, Error) and msg.reason.startswith("oversized message"):
+            # refused before its signature was read: about that message, not about our key
+            raise ProtocolError(f"the replay refused a message: {msg.reason}")
         if isinstance(msg, Error):
             raise AuthError(f"the replay refused this process's {auth.role} key: {msg.reason}")
         raise AuthError(f"unsigned {type(msg).TYPE!r} reply")

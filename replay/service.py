@@ -39,7 +39,7 @@ from typing import Any
 import zmq
 
 from asyncrl.auth import secret_from_env
-from asyncrl.codec import short_repr
+from asyncrl.codec import ProtocolError, short_repr
 from asyncrl.config import Config
 from asyncrl.data import row_to_prompt_item
 from asyncrl.metrics import peak_rss_mb, write_json_atomic
@@ -109,12 +109,7 @@ class ReplayService(Endpoint):
         """`secret`: the run secret every peer's key derives from; `run_dir`: where checkpoint
         files may be written (None: nowhere); `limits`: the model's vocabulary and context,
         checked on every sample."""
-        rc = cfg.replay
-        if rc.capacity_groups < cfg.data.train_batch_size:
-            raise ValueError(
-                f"replay.capacity_groups={rc.capacity_groups} < data.train_batch_size="
-                f"{cfg.data.train_batch_size}: a batch could never be assembled"
-            )
+        rc = cfg.replay  # (Config checks that capacity_groups holds a batch)
         super().__init__(
             address,
             secret,
@@ -237,14 +232,17 @@ class ReplayService(Endpoint):
 
     def _on_trajectories(self, peer: Peer, msg: Trajectories) -> None:
         """Each sample as if it came alone; the message itself is `handled`."""
-        taken = [self._take(traj) for traj in msg.unpack()]
+        taken = [self._take(traj, alone=False) for traj in msg.unpack()]
         for why in [why for _, why in taken if why][:3]:
             log.warning("rejected sample: %s", why)
         self._send(peer, Acks(traj_ids=msg.traj_ids, statuses=[status for status, _ in taken]))
 
-    def _take(self, traj: Trajectory) -> tuple[str, str]:
-        """One sample into its group or evaluation job: (Ack status, why untrainable or "")."""
+    def _take(self, traj: Trajectory, alone: bool = True) -> tuple[str, str]:
+        """One sample into its group or evaluation job: (Ack status, why untrainable or "").
+        A sample of a batch gets its own checks here: a bad one fails alone."""
         try:
+            if not alone:
+                traj.validate()
             if self.eval_jobs.owns(traj.group_id):
                 check_trajectory(traj, self.buffer.limits)
                 status = self.eval_jobs.add(traj, time.monotonic())
@@ -252,7 +250,7 @@ class ReplayService(Endpoint):
             else:
                 status = self.buffer.add(traj)
                 self.counters[_ACK_COUNTERS[status]] += 1
-        except MalformedTrajectory as e:
+        except (MalformedTrajectory, ProtocolError) as e:
             self.counters["untrainable"] += 1
             return "rejected", f"trajectory {short_repr(traj.traj_id)}: {e}"
         self._changed |= status == "accepted"

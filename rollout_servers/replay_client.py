@@ -41,13 +41,18 @@ from asyncrl.transport import decode_signed, send_msg, setup_socket
 log = logging.getLogger("asyncrl.rollout.replay_client")
 
 MESSAGE_BYTES = 8 << 20
-"""Trajectories sent together are split into messages of about this many array bytes (the
-replay refuses messages over replay.max_message_mb, 64 MiB by default)."""
+"""Trajectories sent together are split into messages of at most about this many array bytes,
+and of half the replay's limit (`replay.max_message_mb`) where that is less."""
 
 
 class AsyncReplayClient:
     def __init__(
-        self, address: str, auth: RoleKey, ack_timeout_s: float, reply_timeout_s: float = 60.0
+        self,
+        address: str,
+        auth: RoleKey,
+        ack_timeout_s: float,
+        reply_timeout_s: float = 60.0,
+        max_message_bytes: int = 64 << 20,
     ):
         self.auth = auth
         self._ctx = zmq.asyncio.Context()
@@ -62,6 +67,8 @@ class AsyncReplayClient:
         )
         self._tasks: list[asyncio.Task] = []
         self._unsent: list[Trajectory] = []  # put in this event-loop turn, not yet sent
+        self._sending: set[asyncio.Task] = set()
+        self._part_bytes = min(MESSAGE_BYTES, max_message_bytes // 2)
 
     def start(self) -> list[asyncio.Task]:
         """Start the reply reader and the resender; the caller watches these tasks."""
@@ -100,22 +107,30 @@ class AsyncReplayClient:
         return grant.prompts
 
     async def put(self, traj: Trajectory) -> None:
-        """Send a trajectory and keep it until acknowledged. The first put of an event-loop
-        turn waits for the turn's other puts and sends them all; a failed send leaves them in
-        the outbox, sent again after ack_timeout_s."""
+        """Send a trajectory and keep it until acknowledged. The puts of one event-loop turn
+        leave together, sent by the client itself (a putter cancelled meanwhile changes
+        nothing); a failed send leaves them in the outbox, sent again after ack_timeout_s."""
         self.outbox[traj.traj_id] = (traj, time.monotonic())
         self.counters["sent"] += 1
         self._unsent.append(traj)
-        if len(self._unsent) > 1:
-            return
-        try:
-            await asyncio.sleep(0)  # the turn's other callbacks run (and put) first
-        finally:  # even if cancelled: what is not sent now stays in the outbox, resent later
-            trajs, self._unsent = self._unsent, []
+        if len(self._unsent) == 1:  # the turn's other callbacks run (and put) first
+            asyncio.get_running_loop().call_soon(self._send_turn)
+
+    def _send_turn(self) -> None:
+        trajs, self._unsent = self._unsent, []
+        task = asyncio.get_running_loop().create_task(self._send_all(trajs))
+        self._sending.add(task)
+        task.add_done_callback(self._sending.discard)
+
+    async def _send_all(self, trajs: list[Trajectory]) -> None:
         alone = [[t] for t in trajs if not packable(t)]  # the replay rejects it: on its own
-        for part in _split([t for t in trajs if packable(t)], MESSAGE_BYTES) + alone:
-            msg = part[0] if len(part) == 1 else Trajectories.pack(part)
-            await send_msg(self._sock, msg, auth=self.auth)
+        try:
+            for part in _split([t for t in trajs if packable(t)], self._part_bytes) + alone:
+                msg = part[0] if len(part) == 1 else Trajectories.pack(part)
+                await send_msg(self._sock, msg, auth=self.auth)
+        except Exception as e:  # a closed socket at shutdown, ...: the resender tries again
+            self.counters["send_errors"] += 1
+            log.error("sending trajectories failed (%s); they stay in the outbox", e)
 
     def _acknowledged(self, traj_id: str, status: str) -> None:
         if self.outbox.pop(traj_id, None) is None:
@@ -173,7 +188,7 @@ class AsyncReplayClient:
         return len(self.outbox)
 
     def close(self) -> None:
-        for t in self._tasks:
+        for t in [*self._tasks, *self._sending]:
             t.cancel()
         self._sock.close(linger=0)
         self._ctx.term()

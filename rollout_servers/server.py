@@ -434,7 +434,10 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
         limits=limits,
     )
     client = AsyncReplayClient(
-        spec.replay_address, key_from_env(f"server_{server_id}"), ack_timeout_s=rc.ack_timeout_s
+        spec.replay_address,
+        key_from_env(f"server_{server_id}"),
+        ack_timeout_s=rc.ack_timeout_s,
+        max_message_bytes=int(cfg.replay.max_message_mb * 2**20),
     )
     rewards = setup_rewards(cfg, sandbox)
     return RolloutServer(cfg, spec, server_id, engine, agent, client, rewards, sandbox)

@@ -181,6 +181,7 @@ def test_samples_sent_together_are_each_taken_as_if_alone(client):
         _traj(first.group_id, 0, attempt=1),  # the same sample again
         _traj("never-leased", 0),
         _traj(first.group_id, 1, reward=float("nan")),  # untrainable
+        _traj(first.group_id, 1, metrics={f"m{i}": 0.0 for i in range(300)}),  # too many metrics
         _traj(first.group_id, 1),
         _traj(second.group_id, 0),
         _traj(second.group_id, 1, r=5),
@@ -188,13 +189,13 @@ def test_samples_sent_together_are_each_taken_as_if_alone(client):
     reply = _ask(sock, Trajectories.pack(sent))
     assert isinstance(reply, Acks) and reply.traj_ids == [t.traj_id for t in sent]
     assert reply.statuses == [
-        "accepted", "duplicate", "late", "rejected", "accepted", "accepted", "accepted"
+        "accepted", "duplicate", "late", "rejected", "rejected", "accepted", "accepted", "accepted"
     ]  # fmt: skip
     batch = _ask(sock, BatchRequest(request_id=7, learner_version=0, num_groups=B))
     assert isinstance(batch, Batch) and batch.response_offsets.tolist() == [0, 3, 6, 9, 14]
     stats = _stats(sock)
     assert (stats["accepted"], stats["duplicates"], stats["late"]) == (B * N, 1, 1)
-    assert (stats["untrainable"], stats["handled"], stats["rejected_invalid"]) == (1, 3, 0)
+    assert (stats["untrainable"], stats["handled"], stats["rejected_invalid"]) == (2, 3, 0)
     # a server speaks only for itself, in a batch too
     other = Trajectories.pack([_traj(first.group_id, 0, server_id=1)])
     reply = ask(sock, other, "server_0")
@@ -224,24 +225,55 @@ async def test_a_servers_samples_of_one_turn_leave_as_one_message_and_are_all_ac
             client.close()
 
 
-async def test_a_first_put_cancelled_in_its_turn_loses_nothing_and_batching_goes_on():
+async def test_a_putter_cancelled_in_its_turn_loses_nothing():
+    """The client sends a turn's samples itself: cancelling the task that put the first of
+    them neither stops the turn's message nor leaves samples for the resender."""
     from rollout_servers.replay_client import AsyncReplayClient
 
     with running_replay(_config()) as address, dealer(address) as sock:
-        first, second = _lease(sock, 1, version=0, max_groups=5)
-        client = AsyncReplayClient(address, KEYRING.key("server_0"), ack_timeout_s=0.5)
+        prompts = _lease(sock, 1, version=0, max_groups=5)
+        client = AsyncReplayClient(address, KEYRING.key("server_0"), ack_timeout_s=30.0)
         client.start()
         try:
-            leader = asyncio.create_task(client.put(_traj(first.group_id, 0)))
-            await asyncio.sleep(0)  # the first put now waits for its turn's other puts
-            leader.cancel()
-            await asyncio.gather(leader, return_exceptions=True)
-            await client.put(_traj(first.group_id, 1))  # leads a turn of its own
-            await asyncio.gather(*(client.put(_traj(second.group_id, i)) for i in range(N)))
+            puts = [
+                asyncio.create_task(client.put(_traj(p.group_id, i)))
+                for p in prompts
+                for i in range(N)
+            ]
+            puts[0].cancel()
+            await asyncio.gather(*puts, return_exceptions=True)
             assert await client.drain(timeout_s=5.0) == 0
-            assert (client.counters["ack_accepted"], client.counters["resent"]) == (B * N, 1)
-            # the lease, the lone put, the second turn's Trajectories, the resent sample
-            assert _stats(sock)["received"] == 4
+            assert (client.counters["ack_accepted"], client.counters["resent"]) == (B * N - 1, 0)
+            assert _stats(sock)["received"] == 2  # the lease and one Trajectories
+        finally:
+            client.close()
+
+
+async def test_a_turn_is_split_below_the_replays_limit_and_an_oversized_sample_is_no_key_error():
+    """Samples of one turn that would exceed replay.max_message_mb together go in several
+    messages; one sample over the limit on its own is refused (unsigned, before its signature
+    is read) and that refusal does not fail the server's lease requests as a key error would."""
+    from rollout_servers.replay_client import AsyncReplayClient
+
+    limit = 50_000
+    with running_replay(_config(max_message_mb=limit / 2**20)) as address, dealer(address) as sock:
+        prompts = _lease(sock, 1, version=0, max_groups=5)
+        client = AsyncReplayClient(
+            address, KEYRING.key("server_0"), ack_timeout_s=30.0, max_message_bytes=limit
+        )
+        client.start()
+        try:
+            big = np.zeros(3_000, np.int32)  # 12 KB each: four of them exceed the limit
+            trajs = [_traj(p.group_id, i, prompt_ids=big) for p in prompts for i in range(N)]
+            await asyncio.gather(*(client.put(t) for t in trajs))
+            assert await client.drain(timeout_s=5.0) == 0
+            assert _stats(sock)["rejected_oversized"] == 0
+            lease = asyncio.ensure_future(client.lease(0, 0, 1))  # held: no prompt is free
+            await asyncio.sleep(0.2)
+            await client.put(_traj("too-big", 0, prompt_ids=np.zeros(20_000, np.int32)))
+            await asyncio.sleep(0.5)
+            assert client.counters["bad_replies"] == 1
+            assert await lease == []  # answered empty after the wait, not failed as a key error
         finally:
             client.close()
 

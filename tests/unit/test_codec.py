@@ -249,6 +249,7 @@ def test_trajectories_sent_together_come_back_as_they_were_sent():
     ]  # fmt: skip
     back = decode(_wire(Trajectories.pack(sent))).unpack()
     assert len(back) == len(sent)
+    assert all(t.prompt_ids.base is None for t in back)  # its own memory, not the message's
     for a, b in zip(sent, back, strict=True):
         for name in ("traj_id", "attempt", "group_id", "sample_index", "server_id", "reward"):
             assert getattr(a, name) == getattr(b, name)
@@ -266,8 +267,6 @@ def test_trajectories_that_do_not_add_up_or_carry_a_bad_sample_are_rejected():
         ({"versions": np.zeros(3, np.int32)}, "versions"),
         ({"rewards": np.zeros(1)}, "rewards"),
         ({"group_ids": ["g"]}, "group_ids"),
-        ({"traj_ids": ["t1", "x" * 300]}, "traj_id"),  # one sample's own check
-        ({"attempts": np.array([0, -1], np.int32)}, "attempt"),
         (
             {k: [] if isinstance(v, list) else v[:1] for k, v in vars(good).items()
              if k != "server_id"},
@@ -277,6 +276,16 @@ def test_trajectories_that_do_not_add_up_or_carry_a_bad_sample_are_rejected():
         fields = {**vars(good), **change}
         with pytest.raises(ProtocolError, match=reason):
             decode(_wire(Trajectories(**fields)))
+    # a sample's own checks are left to the receiver, so that a bad one fails alone
+    for change, reason in [
+        ({"traj_ids": ["t1", "x" * 300]}, "traj_id"),
+        ({"attempts": np.array([0, -1], np.int32)}, "attempt"),
+        ({"metrics": [{}, {f"m{i}": 0.0 for i in range(300)}]}, "metrics"),
+    ]:
+        good_one, bad_one = decode(_wire(Trajectories(**{**vars(good), **change}))).unpack()
+        good_one.validate()
+        with pytest.raises(ProtocolError, match=reason):
+            bad_one.validate()
     with pytest.raises(ValueError, match="one server"):
         Trajectories.pack([_traj(), _traj(traj_id="t2", server_id=1)])
     with pytest.raises(ValueError, match="equal-length"):
