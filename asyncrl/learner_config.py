@@ -92,6 +92,9 @@ class LearnerConfig(Section):
     """gae: AdamW learning rate of the critic (its value head starts from scratch)."""
     bucket_mb: float = Field(64.0, gt=0)
     """Weight broadcast bucket size."""
+    delivery_check: bool = True
+    """With every version, send the learner's log-probs of a fixed probe; an engine that can
+    score it (hf) checks its own after applying and fails loudly when they differ."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """Adapters instead of full fine-tuning (rank > 0); see `LoraConfig`."""
     weight_checksum: bool = False

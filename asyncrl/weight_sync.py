@@ -7,8 +7,14 @@ one) and a process can hold only one default group. Its store and its gloo/NCCL 
 on the sync host only (`asyncrl.binds`).
 
 One sync, every collective in this order:
-  1. a header, int64 [version, num_params, layout_hash, bucket_bytes]; version -1 means shutdown;
-  2. the buckets: flat tensors of one dtype each, in the order of `plan_buckets`.
+  1. a header, int64 [version, num_params, layout_hash, bucket_bytes, probe]; version -1 means
+     shutdown;
+  2. the buckets: flat tensors of one dtype each, in the order of `plan_buckets`;
+  3. when the header's probe is 1, the delivery probe: float32 [PROBE_LEN], the
+     learner's log-probs of `probe_ids` under this version, then the tolerance. The engine
+     scores the same ids after applying the version and fails loudly when they differ
+     (`rollout_servers.engines.base.check_delivery`): an engine that keeps sampling the old
+     policy (an update applied to a copy, a stale adapter or cache) cannot go unnoticed.
 
 Both sides derive the bucket plan from their own view of the model (names, shapes and dtypes in
 state-dict order) and the header's bucket size; the layout hash makes a mismatch fail loudly
@@ -35,6 +41,12 @@ from asyncrl.binds import bind_collectives_to, setup_store
 log = logging.getLogger("asyncrl.weight_sync")
 
 SHUTDOWN = -1
+PROBE_LEN = 16
+
+
+def probe_ids(vocab_size: int) -> list[int]:
+    """The fixed token ids both sides score for the delivery probe."""
+    return [(7 * i + 3) % vocab_size for i in range(PROBE_LEN)]
 
 
 @dataclass(frozen=True)
@@ -151,13 +163,19 @@ class WeightBroadcaster:
         return self._staging
 
     def broadcast(
-        self, specs: list[ParamSpec], tensors: Iterator[torch.Tensor], version: int
+        self,
+        specs: list[ParamSpec],
+        tensors: Iterator[torch.Tensor],
+        version: int,
+        probe: torch.Tensor | None = None,
     ) -> None:
         """Send one version. `tensors` yields the full tensors in `specs` order (it may gather
         them lazily: one bucket's full tensors are alive at a time); a floating-point
-        tensor is cast to its spec's dtype as it is packed (the engine's dtype, one pass)."""
+        tensor is cast to its spec's dtype as it is packed (the engine's dtype, one pass).
+        `probe`: the delivery probe (module docstring), sent after the weights."""
         header = torch.tensor(
-            [version, len(specs), layout_hash(specs), self.bucket_bytes], dtype=torch.int64
+            [version, len(specs), layout_hash(specs), self.bucket_bytes, probe is not None],
+            dtype=torch.int64,
         )
         self.group.broadcast(header.to(self.group.device))
         buckets = plan_buckets(specs, self.bucket_bytes)
@@ -179,11 +197,13 @@ class WeightBroadcaster:
             in_flight[id(buffer)] = self.group.broadcast_async(flat)
         for work in [*in_flight.values(), *(w for _, w in sent_whole)]:
             work.wait()
+        if probe is not None:
+            self.group.broadcast(probe.detach().float().reshape(PROBE_LEN).to(self.group.device))
 
     def shutdown(self) -> None:
         """Tell every receiver that no more versions will come."""
         self.group.broadcast(
-            torch.tensor([SHUTDOWN, 0, 0, 0], dtype=torch.int64).to(self.group.device)
+            torch.tensor([SHUTDOWN, 0, 0, 0, 0], dtype=torch.int64).to(self.group.device)
         )
 
 
@@ -204,6 +224,8 @@ class ReceivedVersion:
     release: Callable[[], None] = lambda: None
     """Call once the weights are applied: the receiver may then reuse the staging memory for
     the next version (without it, the next version gets fresh memory)."""
+    probe: torch.Tensor | None = None
+    """The delivery probe: the learner's log-probs of `probe_ids`, then the tolerance."""
 
     @property
     def weights(self) -> list[tuple[str, torch.Tensor]]:
@@ -221,9 +243,9 @@ class WeightReceiver:
 
     def receive(self) -> ReceivedVersion | None:
         """Block until the next version arrives; None when the learner shuts the group down."""
-        header = torch.zeros(4, dtype=torch.int64, device=self.group.device)
+        header = torch.zeros(5, dtype=torch.int64, device=self.group.device)
         self.group.broadcast(header)
-        version, num_params, digest, bucket_bytes = (int(x) for x in header.cpu())
+        version, num_params, digest, bucket_bytes, has_probe = (int(x) for x in header.cpu())
         if version == SHUTDOWN:
             return None
         if num_params != len(self.specs) or digest != self._hash:
@@ -244,4 +266,9 @@ class WeightReceiver:
                 pairs.append((spec.name, flat[offset : offset + spec.numel].view(spec.shape)))
                 offset += spec.numel
             buckets.append(pairs)
-        return ReceivedVersion(version, buckets, lambda: setattr(self, "_free", staging))
+        probe = None
+        if has_probe:
+            probe = torch.zeros(PROBE_LEN, dtype=torch.float32, device=self.group.device)
+            self.group.broadcast(probe)
+        release = lambda: setattr(self, "_free", staging)  # noqa: E731
+        return ReceivedVersion(version, buckets, release, probe)

@@ -107,5 +107,35 @@ class Engine(ABC):
         or None where the engine cannot read them back (vLLM repacks them)."""
         return None
 
+    def probe_logprobs(self, ids: list[int]) -> torch.Tensor | None:
+        """Log-probs [len(ids) - 1] of each of `ids` after the ones before it, under the live
+        weights at temperature 1 (the delivery probe, `asyncrl.weight_sync`); None where the
+        engine cannot score a given sequence (the probe is then not checked)."""
+        return None
+
     async def close(self) -> None:  # noqa: B027 (optional hook; engines without resources keep it)
         """Finish queued work and release threads, processes and devices."""
+
+
+class DeliveryError(RuntimeError):
+    """The engine does not sample the policy the learner just sent."""
+
+
+def check_delivery(engine: Engine, version: int, probe: torch.Tensor | None, vocab: int) -> None:
+    """After `version` is applied: the engine's log-probs of the probe ids must equal the
+    learner's (`probe`: log-probs, then the tolerance) within the tolerance."""
+    if probe is None:
+        return
+    from asyncrl.weight_sync import probe_ids
+
+    mine = engine.probe_logprobs(probe_ids(vocab))
+    if mine is None:
+        return
+    expected, tolerance = probe[:-1].cpu(), float(probe[-1])
+    diff = float((mine.float().cpu() - expected).abs().mean())
+    if not diff <= tolerance:  # NaN fails too
+        raise DeliveryError(
+            f"after applying version {version} the engine's log-probs of the delivery probe "
+            f"differ from the learner's by {diff:.3g} on average > {tolerance:g}: it does not sample the "
+            "policy the learner sent (an update that did not reach the weights it samples with)"
+        )

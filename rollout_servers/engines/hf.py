@@ -27,6 +27,7 @@ from rollout_servers.engines.base import (
     GenerationOutput,
     SamplingParams,
     SyncTarget,
+    check_delivery,
 )
 
 ATTN_IMPLEMENTATION = "sdpa"
@@ -164,7 +165,15 @@ class HFEngine(Engine):
                 self._adapters_checksum = weights_checksum(got.weights)
                 self.update_weights(merged, got.version, subset=True)
             got.release()  # copied into the model: the next version may reuse the staging
+            check_delivery(self, got.version, got.probe, self.model.config.vocab_size)
             yield AppliedVersion(got.version, time.perf_counter() - start)
+
+    def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """See `Engine.probe_logprobs`: one forward of the model that samples, between batches."""
+        x = torch.tensor([ids], device=self.device)
+        with self._lock, torch.no_grad():
+            logits = self.model(input_ids=x).logits[0, :-1].float()
+        return torch.log_softmax(logits, -1).gather(-1, x[0, 1:, None]).squeeze(-1)
 
     def weights_checksum(self) -> str | None:
         """With LoRA, of the adapters last merged (what the learner sent), None before any."""

@@ -1,5 +1,6 @@
 """LoRA RL: only adapters train, a sync carries only the adapters, and the engine then samples
-the learner's merged policy; the final output is the merged model and a peft adapter."""
+the learner's merged policy (the delivery probe checks it, and fails an engine that ignores an
+update); the final output is the merged model and a peft adapter."""
 
 from __future__ import annotations
 
@@ -12,10 +13,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
-from asyncrl.learner_config import LoraConfig
+from asyncrl.learner_config import LearnerConfig, LoraConfig
 from asyncrl.lora import adapter_specs
 from asyncrl.transport import free_port
-from asyncrl.weight_sync import SyncGroup, WeightBroadcaster
+from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, specs_of
+from learner.delivery import delivery_probe
 from learner.lora import (
     adapter_sync_specs,
     adapter_tensors,
@@ -23,10 +25,11 @@ from learner.lora import (
     merged_state,
     save_adapter,
 )
-from rollout_servers.engines.base import SamplingParams, SyncTarget
+from rollout_servers.engines.base import DeliveryError, SamplingParams, SyncTarget
 from rollout_servers.engines.hf import HFEngine
 
 LORA = LoraConfig(rank=4, alpha=8.0)
+PADDED = LearnerConfig(packing=False)  # the learner's forward on a plain (unregistered) model
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +91,8 @@ async def test_the_engine_samples_the_learners_merged_policy_after_each_sync(mod
             learner = adapted(model_path, seed=version)
             specs = adapter_sync_specs(learner, torch.float32)
             tensors = (t for _, t in adapter_tensors(learner))
-            await asyncio.to_thread(broadcaster.broadcast, specs, tensors, version)
+            probe = delivery_probe(learner, PADDED, "float32", torch.device("cpu"))
+            await asyncio.to_thread(broadcaster.broadcast, specs, tensors, version, probe)
             while engine.version != version:
                 await asyncio.sleep(0.02)
             out = await engine.generate(prompt, SamplingParams(temperature=1.0, max_new_tokens=8))
@@ -117,3 +121,46 @@ def test_the_final_output_is_the_merged_model_and_a_peft_adapter(model_path, tmp
     want = logprobs(learner, ids)
     assert (logprobs(plain.eval(), ids) - want).abs().max() < 1e-4
     assert (logprobs(reloaded, ids) - want).abs().max() < 1e-5
+
+
+class IgnoringEngine(HFEngine):
+    """An engine whose update never reaches the weights it samples with."""
+
+    def update_weights(self, weights, version, subset=False) -> None:
+        list(weights)
+        self._version = version
+
+
+@pytest.mark.parametrize("lora", [LORA, None], ids=["lora", "full"])
+async def test_the_delivery_probe_fails_an_engine_that_keeps_the_old_policy(model_path, lora):
+    engine = IgnoringEngine(model_path, seed=0, lora=lora)
+    port = free_port("127.0.0.1")
+    errors: list[BaseException] = []
+
+    def server_side():
+        target = SyncTarget("127.0.0.1", port, 1, 2, torch.device("cpu"), timeout_s=60)
+        try:
+            list(engine.follow_learner(target))
+        except BaseException as e:  # the server's receiver thread hands it to its main loop
+            errors.append(e)
+
+    receiver = threading.Thread(target=server_side, daemon=True)
+    receiver.start()
+    group = await asyncio.to_thread(SyncGroup, "127.0.0.1", port, 0, 2, torch.device("cpu"), 60.0)
+    broadcaster = WeightBroadcaster(group, bucket_bytes=1 << 20)
+    if lora is not None:
+        learner = adapted(model_path, seed=5)
+        specs, named = adapter_sync_specs(learner, torch.float32), list(adapter_tensors(learner))
+    else:
+        learner = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        with torch.no_grad():
+            for p in learner.parameters():
+                p.add_(torch.randn_like(p) * 0.05)
+        named = list(learner.state_dict().items())
+        specs = specs_of(named)
+    probe = delivery_probe(learner, PADDED, "float32", torch.device("cpu"))
+    await asyncio.to_thread(broadcaster.broadcast, specs, iter(t for _, t in named), 1, probe)
+    await asyncio.to_thread(receiver.join, 30)
+    await engine.close()
+    assert len(errors) == 1 and isinstance(errors[0], DeliveryError), errors
+    assert "version 1" in str(errors[0])
