@@ -93,8 +93,9 @@ class LearnerConfig(Section):
     bucket_mb: float = Field(64.0, gt=0)
     """Weight broadcast bucket size."""
     delivery_check: bool = True
-    """With every version, send the learner's log-probs of a fixed probe; an engine that can
-    score it (hf) checks its own after applying and fails loudly when they differ."""
+    """With every version, send the learner's log-probs of a fixed probe; the engine checks its
+    own after applying and fails loudly when they differ (the hf engine; with vllm no probe is
+    sent, it cannot score one yet)."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """Adapters instead of full fine-tuning (rank > 0); see `LoraConfig`."""
     weight_checksum: bool = False

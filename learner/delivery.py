@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.config import LearnerConfig
+from asyncrl.config import Config, LearnerConfig
 from asyncrl.weight_sync import probe_ids
 from learner.batch import TrainBatch
 from learner.forward import layout_of, policy_forward
@@ -17,6 +17,12 @@ LOW_PRECISION_TOLERANCE = 0.5
 0.063 (a bf16 learner against an fp32 engine, the embedded model), which is also about what
 one version changes. So in low precision the check catches an engine stuck on an old policy
 once the policy has moved away from it, not within one version as in fp32."""
+
+
+def wants_probe(cfg: Config) -> bool:
+    """Whether versions carry the probe: asked for, and the engine can check it (hf; vLLM
+    cannot score a given sequence yet, and the probe costs a forward on every learner rank)."""
+    return cfg.learner.delivery_check and cfg.rollout.engine == "hf"
 
 
 def delivery_probe(

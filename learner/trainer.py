@@ -38,7 +38,7 @@ from asyncrl.trace import SpanWriter
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, weights_checksum
 from learner.batch import TrainBatch, broadcast_batch, from_message
 from learner.checkpoint import load_sharded, save_sharded
-from learner.delivery import delivery_probe
+from learner.delivery import delivery_probe, wants_probe
 from learner.forward import policy_forward, value_forward
 from learner.fsdp import (
     iter_full_tensors,
@@ -274,7 +274,7 @@ class Learner:
                 yield t
 
         lc, probe = self.cfg.learner, None
-        if lc.delivery_check:  # all ranks: a forward
+        if wants_probe(self.cfg):  # all ranks: a forward
             probe = delivery_probe(self.model, lc, self.cfg.rollout.dtype, self.device)
         if self.rank == 0:
             assert self.broadcaster is not None

@@ -126,7 +126,7 @@ def check_delivery(engine: Engine, version: int, probe: torch.Tensor | None, voc
     learner's (`probe`: log-probs, then the tolerance) within the tolerance."""
     if probe is None:
         return
-    from asyncrl.weight_sync import probe_ids
+    from asyncrl.weight_sync import probe_ids  # (torch: not at import, see above)
 
     mine = engine.probe_logprobs(probe_ids(vocab))
     if mine is None:
@@ -136,6 +136,7 @@ def check_delivery(engine: Engine, version: int, probe: torch.Tensor | None, voc
     if not diff <= tolerance:  # NaN fails too
         raise DeliveryError(
             f"after applying version {version} the engine's log-probs of the delivery probe "
-            f"differ from the learner's by {diff:.3g} on average > {tolerance:g}: it does not sample the "
-            "policy the learner sent (an update that did not reach the weights it samples with)"
+            f"differ from the learner's by {diff:.3g} on average > {tolerance:g}: it does not "
+            "sample the policy the learner sent (an update that did not reach the weights it "
+            "samples with)"
         )

@@ -98,3 +98,34 @@ def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
     resumed = {r["version"]: r["checksum"] for r in read_jsonl(second / "weights_learner.jsonl")}
     assert resumed[3] == saved[3]
     assert [r["version"] for r in read_jsonl(second / "metrics.jsonl")] == [4]
+
+
+def test_a_lora_checkpoint_resumes_with_its_adapters(tmp_path):
+    """The resumed learner sends the adapters it had at the checkpoint (the same checksum as
+    the first run's at that version), and the server's delivery check accepts them."""
+    common = [*_common(tmp_path), "learner.lora.rank=4", "learner.lr=5e-3"]
+    common.append("learner.weight_checksum=true")
+    first = launch(
+        load_config(
+            overrides=[
+                *common,
+                f"trainer.run_dir={tmp_path / 'a'}",
+                "trainer.total_steps=3",
+                "trainer.save_every=3",
+            ]
+        )
+    )
+    second = launch(
+        load_config(
+            overrides=[
+                *common,
+                f"trainer.run_dir={tmp_path / 'b'}",
+                "trainer.total_steps=4",
+                f"trainer.resume_from={first / 'checkpoints' / 'step_3'}",
+            ]
+        )
+    )
+    a = {r["version"]: r["checksum"] for r in read_jsonl(first / "weights_learner.jsonl")}
+    b = {r["version"]: r["checksum"] for r in read_jsonl(second / "weights_learner.jsonl")}
+    assert b[3] == a[3] != a[0]
+    assert [r["version"] for r in read_jsonl(second / "metrics.jsonl")] == [4]

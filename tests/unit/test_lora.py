@@ -17,7 +17,7 @@ from asyncrl.learner_config import LearnerConfig, LoraConfig
 from asyncrl.lora import adapter_specs
 from asyncrl.transport import free_port
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, specs_of
-from learner.delivery import delivery_probe
+from learner.delivery import delivery_probe, wants_probe
 from learner.lora import (
     adapter_sync_specs,
     adapter_tensors,
@@ -25,6 +25,7 @@ from learner.lora import (
     merged_state,
     save_adapter,
 )
+from learner.optim import setup_optimizer
 from rollout_servers.engines.base import DeliveryError, SamplingParams, SyncTarget
 from rollout_servers.engines.hf import HFEngine
 
@@ -62,6 +63,8 @@ def test_only_the_adapters_train_and_a_sync_carries_only_them(model_path):
     model = adapted(model_path, seed=1)
     trainable = {n for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
+    optimizer = setup_optimizer(model, 1e-3, LearnerConfig())  # it holds the adapters only
+    assert sum(len(g["params"]) for g in optimizer.param_groups) == len(trainable)
     specs = adapter_sync_specs(model, torch.float32)
     # the engine derives the same layout from the plain model: the layout hash will agree
     plain = AutoModelForCausalLM.from_pretrained(model_path)
@@ -164,3 +167,11 @@ async def test_the_delivery_probe_fails_an_engine_that_keeps_the_old_policy(mode
     await engine.close()
     assert len(errors) == 1 and isinstance(errors[0], DeliveryError), errors
     assert "version 1" in str(errors[0])
+
+
+def test_versions_carry_the_probe_only_for_an_engine_that_checks_it():
+    from asyncrl.config import load_config
+
+    assert wants_probe(load_config())
+    assert not wants_probe(load_config(None, ["learner.delivery_check=false"]))
+    assert not wants_probe(load_config(None, ["rollout.engine=vllm"]))
