@@ -287,11 +287,6 @@ class Config(_Section):
                 "log-probs of the top-p-truncated distribution, the learner recomputes them "
                 "without truncation; use top_p=1 (or rollout.engine=hf)"
             )
-        if self.learner.lora.rank and self.rollout.engine != "hf":
-            raise ValueError(
-                f"learner.lora.rank={self.learner.lora.rank} with rollout.engine="
-                f"{self.rollout.engine}: only the hf engine applies LoRA adapters so far"
-            )
         custom = self.reward.custom.path
         if custom is not None and not Path(custom).is_file():
             raise ValueError(f"reward.custom.path={custom!r} is not a file")

@@ -57,13 +57,23 @@ def merged_weight(
 class AdapterMerger:
     """An engine's side: the base weights of the targeted layers, and the merge of a version."""
 
-    def __init__(self, model: torch.nn.Module, lora: LoraConfig):
-        self.scale = lora.scale
-        self.targets = adapter_targets(model, lora)
-        self._base = {
-            f"{name}.weight": model.get_submodule(name).weight.detach().clone()
-            for name in self.targets
+    def __init__(self, targets: list[str], base: dict[str, torch.Tensor], scale: float):
+        """`targets`: `adapter_targets` of the model; `base`: `<target>.weight` -> W0."""
+        missing = [name for name in targets if f"{name}.weight" not in base]
+        if missing:
+            raise ValueError(f"no base weight for the adapted layers {missing[:3]}")
+        self.scale = scale
+        self.targets = targets
+        self._base = base
+
+    @classmethod
+    def of_model(cls, model: torch.nn.Module, lora: LoraConfig) -> AdapterMerger:
+        """Keeps a copy of the targeted layers' current weights of `model` as the base."""
+        targets = adapter_targets(model, lora)
+        base = {
+            f"{name}.weight": model.get_submodule(name).weight.detach().clone() for name in targets
         }
+        return cls(targets, base, lora.scale)
 
     def merged(
         self, adapters: Iterable[tuple[str, torch.Tensor]]

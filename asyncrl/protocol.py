@@ -432,6 +432,7 @@ class Error:
 class WeightsStaged:
     version: int  # the policy version now staged in the vLLM worker, ready to apply
     receive_s: float  # seconds the broadcast of this version took
+    probe: list[float]  # the version's delivery probe (log-probs, then tolerance); [] if none
 
 
 @message("weight_receiver_closed")

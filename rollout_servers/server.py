@@ -395,7 +395,7 @@ def setup_engine(
     if rc.engine == "vllm":
         from rollout_servers.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model_path, rc.vllm, device=device, seed=seed, dtype=rc.dtype)
+        return VLLMEngine(model_path, rc.vllm, device=device, seed=seed, dtype=rc.dtype, lora=lora)
     return HFEngine(
         model_path,
         device=device,

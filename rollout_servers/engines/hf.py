@@ -79,7 +79,7 @@ class HFEngine(Engine):
         self._params = dict(self.model.state_dict())
         # LoRA (`asyncrl.lora`): versions carry adapters, merged into a copy of the base weights
         self._lora = lora if lora is not None and lora.rank else None
-        self._merger = AdapterMerger(self.model, self._lora) if self._lora else None
+        self._merger = AdapterMerger.of_model(self.model, self._lora) if self._lora else None
         self._adapters_checksum: str | None = None
         self._pending: list[_Request] = []
         self._runner: asyncio.Task[None] | None = None

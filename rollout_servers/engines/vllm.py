@@ -17,9 +17,13 @@ Invariants (those of `Engine`, and how they are kept here):
   softmax for greedy requests.
 - A version is applied atomically: the gate closes, requests in flight finish on the old
   version, the worker loads the staged version bucket by bucket (`load_weights`), the prefix
-  cache is reset, then the version number moves and the gate opens. Every output carries the
-  version it was admitted under, which is the version of every one of its tokens. If a load
-  fails the gate stays closed: no token is ever sampled from half-applied weights.
+  cache is reset, the delivery probe is scored (vLLM's prompt log-probs against the learner's,
+  `check_delivery`), then the version number moves and the gate opens. Every output carries
+  the version it was admitted under, which is the version of every one of its tokens. If a
+  load or the delivery check fails the gate stays closed: no token is ever sampled from
+  half-applied or undelivered weights.
+- LoRA (`learner.lora.rank > 0`): versions carry adapters; the worker merges them into the
+  checkpoint's base weights and loads the adapted layers (`vllm_lora`).
 """
 
 from __future__ import annotations
@@ -40,6 +44,8 @@ import zmq
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from asyncrl.config import VLLMConfig
+from asyncrl.learner_config import LoraConfig
+from asyncrl.lora import adapter_specs, adapter_targets
 from asyncrl.protocol import WeightReceiverClosed, WeightReceiverFailed, WeightsStaged
 from asyncrl.transport import decode_frames
 from asyncrl.weight_sync import ParamSpec, specs_of
@@ -49,20 +55,25 @@ from rollout_servers.engines.base import (
     GenerationOutput,
     SamplingParams,
     SyncTarget,
+    check_delivery,
 )
 
 WORKER_EXTENSION = "rollout_servers.engines.vllm_worker.WeightSyncExtension"
 T = TypeVar("T")
 
 
+def meta_model(model_path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+    """The Hugging Face model of `model_path`'s config on the meta device (no weights)."""
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+
+
 def learner_weight_specs(model_path: str | Path, dtype: str = "float32") -> list[ParamSpec]:
     """The learner's view of the weights (names, full shapes, the engine's `dtype`) in
     state-dict order, from the config alone: the layout the learner broadcasts (it casts to
     the engine's dtype before sending) and vLLM's `load_weights` reads."""
-    config = AutoConfig.from_pretrained(model_path)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
-    return specs_of(model.state_dict().items())
+    return specs_of(meta_model(model_path, dtype).state_dict().items())
 
 
 def eos_ids(model_path: str | Path) -> frozenset[int]:
@@ -120,13 +131,22 @@ class VLLMEngine(Engine):
         seed: int = 0,
         version: int = 0,
         dtype: str = "float32",
+        lora: LoraConfig | None = None,
     ):
         from vllm.v1.engine.async_llm import AsyncLLM
 
         if device == "cpu":
             os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(options.cpu_kvcache_space_gib))
         self.model_path = str(model_path)
-        self._specs = learner_weight_specs(model_path, dtype)
+        meta = meta_model(model_path, dtype)
+        self._vocab = meta.config.vocab_size
+        self._specs = specs_of(meta.state_dict().items())
+        self._lora: dict[str, Any] | None = None
+        if lora is not None and lora.rank:  # versions carry adapters (`vllm_lora`)
+            self._specs = adapter_specs(meta, lora, getattr(torch, dtype))
+            targets = adapter_targets(meta, lora)
+            self._lora = dict(model_path=self.model_path, targets=targets, scale=lora.scale)
+            self._lora["dtype"] = dtype
         self._eos_ids = eos_ids(model_path)
         self._version = version
         self._inflight = 0
@@ -235,6 +255,7 @@ class VLLMEngine(Engine):
                         specs,
                         address,
                         target.timeout_s,
+                        self._lora,
                     ),
                 )
             )
@@ -248,23 +269,54 @@ class VLLMEngine(Engine):
                     raise RuntimeError(f"vLLM worker's weight receiver failed: {notice.error}")
                 if not isinstance(notice, WeightsStaged):
                     raise RuntimeError(f"unexpected notice from the vLLM worker: {notice!r}")
-                yield AppliedVersion(notice.version, self._call(self._apply(notice.version)))
+                yield AppliedVersion(notice.version, self._apply(notice))
         finally:
             notices.close(linger=0)
             Path(address.removeprefix("ipc://")).unlink(missing_ok=True)
             with contextlib.suppress(OSError):
                 private.rmdir()
 
-    async def _apply(self, version: int) -> float:
-        """On the engine loop: close the gate, drain, load, reset the prefix cache, reopen."""
+    def _apply(self, notice: WeightsStaged) -> float:
+        """Close the gate, drain, load, reset the prefix cache, check delivery, reopen; seconds
+        taken. When loading or the delivery check fails the gate stays closed: no token is
+        sampled from weights that are not the version's."""
         start = time.perf_counter()
+        self._call(self._load(notice.version))
+        probe = torch.tensor(notice.probe) if notice.probe else None
+        check_delivery(self, notice.version, probe, self._vocab)
+        self._call(self._reopen(notice.version))
+        return time.perf_counter() - start
+
+    async def _load(self, version: int) -> None:
+        """On the engine loop: close the gate, drain, load the staged version, reset the cache."""
         self._open.clear()
         await self._drained.wait()
         await self.llm.collective_rpc("asyncrl_apply", args=(version,))
         await self.llm.reset_prefix_cache()
+
+    async def _reopen(self, version: int) -> None:
         self._version = version
-        self._open.set()  # not reached when loading failed: the gate stays closed
-        return time.perf_counter() - start
+        self._open.set()
+
+    def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """See `Engine.probe_logprobs`: vLLM's prompt log-probs of `ids` (raw logits, T = 1),
+        scored past the gate, so also while it is closed for a version being checked."""
+        return self._call(self._prompt_logprobs(ids))
+
+    async def _prompt_logprobs(self, ids: list[int]) -> torch.Tensor:
+        from vllm import SamplingParams as VLLMSamplingParams
+        from vllm import TokensPrompt
+
+        params = VLLMSamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        final = None
+        async for out in self.llm.generate(
+            TokensPrompt(prompt_token_ids=list(ids)), params, request_id=uuid.uuid4().hex
+        ):
+            final = out
+        if final is None or final.prompt_logprobs is None:
+            raise RuntimeError("vLLM returned no prompt log-probs for the delivery probe")
+        steps = final.prompt_logprobs[1:]  # the first token has none
+        return torch.tensor([step[t].logprob for step, t in zip(steps, ids[1:], strict=True)])
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def close(self) -> None:

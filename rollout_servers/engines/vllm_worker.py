@@ -17,7 +17,8 @@ One version, step by step:
 4. the server resets the prefix cache, tags new requests with the new version and resumes; the
    receiver thread goes back to step 1.
 A version is staged entirely before any of it is applied, so a failed or partial broadcast
-never reaches the model.
+never reaches the model. With LoRA a version carries adapters, and step 3 loads the adapted
+layers merged into the checkpoint's base weights instead (`vllm_lora`).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ import zmq
 from asyncrl.protocol import WeightReceiverClosed, WeightReceiverFailed, WeightsStaged
 from asyncrl.transport import send_msg
 from asyncrl.weight_sync import ParamSpec, ReceivedVersion, SyncGroup, WeightReceiver
+from rollout_servers.engines.vllm_lora import MergedVersions
 
 
 class WeightSyncExtension:
@@ -46,8 +48,17 @@ class WeightSyncExtension:
         specs: list[tuple[str, list[int], str]],
         notify_address: str,
         timeout_s: float,
+        lora: dict | None = None,
     ) -> None:
-        """Start the receiver thread: it joins the group as `rank` and stages each version."""
+        """Start the receiver thread: it joins the group as `rank` and stages each version.
+        `lora` (model_path, targets, scale, dtype): versions carry adapters, merged here
+        (`vllm_lora.MergedVersions`) into the checkpoint's base weights."""
+        self._asyncrl_lora = None
+        if lora is not None:
+            dtype = getattr(torch, lora["dtype"].removeprefix("torch."))
+            self._asyncrl_lora = MergedVersions(
+                lora["model_path"], lora["targets"], lora["scale"], dtype
+            )
         self._asyncrl_specs = [
             ParamSpec(name, tuple(shape), getattr(torch, dtype.removeprefix("torch.")))
             for name, shape, dtype in specs
@@ -89,7 +100,9 @@ class WeightSyncExtension:
                     return
                 self._asyncrl_staged, staged = got, got.version
                 self._asyncrl_applied.clear()
-                send_msg(notify, WeightsStaged(got.version, time.perf_counter() - start), auth=None)
+                probe = [] if got.probe is None else got.probe.cpu().tolist()
+                took = time.perf_counter() - start
+                send_msg(notify, WeightsStaged(got.version, took, probe), auth=None)
                 self._asyncrl_applied.wait()  # the learner's next broadcast waits for this one
         except BaseException as e:  # the server surfaces it and stops
             send_msg(notify, WeightReceiverFailed(f"{e!r}\n{traceback.format_exc()}"), auth=None)
@@ -113,8 +126,11 @@ class WeightSyncExtension:
         model = self.model_runner.model
         with set_current_vllm_config(self.vllm_config), torch.no_grad():
             initialize_layerwise_reload(model)
-            for bucket in staged.buckets:
-                model.load_weights(bucket)
+            if self._asyncrl_lora is not None:
+                model.load_weights(self._asyncrl_lora.weights(staged.weights))
+            else:
+                for bucket in staged.buckets:
+                    model.load_weights(bucket)
             finalize_layerwise_reload(model, self.model_runner.model_config)
         staged.release()  # loaded: the next version may reuse the staging memory
         self._asyncrl_staged = None

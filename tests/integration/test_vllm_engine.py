@@ -16,9 +16,12 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.config import VLLMConfig
 from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+from asyncrl.learner_config import LearnerConfig, LoraConfig
 from asyncrl.transport import free_port
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, specs_of
-from rollout_servers.engines.base import SamplingParams, SyncTarget
+from learner.delivery import delivery_probe
+from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters
+from rollout_servers.engines.base import DeliveryError, SamplingParams, SyncTarget
 from rollout_servers.engines.vllm import VLLMEngine
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -136,3 +139,97 @@ async def test_engine_maps_sampling_parameters(model_path):
             await engine.generate([], params)
     finally:
         await engine.close()
+
+
+# ---- LoRA and the delivery check ---------------------------------------------------------------
+# q and v only: vLLM fuses q/k/v into one layer, so a version must also reload k (`vllm_lora`)
+LORA = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "down_proj"])
+PADDED = LearnerConfig(packing=False)  # the learner's forward on a plain (unregistered) model
+
+
+def adapted(model_path: Path, seed: int) -> torch.nn.Module:
+    """The learner's policy with adapters that moved (B is zero at the start: no change)."""
+    model = add_adapters(AutoModelForCausalLM.from_pretrained(model_path), LORA)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn(p.shape, generator=g) * 0.3)
+    return model.eval()
+
+
+def following(engine, port: int, applied: list, errors: list) -> threading.Thread:
+    def server_side():  # what the server's weight-receiver thread does
+        target = SyncTarget("127.0.0.1", port, 1, 2, torch.device("cpu"), timeout_s=120)
+        try:
+            applied.extend(engine.follow_learner(target))
+        except BaseException as e:  # the server hands it to its main loop and stops
+            errors.append(e)
+
+    thread = threading.Thread(target=server_side, daemon=True)
+    thread.start()
+    return thread
+
+
+async def test_lora_versions_sample_the_learners_merged_policy(model_path):
+    engine = VLLMEngine(model_path, VLLMConfig(cpu_kvcache_space_gib=1), seed=2, lora=LORA)
+    port = free_port("127.0.0.1")
+    applied, errors = [], []
+    receiver = following(engine, port, applied, errors)
+    try:
+        group = await asyncio.to_thread(
+            SyncGroup, "127.0.0.1", port, 0, 2, torch.device("cpu"), 120.0
+        )
+        broadcaster = WeightBroadcaster(group, bucket_bytes=4096)  # several buckets
+        for version in (1, 2):  # versions replace each other: nothing accumulates
+            learner = adapted(model_path, seed=version)
+            specs = adapter_sync_specs(learner, torch.float32)
+            tensors = (t for _, t in adapter_tensors(learner))
+            probe = delivery_probe(learner, PADDED, "float32", torch.device("cpu"))
+            await asyncio.to_thread(broadcaster.broadcast, specs, tensors, version, probe)
+            while engine.version != version and not errors:
+                await asyncio.sleep(0.05)
+            assert not errors, errors
+            outs = await sample(engine, 8)
+            assert all(o.version == version for o in outs)
+            assert max_logprob_error(learner, outs) < 1e-4, f"version {version}"
+        await asyncio.to_thread(broadcaster.shutdown)
+        receiver.join(timeout=30)
+        assert [a.version for a in applied] == [1, 2] and not errors
+    finally:
+        await engine.close()
+
+
+async def test_delivery_check_stops_an_engine_whose_weights_are_not_the_version(model_path):
+    """The version's probe comes from other weights than the ones sent, as the learner's would
+    when the engine's load never reached the weights it samples with: the engine raises
+    DeliveryError naming the version, and the gate stays closed on the old version."""
+    engine = VLLMEngine(model_path, VLLMConfig(cpu_kvcache_space_gib=1), seed=3)
+    port = free_port("127.0.0.1")
+    applied, errors = [], []
+    receiver = following(engine, port, applied, errors)
+    try:
+        group = await asyncio.to_thread(
+            SyncGroup, "127.0.0.1", port, 0, 2, torch.device("cpu"), 120.0
+        )
+        broadcaster = WeightBroadcaster(group, bucket_bytes=1 << 20)
+        sent = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        claimed = AutoModelForCausalLM.from_pretrained(model_path).eval()
+        perturbed(claimed, seed=7)
+        probe = delivery_probe(claimed, PADDED, "float32", torch.device("cpu"))
+        named = list(sent.state_dict().items())
+        tensors = iter(t for _, t in named)
+        await asyncio.to_thread(broadcaster.broadcast, specs_of(named), tensors, 1, probe)
+        await asyncio.to_thread(receiver.join, 60)
+        assert len(errors) == 1 and isinstance(errors[0], DeliveryError), errors
+        assert "version 1" in str(errors[0]) and engine.version == 0 and not applied
+        # the same weights with their own probe pass: the check measures what was loaded
+        assert (
+            engine.probe_logprobs(list(range(3, 19))) - logprobs(sent, 3, 19)
+        ).abs().max() < 1e-4
+    finally:
+        await engine.close()
+
+
+def logprobs(model, first: int, end: int) -> torch.Tensor:
+    return learner_logprobs(model, [first], list(range(first + 1, end)))

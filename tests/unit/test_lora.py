@@ -169,9 +169,54 @@ async def test_the_delivery_probe_fails_an_engine_that_keeps_the_old_policy(mode
     assert "version 1" in str(errors[0])
 
 
-def test_versions_carry_the_probe_only_for_an_engine_that_checks_it():
+def test_versions_carry_the_probe_unless_the_check_is_off():
     from asyncrl.config import load_config
 
     assert wants_probe(load_config())
     assert not wants_probe(load_config(None, ["learner.delivery_check=false"]))
-    assert not wants_probe(load_config(None, ["rollout.engine=vllm"]))
+    assert wants_probe(load_config(None, ["rollout.engine=vllm"]))  # both engines check it
+
+
+def test_vllm_versions_reload_whole_fused_layers_merged_where_adapted(model_path):
+    """vLLM loads q/k/v (and gate/up) as one layer, processed once all its tensors arrived:
+    a LoRA version on q alone must also carry k and v, at their base values."""
+    from safetensors.torch import load_file
+
+    from asyncrl.lora import merged_weight
+    from rollout_servers.engines.vllm_lora import MergedVersions, fused_modules
+
+    layer = "model.layers.0"
+    assert fused_modules([f"{layer}.self_attn.q_proj", f"{layer}.mlp.down_proj"]) == [
+        f"{layer}.self_attn.q_proj",
+        f"{layer}.self_attn.k_proj",
+        f"{layer}.self_attn.v_proj",
+        f"{layer}.mlp.down_proj",
+    ]
+    lora = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"])
+    learner = add_adapters(AutoModelForCausalLM.from_pretrained(model_path), lora)
+    with torch.no_grad():
+        for name, p in learner.named_parameters():
+            if "lora_" in name:
+                p.normal_(std=0.3)
+    targets = [s.name.removesuffix(".lora_A") for s in adapter_sync_specs(learner, torch.float32)]
+    targets = targets[::2]
+    versions = MergedVersions(str(model_path), targets, lora.scale, torch.float32)
+    adapters = dict(adapter_tensors(learner))
+    loaded = dict(versions.weights(adapters.items()))
+    base = load_file(str(model_path / "model.safetensors"))
+    for target in targets:
+        prefix = target.removesuffix(".q_proj")
+        assert {f"{prefix}.{p}_proj.weight" for p in "qkv"} <= set(loaded)
+        want = merged_weight(
+            base[f"{target}.weight"],
+            adapters[f"{target}.lora_A"],
+            adapters[f"{target}.lora_B"],
+            2.0,
+        )
+        assert torch.equal(loaded[f"{target}.weight"], want)
+        assert torch.equal(loaded[f"{prefix}.k_proj.weight"], base[f"{prefix}.k_proj.weight"])
+    assert not any("mlp" in name for name in loaded)
+    with pytest.raises(ValueError, match="missing from the version"):
+        versions.weights(list(adapters.items())[2:])
+    with pytest.raises(ValueError, match="no weight in the checkpoint"):
+        MergedVersions(str(model_path), ["model.layers.99.mlp.down_proj"], 1.0, torch.float32)
