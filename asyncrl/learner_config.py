@@ -94,8 +94,7 @@ class LearnerConfig(Section):
     """Weight broadcast bucket size."""
     delivery_check: bool = True
     """With every version, send the learner's log-probs of a fixed probe; the engine checks its
-    own after applying and fails loudly when they differ (the hf engine; with vllm no probe is
-    sent, it cannot score one yet)."""
+    own after applying and fails loudly when they differ (both engines check it)."""
     lora: LoraConfig = Field(default_factory=LoraConfig)
     """Adapters instead of full fine-tuning (rank > 0); see `LoraConfig`."""
     weight_checksum: bool = False

@@ -47,24 +47,37 @@ def adapter_specs(model: torch.nn.Module, lora: LoraConfig, dtype: torch.dtype) 
 
 
 def merged_weight(
-    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scale: float
+    base: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scale: float,
+    dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
-    """W0 + scale x (B @ A), computed in float32, in W0's dtype."""
-    delta = (b.float() @ a.float()) * scale
-    return (base.float() + delta).to(base.dtype)
+    """W0 + scale x (B @ A), computed in float32 on W0's device, rounded once to `dtype`
+    (default W0's)."""
+    delta = (b.to(base.device).float() @ a.to(base.device).float()) * scale
+    return (base.float() + delta).to(dtype or base.dtype)
 
 
 class AdapterMerger:
     """An engine's side: the base weights of the targeted layers, and the merge of a version."""
 
-    def __init__(self, targets: list[str], base: dict[str, torch.Tensor], scale: float):
-        """`targets`: `adapter_targets` of the model; `base`: `<target>.weight` -> W0."""
+    def __init__(
+        self,
+        targets: list[str],
+        base: dict[str, torch.Tensor],
+        scale: float,
+        dtype: torch.dtype | None = None,
+    ):
+        """`targets`: `adapter_targets` of the model; `base`: `<target>.weight` -> W0; `dtype`:
+        of the merged weights (default W0's; a base kept in higher precision rounds once)."""
         missing = [name for name in targets if f"{name}.weight" not in base]
         if missing:
             raise ValueError(f"no base weight for the adapted layers {missing[:3]}")
         self.scale = scale
         self.targets = targets
         self._base = base
+        self._dtype = dtype
 
     @classmethod
     def of_model(cls, model: torch.nn.Module, lora: LoraConfig) -> AdapterMerger:
@@ -75,19 +88,26 @@ class AdapterMerger:
         }
         return cls(targets, base, lora.scale)
 
+    def check(self, adapters: dict[str, torch.Tensor]) -> None:
+        """ValueError unless `adapters` are exactly lora_A and lora_B of every target."""
+        want = {f"{name}.lora_{x}" for name in self.targets for x in "AB"}
+        missing = sorted(want - adapters.keys())
+        if missing:
+            raise ValueError(f"adapters missing from the version: {missing[:3]}")
+        unknown = sorted(adapters.keys() - want)
+        if unknown:
+            raise ValueError(f"adapters for unknown layers: {unknown[:3]}")
+
+    def merge(self, name: str, adapters: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The merged weight of the target `name` (after `check`)."""
+        a, b = adapters[f"{name}.lora_A"], adapters[f"{name}.lora_B"]
+        return merged_weight(self._base[f"{name}.weight"], a, b, self.scale, self._dtype)
+
     def merged(
         self, adapters: Iterable[tuple[str, torch.Tensor]]
     ) -> list[tuple[str, torch.Tensor]]:
         """(weight name, merged weight) of every targeted layer, from one version's adapters
         in `adapter_specs` order; ValueError when they do not cover the targets pairwise."""
         got = dict(adapters)
-        out = []
-        for name in self.targets:
-            a, b = got.pop(f"{name}.lora_A", None), got.pop(f"{name}.lora_B", None)
-            if a is None or b is None:
-                raise ValueError(f"adapters of {name!r} missing from the version")
-            weight = f"{name}.weight"
-            out.append((weight, merged_weight(self._base[weight], a, b, self.scale)))
-        if got:
-            raise ValueError(f"adapters for unknown layers: {sorted(got)[:3]}")
-        return out
+        self.check(got)
+        return [(f"{name}.weight", self.merge(name, got)) for name in self.targets]

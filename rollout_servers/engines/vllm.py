@@ -57,6 +57,7 @@ from rollout_servers.engines.base import (
     SyncTarget,
     check_delivery,
 )
+from rollout_servers.engines.vllm_lora import check_targets
 
 WORKER_EXTENSION = "rollout_servers.engines.vllm_worker.WeightSyncExtension"
 T = TypeVar("T")
@@ -145,6 +146,7 @@ class VLLMEngine(Engine):
         if lora is not None and lora.rank:  # versions carry adapters (`vllm_lora`)
             self._specs = adapter_specs(meta, lora, getattr(torch, dtype))
             targets = adapter_targets(meta, lora)
+            check_targets(self.model_path, targets)  # refused now, not when the worker joins
             self._lora = dict(model_path=self.model_path, targets=targets, scale=lora.scale)
             self._lora["dtype"] = dtype
         self._eos_ids = eos_ids(model_path)
@@ -292,7 +294,8 @@ class VLLMEngine(Engine):
         self._open.clear()
         await self._drained.wait()
         await self.llm.collective_rpc("asyncrl_apply", args=(version,))
-        await self.llm.reset_prefix_cache()
+        if not await self.llm.reset_prefix_cache():  # False: blocks still in use
+            raise RuntimeError(f"vLLM could not reset its prefix cache after version {version}")
 
     async def _reopen(self, version: int) -> None:
         self._version = version

@@ -23,9 +23,12 @@ layers merged into the checkpoint's base weights instead (`vllm_lora`).
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 
 import torch
 import zmq
@@ -34,6 +37,20 @@ from asyncrl.protocol import WeightReceiverClosed, WeightReceiverFailed, Weights
 from asyncrl.transport import send_msg
 from asyncrl.weight_sync import ParamSpec, ReceivedVersion, SyncGroup, WeightReceiver
 from rollout_servers.engines.vllm_lora import MergedVersions
+
+
+@contextlib.contextmanager
+def _quiet_partial(lora: MergedVersions | None) -> Iterator[None]:
+    """A LoRA version reloads only the adapted layers: vLLM's reload then warns "Failed to load
+    weights" for every other layer (restored as they were, by design). Silence that, only then."""
+    logger = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
+    level = logger.level
+    if lora is not None:
+        logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 class WeightSyncExtension:
@@ -56,8 +73,10 @@ class WeightSyncExtension:
         self._asyncrl_lora = None
         if lora is not None:
             dtype = getattr(torch, lora["dtype"].removeprefix("torch."))
+            # checkpoint layers vLLM fuses into one (q/k/v -> qkv_proj, ...), from the model
+            fused = getattr(self.model_runner.model, "packed_modules_mapping", {}).values()
             self._asyncrl_lora = MergedVersions(
-                lora["model_path"], lora["targets"], lora["scale"], dtype
+                lora["model_path"], lora["targets"], lora["scale"], dtype, fused
             )
         self._asyncrl_specs = [
             ParamSpec(name, tuple(shape), getattr(torch, dtype.removeprefix("torch.")))
@@ -123,14 +142,15 @@ class WeightSyncExtension:
             have = None if staged is None else staged.version
             raise RuntimeError(f"asyncrl_apply({version}): the staged version is {have}")
         start = time.perf_counter()
+        lora = self._asyncrl_lora
+        buckets = staged.buckets
+        if lora is not None:  # adapters checked before the model is touched, merged lazily
+            buckets = [lora.weights(staged.weights)]
         model = self.model_runner.model
-        with set_current_vllm_config(self.vllm_config), torch.no_grad():
+        with set_current_vllm_config(self.vllm_config), torch.no_grad(), _quiet_partial(lora):
             initialize_layerwise_reload(model)
-            if self._asyncrl_lora is not None:
-                model.load_weights(self._asyncrl_lora.weights(staged.weights))
-            else:
-                for bucket in staged.buckets:
-                    model.load_weights(bucket)
+            for bucket in buckets:
+                model.load_weights(bucket)
             finalize_layerwise_reload(model, self.model_runner.model_config)
         staged.release()  # loaded: the next version may reuse the staging memory
         self._asyncrl_staged = None

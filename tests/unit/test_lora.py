@@ -177,6 +177,9 @@ def test_versions_carry_the_probe_unless_the_check_is_off():
     assert wants_probe(load_config(None, ["rollout.engine=vllm"]))  # both engines check it
 
 
+LLAMA_FUSED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))  # vLLM's Llama mapping
+
+
 def test_vllm_versions_reload_whole_fused_layers_merged_where_adapted(model_path):
     """vLLM loads q/k/v (and gate/up) as one layer, processed once all its tensors arrived:
     a LoRA version on q alone must also carry k and v, at their base values."""
@@ -186,11 +189,15 @@ def test_vllm_versions_reload_whole_fused_layers_merged_where_adapted(model_path
     from rollout_servers.engines.vllm_lora import MergedVersions, fused_modules
 
     layer = "model.layers.0"
-    assert fused_modules([f"{layer}.self_attn.q_proj", f"{layer}.mlp.down_proj"]) == [
+    present = {f"{layer}.self_attn.{x}_proj" for x in "qkv"} | {f"{layer}.mlp.down_proj"}
+    targets = [f"{layer}.self_attn.q_proj", f"{layer}.mlp.down_proj", f"{layer}.mlp.up_proj"]
+    # siblings the checkpoint lacks (a model with up_proj and no gate_proj) are not asked for
+    assert fused_modules(targets, LLAMA_FUSED, present) == [
         f"{layer}.self_attn.q_proj",
         f"{layer}.self_attn.k_proj",
         f"{layer}.self_attn.v_proj",
         f"{layer}.mlp.down_proj",
+        f"{layer}.mlp.up_proj",
     ]
     lora = LoraConfig(rank=4, alpha=8.0, target_modules=["q_proj"])
     learner = add_adapters(AutoModelForCausalLM.from_pretrained(model_path), lora)
@@ -200,23 +207,23 @@ def test_vllm_versions_reload_whole_fused_layers_merged_where_adapted(model_path
                 p.normal_(std=0.3)
     targets = [s.name.removesuffix(".lora_A") for s in adapter_sync_specs(learner, torch.float32)]
     targets = targets[::2]
-    versions = MergedVersions(str(model_path), targets, lora.scale, torch.float32)
+    versions = MergedVersions(str(model_path), targets, lora.scale, torch.float32, LLAMA_FUSED)
     adapters = dict(adapter_tensors(learner))
     loaded = dict(versions.weights(adapters.items()))
     base = load_file(str(model_path / "model.safetensors"))
     for target in targets:
         prefix = target.removesuffix(".q_proj")
         assert {f"{prefix}.{p}_proj.weight" for p in "qkv"} <= set(loaded)
-        want = merged_weight(
-            base[f"{target}.weight"],
-            adapters[f"{target}.lora_A"],
-            adapters[f"{target}.lora_B"],
-            2.0,
+        a, b = adapters[f"{target}.lora_A"], adapters[f"{target}.lora_B"]
+        assert torch.equal(
+            loaded[f"{target}.weight"], merged_weight(base[f"{target}.weight"], a, b, 2.0)
         )
-        assert torch.equal(loaded[f"{target}.weight"], want)
         assert torch.equal(loaded[f"{prefix}.k_proj.weight"], base[f"{prefix}.k_proj.weight"])
     assert not any("mlp" in name for name in loaded)
+    # a version whose adapters do not match is refused before anything is loaded
     with pytest.raises(ValueError, match="missing from the version"):
         versions.weights(list(adapters.items())[2:])
+    with pytest.raises(ValueError, match="unknown layers"):
+        versions.weights([*adapters.items(), ("lm_head.lora_A", torch.zeros(4, 8))])
     with pytest.raises(ValueError, match="no weight in the checkpoint"):
-        MergedVersions(str(model_path), ["model.layers.99.mlp.down_proj"], 1.0, torch.float32)
+        MergedVersions(str(model_path), ["model.layers.99.mlp.down_proj"], 1.0, torch.float32, ())
