@@ -10,47 +10,24 @@ Only the last integer counts, so listing candidates cannot win more than the las
 
 from __future__ import annotations
 
-import random
 import re
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
+
+from asyncrl.demo.tasks import ArithmeticTask
 
 ARITH_CHAT_SOURCE = "asyncrl/arith_chat"
 _INTEGER = re.compile(r"-?\d+")
 
 
 @dataclass(frozen=True)
-class ChatArithmeticTask:
-    max_operand: int = 9
-    """Operands are drawn uniformly from 0..max_operand."""
-    seed: int = 0
-    """Seed of the prompt stream."""
+class ChatArithmeticTask(ArithmeticTask):
+    """`ArithmeticTask`'s questions (same stream, same validation set), asked in a sentence."""
 
-    def row(self, a: int, b: int, index: int = 0) -> dict[str, Any]:
-        """One verl-schema row asking for a + b in a sentence."""
-        question = f"What is {a} + {b}? Answer with just the number."
-        return {
-            "data_source": ARITH_CHAT_SOURCE,
-            "prompt": [{"role": "user", "content": question}],
-            "ability": "arithmetic",
-            "reward_model": {"ground_truth": str(a + b), "style": "rule"},
-            "extra_info": {"index": index, "a": a, "b": b},
-        }
+    source = ARITH_CHAT_SOURCE
 
-    def rows(self) -> Iterator[dict[str, Any]]:
-        """An endless, seeded stream of rows."""
-        rng = random.Random(self.seed)
-        index = 0
-        while True:
-            a, b = rng.randint(0, self.max_operand), rng.randint(0, self.max_operand)
-            yield self.row(a, b, index)
-            index += 1
-
-    def val_rows(self) -> list[dict[str, Any]]:
-        """Every question of the task once, in a fixed order."""
-        pairs = [(a, b) for a in range(self.max_operand + 1) for b in range(self.max_operand + 1)]
-        return [self.row(a, b, i) for i, (a, b) in enumerate(pairs)]
+    def question(self, a: int, b: int) -> str:
+        return f"What is {a} + {b}? Answer with just the number."
 
 
 def last_integer(text: str) -> str | None:

@@ -33,11 +33,18 @@ class ArithmeticTask:
     seed: int = 0
     """Seed of the prompt stream."""
 
+    source = ARITH_SOURCE
+    """The rows' data_source (which picks their reward)."""
+
+    def question(self, a: int, b: int) -> str:
+        """The user message asking for a + b."""
+        return f"{a}+{b}="
+
     def row(self, a: int, b: int, index: int = 0) -> dict[str, Any]:
         """One verl-schema row asking for a + b."""
         return {
-            "data_source": ARITH_SOURCE,
-            "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+            "data_source": self.source,
+            "prompt": [{"role": "user", "content": self.question(a, b)}],
             "ability": "arithmetic",
             "reward_model": {"ground_truth": str(a + b), "style": "rule"},
             "extra_info": {"index": index, "a": a, "b": b},
@@ -65,7 +72,7 @@ class ArithmeticTask:
             answer = max(0, answer + rng.choice([-2, -1, 1, 2]))
             if answer == a + b:
                 answer += 1
-        return f"{a}+{b}=", str(answer)
+        return self.question(a, b), str(answer)
 
 
 def arith_reward_fn(solution_str: str, ground_truth: str) -> float:

@@ -23,6 +23,7 @@ from asyncrl.lora import AdapterMerger, adapter_specs
 from asyncrl.weight_sync import SyncGroup, WeightReceiver, specs_of, weights_checksum
 from rollout_servers.engines.base import (
     AppliedVersion,
+    DeliveryError,
     Engine,
     GenerationOutput,
     SamplingParams,
@@ -74,7 +75,10 @@ class HFEngine(Engine):
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        self._lock = threading.Lock()
+        # held by a batch, and by the weight receiver from a version's copy through its delivery
+        # check (re-entrant: update_weights and probe_logprobs take it again inside)
+        self._lock = threading.RLock()
+        self._broken: DeliveryError | None = None
         self._version = version
         self._params = dict(self.model.state_dict())
         # LoRA (`asyncrl.lora`): versions carry adapters, merged into a copy of the base weights
@@ -129,6 +133,8 @@ class HFEngine(Engine):
     def _sample_batch(self, batch: list[_Request]) -> list[GenerationOutput]:
         """Sample every request of `batch` together (worker thread; holds the weight lock)."""
         with self._lock, torch.inference_mode():
+            if self._broken is not None:  # weights that failed their delivery check
+                raise self._broken
             self.batches_run += 1
             wall, start = time.time(), time.perf_counter()
             tokens, logprobs, reasons = _sample(
@@ -158,14 +164,19 @@ class HFEngine(Engine):
         receiver = WeightReceiver(group, specs)
         while (got := receiver.receive()) is not None:
             start = time.perf_counter()
-            if self._merger is None:
-                self.update_weights(got.weights, got.version)
-            else:
-                merged = self._merger.merged(got.weights)
-                self._adapters_checksum = weights_checksum(got.weights)
-                self.update_weights(merged, got.version, subset=True)
-            got.release()  # copied into the model: the next version may reuse the staging
-            check_delivery(self, got.version, got.probe, self.model.config.vocab_size)
+            with self._lock:  # no batch runs between the copy and the delivery check
+                if self._merger is None:
+                    self.update_weights(got.weights, got.version)
+                else:
+                    merged = self._merger.merged(got.weights)
+                    self._adapters_checksum = weights_checksum(got.weights)
+                    self.update_weights(merged, got.version, subset=True)
+                got.release()  # copied into the model: the next version may reuse the staging
+                try:
+                    check_delivery(self, got.version, got.probe, self.model.config.vocab_size)
+                except DeliveryError as e:
+                    self._broken = e  # every later batch fails with it: nothing is sampled
+                    raise
             yield AppliedVersion(got.version, time.perf_counter() - start)
 
     def probe_logprobs(self, ids: list[int]) -> torch.Tensor:

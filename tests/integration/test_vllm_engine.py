@@ -171,16 +171,19 @@ def following(engine, port: int, applied: list, errors: list) -> threading.Threa
     return thread
 
 
-async def test_lora_versions_sample_the_learners_merged_policy(model_path):
-    engine = VLLMEngine(model_path, VLLMConfig(cpu_kvcache_space_gib=1), seed=2, lora=LORA)
+async def joined(engine, bucket_bytes: int):
+    """The learner's broadcaster and the server's receiver thread, in one sync group."""
     port = free_port("127.0.0.1")
     applied, errors = [], []
     receiver = following(engine, port, applied, errors)
+    group = await asyncio.to_thread(SyncGroup, "127.0.0.1", port, 0, 2, torch.device("cpu"), 120.0)
+    return WeightBroadcaster(group, bucket_bytes=bucket_bytes), receiver, applied, errors
+
+
+async def test_lora_versions_sample_the_learners_merged_policy(model_path):
+    engine = VLLMEngine(model_path, VLLMConfig(cpu_kvcache_space_gib=1), seed=2, lora=LORA)
     try:
-        group = await asyncio.to_thread(
-            SyncGroup, "127.0.0.1", port, 0, 2, torch.device("cpu"), 120.0
-        )
-        broadcaster = WeightBroadcaster(group, bucket_bytes=4096)  # several buckets
+        broadcaster, receiver, applied, errors = await joined(engine, 4096)  # several buckets
         for version in (1, 2):  # versions replace each other: nothing accumulates
             learner = adapted(model_path, seed=version)
             specs = adapter_sync_specs(learner, torch.float32)
@@ -205,14 +208,8 @@ async def test_delivery_check_stops_an_engine_whose_weights_are_not_the_version(
     when the engine's load never reached the weights it samples with: the engine raises
     DeliveryError naming the version, and the gate stays closed on the old version."""
     engine = VLLMEngine(model_path, VLLMConfig(cpu_kvcache_space_gib=1), seed=3)
-    port = free_port("127.0.0.1")
-    applied, errors = [], []
-    receiver = following(engine, port, applied, errors)
     try:
-        group = await asyncio.to_thread(
-            SyncGroup, "127.0.0.1", port, 0, 2, torch.device("cpu"), 120.0
-        )
-        broadcaster = WeightBroadcaster(group, bucket_bytes=1 << 20)
+        broadcaster, receiver, applied, errors = await joined(engine, 1 << 20)
         sent = AutoModelForCausalLM.from_pretrained(model_path).eval()
         claimed = AutoModelForCausalLM.from_pretrained(model_path).eval()
         perturbed(claimed, seed=7)

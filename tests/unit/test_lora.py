@@ -164,8 +164,11 @@ async def test_the_delivery_probe_fails_an_engine_that_keeps_the_old_policy(mode
     probe = delivery_probe(learner, PADDED, "float32", torch.device("cpu"))
     await asyncio.to_thread(broadcaster.broadcast, specs, iter(t for _, t in named), 1, probe)
     await asyncio.to_thread(receiver.join, 30)
-    await engine.close()
     assert len(errors) == 1 and isinstance(errors[0], DeliveryError), errors
+    # nothing is sampled from weights that failed the check, even before the server stops
+    with pytest.raises(DeliveryError):
+        await engine.generate([5, 6, 7], SamplingParams(temperature=1.0, max_new_tokens=4))
+    await engine.close()
     assert "version 1" in str(errors[0])
 
 
