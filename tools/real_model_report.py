@@ -8,8 +8,9 @@ synchronous reference of the run whose name ends in `-async` with the same prefi
 
 Per run it prints: steps, samples, wall time (from the launch, start-up included), seconds per
 step, the mean reward of the first 5 and of the last 10 learner steps, the gain and its standard
-error (the per-step means' spread: sqrt(var_first / 5 + var_last / 10)), the mean mismatch KL and
-weight-sync seconds. For each async run it also prints when its 5-step running mean first reaches
+error (the per-step means' spread: sqrt(var_first / 5 + var_last / 10)), the wall-clock minutes
+until its 5-step running mean first reaches `--level` (0.8), the mean mismatch KL and weight-sync
+seconds. For each async run it also prints when its 5-step running mean first reaches
 its sync reference's final reward (the sync run's last-10 mean), next to when the sync run does.
 
 The figure has two panels, reward against wall-clock minutes and against samples, for all runs:
@@ -86,19 +87,21 @@ def gain(run: Run) -> tuple[float, float, float, float]:
     return _mean(first), _mean(last), _mean(last) - _mean(first), se
 
 
-def table(runs: list[Run]) -> str:
+def table(runs: list[Run], level: float) -> str:
     lines = [
         "| run | steps | samples | wall min | s/step | first 5 | last 10 | gain | SE | gain/SE "
-        "| mismatch KL | sync s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        f"| min to {level:g} | mismatch KL | sync s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for run in runs:
         f, last, g, se = gain(run)
         per_step = run.minutes[-1] * 60 / len(run.rewards)
+        reached = run.reaches(level)
+        to_level = "never" if reached is None else f"{reached:.1f}"
         lines.append(
             f"| {run.name} | {len(run.rewards)} | {run.samples[-1]} | {run.minutes[-1]:.1f} "
             f"| {per_step:.1f} | {f:.3f} | {last:.3f} | {g:+.3f} | {se:.3f} | {g / se:.1f} "
-            f"| {run.mismatch_kl:.2g} | {run.sync_s:.2f} |"
+            f"| {to_level} | {run.mismatch_kl:.2g} | {run.sync_s:.2f} |"
         )
     return "\n".join(lines)
 
@@ -134,8 +137,9 @@ def plot(runs: list[Run], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (by_time, by_samples) = plt.subplots(1, 2, figsize=(12, 4.5), sharey=True)
-    for i, run in enumerate(runs):
-        color = f"C{i}"
+    prefixes = list(dict.fromkeys(run.name.rsplit("-", 1)[0] for run in runs))
+    for run in runs:  # one color per prefix (full, lora), dashed sync, solid async
+        color = f"C{prefixes.index(run.name.rsplit('-', 1)[0])}"
         style = "-" if run.name.endswith("-async") else "--"
         for ax, xs in ((by_time, run.minutes), (by_samples, run.samples)):
             ax.plot(xs, run.rewards, color=color, alpha=0.25, linewidth=1)
@@ -156,6 +160,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", help="NAME=RUN_DIR")
     parser.add_argument("--figure", type=Path, help="write the figure here (PNG)")
+    parser.add_argument(
+        "--level", type=float, default=0.8, help="report minutes until the running mean reaches it"
+    )
     ns = parser.parse_args()
     runs = {}
     for spec in ns.runs:
@@ -163,7 +170,7 @@ def main() -> int:
         if not path:
             parser.error(f"{spec!r}: expected NAME=RUN_DIR")
         runs[name] = load_run(name, Path(path))
-    print(table(list(runs.values())))
+    print(table(list(runs.values()), ns.level))
     for line in sooner(runs):
         print(line)
     if ns.figure:

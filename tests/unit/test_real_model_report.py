@@ -41,6 +41,7 @@ def test_report_gain_verdict_and_figure(tmp_path):
     cells = [c.strip() for c in row.strip("|").split("|")]
     assert cells[5:8] == ["0.240", "0.650", "+0.410"]
     assert float(cells[8]) > 0 and float(cells[9]) > 2  # SE, gain / SE
+    assert cells[10] == "never"  # minutes to 0.8: the made-up runs stop at 0.7
     assert "x-async: reaches x-sync's final reward 0.650" in out and ": sooner" in out
     assert figure.stat().st_size > 10_000
 
