@@ -112,6 +112,12 @@ class RolloutConfig(_Section):
     """Prompt leases a server holds at once; its agent loops = this x n."""
     max_batch_size: int = Field(256, ge=1)
     """Most sequences the engine samples in one batched call."""
+    weight_update_mode: Literal["drain", "inflight"] = "drain"
+    """How a new version reaches a busy engine: `drain` (once the requests in flight finish)
+    or `inflight` (between two decode steps; later tokens carry the new version; hf only)."""
+    inflight_kv: Literal["recompute", "keep"] = "recompute"
+    """inflight: the KV cache of sequences in flight is recomputed under the new weights
+    (exact) or kept from the old version (cheap, inexact); see docs/pipeline.md."""
     ack_timeout_s: float = Field(10.0, gt=0)
     """A trajectory not acknowledged within this is sent again with the next attempt number."""
     agent_loop: str = "single_turn"
@@ -286,6 +292,11 @@ class Config(_Section):
                 f"rollout.top_p={self.rollout.top_p} with rollout.engine=vllm: vLLM returns "
                 "log-probs of the top-p-truncated distribution, the learner recomputes them "
                 "without truncation; use top_p=1 (or rollout.engine=hf)"
+            )
+        if self.rollout.weight_update_mode == "inflight" and self.rollout.engine != "hf":
+            raise ValueError(
+                f"rollout.weight_update_mode=inflight with rollout.engine={self.rollout.engine}: "
+                "only the hf engine updates weights in flight so far; use drain"
             )
         custom = self.reward.custom.path
         if custom is not None and not Path(custom).is_file():

@@ -403,6 +403,8 @@ def setup_engine(
         seed=seed,
         dtype=rc.dtype,
         lora=lora,
+        weight_update_mode=rc.weight_update_mode,
+        inflight_kv=rc.inflight_kv,
     )
 
 

@@ -31,7 +31,7 @@ class SingleTurnAgentLoop:
             list(out.token_ids),
             [1] * n,
             list(out.logprobs),
-            [out.version] * n,
+            out.versions,
             text,
             out.finish_reason,
         )

@@ -260,7 +260,7 @@ class _Rollout:
         self.response_ids += out.token_ids
         self.loss_mask += [1] * n
         self.logprobs += out.logprobs
-        self.versions += [out.version] * n
+        self.versions += out.versions
 
     def add_template(self, ids: list[int]) -> None:
         self.response_ids += ids

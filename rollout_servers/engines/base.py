@@ -53,9 +53,19 @@ class GenerationOutput:
     logprobs: list[float]
     """Behaviour log-prob of each id in token_ids."""
     version: int
-    """Policy version of the weights that sampled every token of this output."""
+    """Policy version of the weights that sampled the first (oldest) token."""
     finish_reason: Literal["stop", "length"]
     """"stop": EOS or a stop id was sampled; "length": max_new_tokens was reached."""
+    token_versions: list[int] | None = None
+    """Policy version of each token when they differ (a version applied in flight); None: all
+    are `version`."""
+
+    @property
+    def versions(self) -> list[int]:
+        """The policy version of each token."""
+        if self.token_versions is None:
+            return [self.version] * len(self.token_ids)
+        return list(self.token_versions)
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,9 @@
 """The transformers engine: runs anywhere (CPU or CUDA), in the rollout server's process.
 
 `HFEngine` keeps a continuous request queue and one sampling thread; it applies a weight version
-between batches, entirely or not at all (the `Engine` invariants in `base.py`).
+entirely or not at all (the `Engine` invariants in `base.py`): between batches
+(`weight_update_mode="drain"`), or between two decode steps of the batch in flight
+(`"inflight"`: its later tokens carry the new version, `hf_sampling`).
 """
 
 from __future__ import annotations
@@ -11,12 +13,12 @@ import threading
 import time
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM
 
 from asyncrl.learner_config import LoraConfig
 from asyncrl.lora import AdapterMerger, adapter_specs
@@ -30,10 +32,27 @@ from rollout_servers.engines.base import (
     SyncTarget,
     check_delivery,
 )
+from rollout_servers.engines.hf_sampling import InflightKV, sample_batch
 
 ATTN_IMPLEMENTATION = "sdpa"
 """Attention kernel of the HF engine; its log-probs match a right-padded sdpa or eager forward
 to ~1e-6 in float32 (see tests/unit/test_engine.py)."""
+
+
+@dataclass
+class _Incoming:
+    """A received version on its way into the model (applied by whichever thread gets there
+    first: the sampler between decode steps, or the weight receiver between batches)."""
+
+    weights: list[tuple[str, torch.Tensor]]
+    version: int
+    probe: torch.Tensor | None
+    subset: bool
+    adapters_checksum: str | None
+    applied: bool = False
+    seconds: float = 0.0
+    error: BaseException | None = None
+    done: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
@@ -62,8 +81,13 @@ class HFEngine(Engine):
         version: int = 0,
         dtype: str = "float32",
         lora: LoraConfig | None = None,
+        weight_update_mode: Literal["drain", "inflight"] = "drain",
+        inflight_kv: InflightKV = "recompute",
     ):
         self.device = torch.device(device)
+        self.weight_update_mode = weight_update_mode
+        self.inflight_kv = inflight_kv
+        self._incoming: _Incoming | None = None  # inflight mode: a version the sampler may take
         self.max_batch_size = max_batch_size
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation=ATTN_IMPLEMENTATION
@@ -137,17 +161,40 @@ class HFEngine(Engine):
                 raise self._broken
             self.batches_run += 1
             wall, start = time.time(), time.perf_counter()
-            tokens, logprobs, reasons = _sample(
-                self.model, batch, self._eos_ids, self._pad_id, self._generator, self.device
+            out = sample_batch(
+                self.model,
+                [(r.prompt_ids, r.params) for r in batch],
+                self._eos_ids,
+                self._pad_id,
+                self._generator,
+                self._version,
+                self._between_steps,
+                self.inflight_kv,
             )
             took = time.perf_counter() - start
             self.busy_s += took
             if self.on_batch is not None:
                 self.on_batch(wall, took, len(batch), self._version)
             return [
-                GenerationOutput(t, lp, self._version, reason)
-                for t, lp, reason in zip(tokens, logprobs, reasons, strict=True)
+                GenerationOutput(t, lp, v[0], reason, token_versions=v)
+                for t, lp, v, reason in zip(
+                    out.tokens, out.logprobs, out.versions, out.reasons, strict=True
+                )
             ]
+
+    def _between_steps(self) -> int | None:
+        """Sampler thread, between decode steps (holding the lock): take a received version
+        (only inflight mode publishes one)."""
+        incoming = self._incoming
+        if incoming is None or incoming.applied:
+            return None
+        try:
+            self._apply(incoming)
+        except DeliveryError:
+            raise  # the weights are not the version's: the batch fails, nothing is sampled
+        except Exception:  # nothing was applied; the receiver raises it and the server stops
+            return None
+        return incoming.version
 
     def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
         group = SyncGroup(
@@ -164,20 +211,59 @@ class HFEngine(Engine):
         receiver = WeightReceiver(group, specs)
         while (got := receiver.receive()) is not None:
             start = time.perf_counter()
-            with self._lock:  # no batch runs between the copy and the delivery check
-                if self._merger is None:
-                    self.update_weights(got.weights, got.version)
-                else:
-                    merged = self._merger.merged(got.weights)
-                    self._adapters_checksum = weights_checksum(got.weights)
-                    self.update_weights(merged, got.version, subset=True)
-                got.release()  # copied into the model: the next version may reuse the staging
-                try:
-                    check_delivery(self, got.version, got.probe, self.model.config.vocab_size)
-                except DeliveryError as e:
-                    self._broken = e  # every later batch fails with it: nothing is sampled
-                    raise
+            weights, checksum = got.weights, None
+            if self._merger is not None:
+                weights = self._merger.merged(got.weights)
+                checksum = weights_checksum(got.weights)
+            incoming = _Incoming(
+                weights, got.version, got.probe, self._merger is not None, checksum
+            )
+            if self.weight_update_mode == "inflight":
+                self._hand_over(incoming)
+            else:
+                with self._lock:  # between batches
+                    self._apply(incoming)
+            got.release()  # copied into the model: the next version may reuse the staging
+            if incoming.error is not None:
+                raise incoming.error
             yield AppliedVersion(got.version, time.perf_counter() - start)
+
+    def _hand_over(self, incoming: _Incoming) -> None:
+        """Inflight mode: the batch in flight takes the version between two decode steps; with
+        no batch in flight, apply it here. Returns once applied, so the next version can be
+        received while the same batch goes on."""
+        self._incoming = incoming
+        try:
+            while not incoming.done.wait(0.01):
+                if self._lock.acquire(blocking=False):  # no batch in flight
+                    try:
+                        if not incoming.applied:
+                            self._apply(incoming)
+                    finally:
+                        self._lock.release()
+        finally:
+            self._incoming = None
+
+    def _apply(self, incoming: _Incoming) -> None:
+        """Copy a version into the model and check its delivery (the caller holds the lock, so
+        no token is sampled between the two); weights failing the check fail every later batch."""
+        incoming.applied = True
+        start = time.perf_counter()
+        try:
+            self.update_weights(incoming.weights, incoming.version, subset=incoming.subset)
+            if incoming.adapters_checksum is not None:
+                self._adapters_checksum = incoming.adapters_checksum
+            check_delivery(self, incoming.version, incoming.probe, self.model.config.vocab_size)
+        except DeliveryError as e:
+            self._broken = e
+            incoming.error = e
+            raise
+        except Exception as e:
+            incoming.error = e
+            raise
+        finally:
+            incoming.seconds = time.perf_counter() - start
+            incoming.done.set()
 
     def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
         """See `Engine.probe_logprobs`: one forward of the model that samples, between batches."""
@@ -231,105 +317,3 @@ class HFEngine(Engine):
         if self._runner is not None and not self._runner.done():
             await self._runner
         self._executor.shutdown(wait=True)
-
-
-def _sample(
-    model: torch.nn.Module,
-    batch: list[_Request],
-    eos_ids: frozenset[int],
-    pad_id: int,
-    generator: torch.Generator,
-    device: torch.device,
-) -> tuple[list[list[int]], list[list[float]], list[Literal["stop", "length"]]]:
-    """KV-cached sampling of left-padded prompts; a row leaves the batch once it finishes.
-
-    Position ids come from the attention mask, so a left-padded row sees the same positions as
-    it would unpadded (and as in the learner's right-padded forward).
-    """
-    n = len(batch)
-    longest = max(len(r.prompt_ids) for r in batch)
-    input_ids = torch.full((n, longest), pad_id, dtype=torch.long)
-    attention_mask = torch.zeros((n, longest), dtype=torch.long)
-    for i, r in enumerate(batch):
-        input_ids[i, longest - len(r.prompt_ids) :] = torch.tensor(r.prompt_ids)
-        attention_mask[i, longest - len(r.prompt_ids) :] = 1
-    input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
-    positions = (attention_mask.cumsum(-1) - 1).clamp(min=0)
-    temperature = torch.tensor([r.params.temperature for r in batch], device=device)
-    top_p = torch.tensor([r.params.top_p for r in batch], device=device)
-    stops = [eos_ids | set(r.params.stop_token_ids) for r in batch]
-
-    tokens: list[list[int]] = [[] for _ in batch]
-    logprobs: list[list[float]] = [[] for _ in batch]
-    reasons: list[Literal["stop", "length"]] = ["length"] * n
-    rows = list(range(n))  # batch row of each live row of the model's inputs and cache
-    cache = DynamicCache(config=model.config)
-    out = model(
-        input_ids=input_ids,
-        attention_mask=attention_mask,
-        position_ids=positions,
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    positions = positions[:, -1]
-    while True:
-        live = torch.tensor(rows, device=device)
-        next_ids, next_lps = _sample_next(
-            out.logits[:, -1].float(), temperature[live], top_p[live], generator
-        )
-        keep: list[int] = []
-        for j, (row, tok, lp) in enumerate(
-            zip(rows, next_ids.tolist(), next_lps.tolist(), strict=True)
-        ):
-            tokens[row].append(tok)
-            logprobs[row].append(lp)
-            if tok in stops[row]:
-                reasons[row] = "stop"
-            elif len(tokens[row]) < batch[row].params.max_new_tokens:
-                keep.append(j)
-        if not keep:
-            return tokens, logprobs, reasons
-        if len(keep) < len(rows):
-            index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            next_ids, attention_mask, positions = (
-                next_ids[index],
-                attention_mask[index],
-                positions[index],
-            )
-            rows = [rows[j] for j in keep]
-        attention_mask = torch.cat([attention_mask, attention_mask.new_ones((len(rows), 1))], dim=1)
-        positions = positions + 1
-        out = model(
-            input_ids=next_ids[:, None],
-            attention_mask=attention_mask,
-            position_ids=positions[:, None],
-            past_key_values=cache,
-            use_cache=True,
-        )
-
-
-def _sample_next(
-    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, generator: torch.Generator
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row: argmax where temperature is 0, else a draw from softmax(logits / T)
-    restricted to the top-p nucleus. Returns (ids, log_softmax(logits / T)[ids]), the log-prob
-    taken before truncation."""
-    greedy = temperature == 0
-    scaled = logits / torch.where(greedy, torch.ones_like(temperature), temperature)[:, None]
-    logp = torch.log_softmax(scaled, dim=-1)
-    ids = logits.argmax(dim=-1)
-    sampled = (~greedy).nonzero().squeeze(-1)
-    if sampled.numel():
-        probs = logp[sampled].exp()
-        nucleus = top_p[sampled] < 1
-        if nucleus.any():
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            # Drop a token when the mass of the tokens ranked above it already reaches top_p.
-            drop = (sorted_p.cumsum(-1) - sorted_p) >= top_p[sampled][:, None]
-            drop &= nucleus[:, None]
-            sorted_p = sorted_p.masked_fill(drop, 0.0)
-            probs = torch.zeros_like(probs).scatter(-1, order, sorted_p)
-        ids[sampled] = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return ids, logp.gather(-1, ids[:, None]).squeeze(-1)

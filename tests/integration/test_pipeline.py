@@ -56,12 +56,13 @@ BF16 = [
 
 
 LORA = ["learner.lora.rank=4", "learner.lr=5e-3"]  # adapters on two FSDP ranks, synced alone
+INFLIGHT = ["rollout.weight_update_mode=inflight"]  # versions land between decode steps
 
 
 @pytest.mark.parametrize(
     ("max_staleness", "extra"),
-    [(0, []), (2, []), (2, BF16), (2, LORA)],
-    ids=["sync", "async", "async-bf16", "async-lora"],
+    [(0, []), (2, []), (2, BF16), (2, LORA), (2, INFLIGHT)],
+    ids=["sync", "async", "async-bf16", "async-lora", "async-inflight"],
 )
 def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness, extra):
     run_dir = _run(tmp_path, model_cache, max_staleness, extra)
