@@ -58,6 +58,7 @@ from learner.losses import (
 )
 from learner.optim import lr_factor, set_lr, setup_optimizer
 from learner.update import UpdateInputs, Updater, recompute
+from learner.version_stats import oldest_versions, version_stats
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -389,9 +390,6 @@ class Learner:
     ) -> None:
         now = time.perf_counter()
         step_time, self._last_step_end = now - self._last_step_end, now
-        sampled = batch.versions.masked_fill(batch.loss_mask == 0, 2**31)
-        oldest = sampled.min(dim=1).values.clamp(max=version)
-        staleness = (version - oldest).float()
         lengths = info["response_lengths"]
         gen_tokens = float(batch.loss_mask.sum())
         record = {
@@ -402,14 +400,12 @@ class Learner:
             "reward_std": float(batch.rewards.std()),
             "samples": batch.size,
             "response_len_mean": sum(lengths) / max(len(lengths), 1),
-            "staleness_mean": float(staleness.mean()),
-            "staleness_max": float(staleness.max()),
+            **version_stats(
+                batch.versions, batch.loss_mask, version, self.cfg.replay.max_staleness
+            ),
             "stale_dropped": info["stale_dropped"],
             **info["traj_metrics"],
             **info["fleet"],
-            "staleness_hist": np.bincount(
-                staleness.long().cpu().numpy(), minlength=self.cfg.replay.max_staleness + 1
-            ).tolist(),
             "response_len_p50": float(np.percentile(lengths, 50)),
             "response_len_max": float(max(lengths)),
             "train_tokens_per_s": float(batch.attention_mask.sum()) / timer.seconds["update"],
@@ -434,7 +430,9 @@ class Learner:
                     "learner_version": version,
                     "traj_ids": info["traj_ids"],
                     "group_ids": sorted(set(info["group_ids"])),
-                    "oldest_versions": [int(v) for v in oldest],
+                    "oldest_versions": [
+                        int(v) for v in oldest_versions(batch.versions, batch.loss_mask, version)
+                    ],
                 }
             )
 

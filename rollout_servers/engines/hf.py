@@ -226,7 +226,9 @@ class HFEngine(Engine):
             got.release()  # copied into the model: the next version may reuse the staging
             if incoming.error is not None:
                 raise incoming.error
-            yield AppliedVersion(got.version, time.perf_counter() - start)
+            # inflight: generation paused only for the copy and check; drain: also the wait
+            held = incoming.seconds if self.weight_update_mode == "inflight" else None
+            yield AppliedVersion(got.version, held or time.perf_counter() - start)
 
     def _hand_over(self, incoming: _Incoming) -> None:
         """Inflight mode: the batch in flight takes the version between two decode steps; with
