@@ -11,8 +11,9 @@ Invariants every engine keeps:
 - The behaviour log-prob of a sampled token is log_softmax(logits / T)[token] (T = 1 when
   temperature is 0, i.e. greedy), taken before top-p truncation: exactly what the learner
   recomputes with one full-sequence forward.
-- A weight version is applied entirely or not at all, between batches; every token sampled
-  after a version is applied carries the new version.
+- A weight version is applied entirely or not at all, between batches or (in-flight mode)
+  between two decode steps; every token sampled after a version is applied carries the new
+  version, and each output records each token's version.
 """
 
 from __future__ import annotations
@@ -86,7 +87,8 @@ class SyncTarget:
 class AppliedVersion:
     version: int
     apply_s: float
-    """Seconds new generation was held back to apply this version (drain + load)."""
+    """Seconds new generation was held back to apply this version (drain mode: the wait for
+    the requests in flight plus the load; in-flight mode: the copy and delivery check only)."""
 
 
 class Engine(ABC):

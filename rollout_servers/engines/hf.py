@@ -68,8 +68,9 @@ class HFEngine(Engine):
     Callers on the event loop enqueue requests; one runner task takes every pending request
     (up to `max_batch_size`) as one batch and samples it in a dedicated worker thread, so the
     loop never blocks and requests that arrive during a batch form the next one. Rows of a
-    batch may have different sampling parameters. A lock held for a whole batch and by
-    `update_weights` makes a weight version apply only between batches.
+    batch may have different sampling parameters. A lock held for a whole batch and by the
+    weight receiver makes a version apply between batches, or (inflight mode) the sampler
+    takes it between two decode steps while holding that lock.
     """
 
     def __init__(
@@ -192,8 +193,8 @@ class HFEngine(Engine):
             self._apply(incoming)
         except DeliveryError:
             raise  # the weights are not the version's: the batch fails, nothing is sampled
-        except Exception:  # nothing was applied; the receiver raises it and the server stops
-            return None
+        except Exception:  # update_weights refused it before copying anything: the old weights
+            return None  # sample on; the receiver raises the error and the server stops
         return incoming.version
 
     def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
@@ -227,8 +228,10 @@ class HFEngine(Engine):
             if incoming.error is not None:
                 raise incoming.error
             # inflight: generation paused only for the copy and check; drain: also the wait
-            held = incoming.seconds if self.weight_update_mode == "inflight" else None
-            yield AppliedVersion(got.version, held or time.perf_counter() - start)
+            held = time.perf_counter() - start
+            if self.weight_update_mode == "inflight":
+                held = incoming.seconds
+            yield AppliedVersion(got.version, held)
 
     def _hand_over(self, incoming: _Incoming) -> None:
         """Inflight mode: the batch in flight takes the version between two decode steps; with
@@ -255,7 +258,14 @@ class HFEngine(Engine):
             self.update_weights(incoming.weights, incoming.version, subset=incoming.subset)
             if incoming.adapters_checksum is not None:
                 self._adapters_checksum = incoming.adapters_checksum
-            check_delivery(self, incoming.version, incoming.probe, self.model.config.vocab_size)
+            try:
+                check_delivery(self, incoming.version, incoming.probe, self.model.config.vocab_size)
+            except DeliveryError:
+                raise
+            except Exception as e:  # copied but unchecked: as bad as a failed check
+                raise DeliveryError(
+                    f"version {incoming.version} was applied but its delivery check failed: {e!r}"
+                ) from e
         except DeliveryError as e:
             self._broken = e
             incoming.error = e
@@ -268,7 +278,7 @@ class HFEngine(Engine):
             incoming.done.set()
 
     def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
-        """See `Engine.probe_logprobs`: one forward of the model that samples, between batches."""
+        """See `Engine.probe_logprobs`: one forward of the model that samples, under the lock."""
         x = torch.tensor([ids], device=self.device)
         with self._lock, torch.no_grad():
             logits = self.model(input_ids=x).logits[0, :-1].float()
@@ -312,7 +322,8 @@ class HFEngine(Engine):
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """Live views of the weights; call from the thread that calls `update_weights` (the
-        weight receiver), which is the only writer."""
+        weight receiver) once it applied its version: the writers (receiver, or the sampler
+        in inflight mode) hold the lock."""
         yield from self._params.items()
 
     async def close(self) -> None:

@@ -91,6 +91,7 @@ def sample_batch(
         if new is not None:
             version = new
             if inflight_kv == "recompute":
+                del logits, cache  # free the old cache before building the new one
                 logits, cache = _forward_whole(model, seq, mask)
                 continue
         position = mask.sum(dim=-1, keepdim=True) - 1  # of the newest token

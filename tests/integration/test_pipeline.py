@@ -82,6 +82,8 @@ def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness, extr
             "train_tokens_per_s",
             "weight_sync_s",
             "response_len_p50",
+            "versions_per_sample",
+            "multi_version_frac",
         ):
             assert key in m, f"metric {key} missing"
         assert 0.0 <= m["server_idle_ratio"] <= 1.0

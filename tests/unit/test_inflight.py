@@ -20,7 +20,7 @@ from asyncrl.learner_config import LearnerConfig
 from asyncrl.transport import free_port
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, specs_of
 from learner.delivery import delivery_probe
-from rollout_servers.engines.base import SamplingParams, SyncTarget
+from rollout_servers.engines.base import DeliveryError, SamplingParams, SyncTarget
 from rollout_servers.engines.hf import HFEngine
 
 SWITCH_AT = 4  # the version lands after this many decode steps of the first batch
@@ -59,10 +59,15 @@ def token_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
 
 
 async def run_switch(
-    model_path: Path, mode: str, kv: str = "recompute", switch_at: tuple[int, ...] = (SWITCH_AT,)
+    model_path: Path,
+    mode: str,
+    kv: str = "recompute",
+    switch_at: tuple[int, ...] = (SWITCH_AT,),
+    bad_probe: bool = False,
 ):
     """Sample PROMPTS while versions 1, 2, ... arrive mid-batch at decode steps `switch_at`;
-    the outputs and every version's model."""
+    the outputs (or exceptions), every version's model and the receiver's errors.
+    `bad_probe`: each version carries the probe of the previous version's weights."""
     engine = SteppedEngine(model_path, seed=0, weight_update_mode=mode, inflight_kv=kv)
     engine.switch_at = switch_at
     models = [AutoModelForCausalLM.from_pretrained(model_path).eval()]
@@ -73,9 +78,14 @@ async def run_switch(
                 p.copy_(q + torch.randn_like(q) * 0.05)
     port = free_port("127.0.0.1")
 
+    errors: list[BaseException] = []
+
     def server_side():
         target = SyncTarget("127.0.0.1", port, 1, 2, torch.device("cpu"), timeout_s=60)
-        list(engine.follow_learner(target))
+        try:
+            list(engine.follow_learner(target))
+        except BaseException as e:  # the server's main loop would stop on it
+            errors.append(e)
 
     receiver = threading.Thread(target=server_side, daemon=True)
     receiver.start()
@@ -87,7 +97,8 @@ async def run_switch(
     def deliver():
         version = next(sent)
         named = list(models[version].state_dict().items())
-        probe = delivery_probe(models[version], LearnerConfig(packing=False), "float32", CPU)
+        prober = models[version - 1] if bad_probe else models[version]
+        probe = delivery_probe(prober, LearnerConfig(packing=False), "float32", CPU)
         args = (specs_of(named), iter(t for _, t in named), version, probe)
         sending.append(threading.Thread(target=broadcaster.broadcast, args=args, daemon=True))
         sending[-1].start()
@@ -101,16 +112,22 @@ async def run_switch(
     engine.deliver = deliver
     params = SamplingParams(temperature=1.0, max_new_tokens=24)
     try:
-        outs = await asyncio.gather(*(engine.generate(p, params) for p in PROMPTS))
-        while engine.version != len(switch_at) and mode == "inflight":
+        calls = (engine.generate(p, params) for p in PROMPTS)
+        outs = await asyncio.gather(*calls, return_exceptions=bad_probe)
+        deadline = time.monotonic() + 30
+        while engine.version != len(switch_at) and mode == "inflight" and not errors:
+            assert time.monotonic() < deadline, "the version never applied"
             await asyncio.sleep(0.01)
+        if errors:
+            await asyncio.to_thread(receiver.join, 30)
+            return outs, models, errors
         for thread in sending:  # one broadcast at a time on the group
             await asyncio.to_thread(thread.join, 30)
         await asyncio.to_thread(broadcaster.shutdown)
         await asyncio.to_thread(receiver.join, 30)
     finally:
         await engine.close()
-    return outs, models
+    return outs, models, errors
 
 
 def errors_by_version(outs, models) -> dict[int, float]:
@@ -125,7 +142,7 @@ def errors_by_version(outs, models) -> dict[int, float]:
 
 
 async def test_a_version_lands_between_decode_steps_and_recompute_is_exact(model_path):
-    outs, models = await run_switch(model_path, "inflight", "recompute")
+    outs, models, _ = await run_switch(model_path, "inflight", "recompute")
     spanning = [o for o in outs if len(set(o.versions)) == 2]
     assert spanning, [o.versions for o in outs]
     for o in spanning:  # versions only go up, and switch exactly where the version landed
@@ -138,7 +155,7 @@ async def test_a_version_lands_between_decode_steps_and_recompute_is_exact(model
 async def test_two_versions_land_in_one_batch(model_path):
     """The receiver goes back to receiving once the batch took a version: a second version can
     land in the same batch, without waiting for it to end."""
-    outs, models = await run_switch(model_path, "inflight", switch_at=(3, 7))
+    outs, models, _ = await run_switch(model_path, "inflight", switch_at=(3, 7))
     longest = max(outs, key=lambda o: len(o.token_ids))
     assert len(longest.token_ids) > 7, [len(o.token_ids) for o in outs]
     assert longest.versions[:8] == [0, 0, 0, 1, 1, 1, 1, 2]
@@ -147,7 +164,7 @@ async def test_two_versions_land_in_one_batch(model_path):
 
 
 async def test_keep_reuses_the_old_cache_and_is_not_exact(model_path):
-    outs, models = await run_switch(model_path, "inflight", "keep")
+    outs, models, _ = await run_switch(model_path, "inflight", "keep")
     assert any(len(set(o.versions)) == 2 for o in outs)
     worst = errors_by_version(outs, models)
     assert worst[0] < 1e-5  # before the switch nothing changed
@@ -155,8 +172,17 @@ async def test_keep_reuses_the_old_cache_and_is_not_exact(model_path):
 
 
 async def test_drain_applies_only_between_batches(model_path):
-    outs, _ = await run_switch(model_path, "drain")
+    outs, _, _ = await run_switch(model_path, "drain")
     assert all(o.versions == [0] * len(o.token_ids) for o in outs)
+
+
+async def test_a_version_failing_its_delivery_check_mid_batch_fails_the_batch(model_path):
+    """Nothing sampled after a failed check reaches a caller: the batch in flight fails with
+    DeliveryError (the weights are not the version's), and the receiver raises it too."""
+    outs, _, errors = await run_switch(model_path, "inflight", bad_probe=True)
+    assert all(isinstance(o, DeliveryError) for o in outs), outs
+    assert len(errors) == 1 and isinstance(errors[0], DeliveryError)
+    assert "version 1" in str(errors[0])
 
 
 def test_inflight_is_refused_for_vllm_until_built():
