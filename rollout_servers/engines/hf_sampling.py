@@ -56,14 +56,14 @@ def sample_batch(
     when new weights were applied meanwhile, else None."""
     device = next(model.parameters()).device
     params = [p for _, p in requests]
-    seq, mask = _left_padded([ids for ids, _ in requests], pad_id, device)
+    prompts, mask = _left_padded([ids for ids, _ in requests], pad_id, device)
     temperature = torch.tensor([p.temperature for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
     stops = [eos_ids | set(p.stop_token_ids) for p in params]
     out = SampledBatch.empty(len(requests))
     out.reasons = ["length"] * len(requests)
     rows = list(range(len(requests)))  # batch row of each live row of the inputs and cache
-    logits, cache = _forward_whole(model, seq, mask)
+    logits, cache = _forward_whole(model, prompts, mask)
     while True:
         live = torch.tensor(rows, device=device)
         next_ids, next_lps = sample_next(logits, temperature[live], top_p[live], generator)
@@ -83,15 +83,17 @@ def sample_batch(
         if len(keep) < len(rows):
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
-            next_ids, seq, mask = next_ids[index], seq[index], mask[index]
+            next_ids, mask = next_ids[index], mask[index]
             rows = [rows[j] for j in keep]
-        seq = torch.cat([seq, next_ids[:, None]], dim=1)
         mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
         new = between_steps() if between_steps is not None else None
         if new is not None:
             version = new
             if inflight_kv == "recompute":
                 del logits, cache  # free the old cache before building the new one
+                # live rows started together, so each has sampled as many tokens so far
+                sampled = torch.tensor([out.tokens[r] for r in rows], device=device)
+                seq = torch.cat([prompts[torch.tensor(rows, device=device)], sampled], dim=1)
                 logits, cache = _forward_whole(model, seq, mask)
                 continue
         position = mask.sum(dim=-1, keepdim=True) - 1  # of the newest token
