@@ -48,9 +48,10 @@ def checkpoint_names(model_path: str | Path) -> set[str]:
     return names
 
 
-def check_targets(model_path: str | Path, targets: Iterable[str]) -> None:
+def check_targets(model_path: str | Path, targets: Iterable[str]) -> set[str]:
     """ValueError naming adapted layers whose weight the checkpoint does not hold (a tied
-    lm_head, a renamed layer): the vLLM engine keeps their base from the checkpoint."""
+    lm_head, a renamed layer): the vLLM engine keeps their base from the checkpoint. Returns
+    the checkpoint's tensor names."""
     names = checkpoint_names(model_path)
     missing = [t for t in targets if f"{t}.weight" not in names]
     if missing:
@@ -58,6 +59,7 @@ def check_targets(model_path: str | Path, targets: Iterable[str]) -> None:
             f"LoRA with vLLM: {missing[:3]} have no weight in the checkpoint at {model_path} "
             "(tied or renamed layers cannot be adapted with the vLLM engine)"
         )
+    return names
 
 
 def fused_modules(
@@ -90,8 +92,7 @@ class MergedVersions:
     ):
         from safetensors import safe_open
 
-        check_targets(model_path, targets)
-        present = {name.rpartition(".")[0] for name in checkpoint_names(model_path)}
+        present = {name.rpartition(".")[0] for name in check_targets(model_path, targets)}
         wanted = set(fused_modules(targets, fused, present))
         self._tensors: dict[str, torch.Tensor] = {}
         for file in checkpoint_files(model_path):

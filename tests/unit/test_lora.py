@@ -230,3 +230,27 @@ def test_vllm_versions_reload_whole_fused_layers_merged_where_adapted(model_path
         versions.weights([*adapters.items(), ("lm_head.lora_A", torch.zeros(4, 8))])
     with pytest.raises(ValueError, match="no weight in the checkpoint"):
         MergedVersions(str(model_path), ["model.layers.99.mlp.down_proj"], 1.0, torch.float32, ())
+
+
+def test_vllm_lora_reads_the_files_a_safetensors_index_names(tmp_path):
+    """A sharded checkpoint: only the shards its index names count (a stray file is ignored)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from rollout_servers.engines.vllm_lora import checkpoint_files, checkpoint_names
+
+    save_file({"a.weight": torch.zeros(2)}, str(tmp_path / "model-00001.safetensors"))
+    save_file({"b.weight": torch.zeros(2)}, str(tmp_path / "model-00002.safetensors"))
+    save_file({"a.weight": torch.ones(2)}, str(tmp_path / "stale-copy.safetensors"))
+    index = {
+        "weight_map": {"a.weight": "model-00001.safetensors", "b.weight": "model-00002.safetensors"}
+    }
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert [f.name for f in checkpoint_files(tmp_path)] == [
+        "model-00001.safetensors",
+        "model-00002.safetensors",
+    ]
+    assert checkpoint_names(tmp_path) == {"a.weight", "b.weight"}
+    with pytest.raises(ValueError, match="no .*safetensors"):
+        checkpoint_files(tmp_path / "missing")
