@@ -36,7 +36,10 @@ class SamplingParams:
     max_new_tokens: int = 16
     """Most tokens sampled; reaching it finishes with reason "length"."""
     stop_token_ids: tuple[int, ...] = ()
-    """Extra ids that end the response (the model's EOS always does); the stop id is kept."""
+    """Extra ids that end the response (the model's EOS too, unless `ignore_eos`); the stop id
+    is kept."""
+    ignore_eos: bool = False
+    """Sample past the model's EOS (benchmarks that need exact lengths, as vLLM's option)."""
 
     def __post_init__(self) -> None:
         if self.temperature < 0:

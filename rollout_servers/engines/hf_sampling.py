@@ -59,7 +59,7 @@ def sample_batch(
     prompts, mask = _left_padded([ids for ids, _ in requests], pad_id, device)
     temperature = torch.tensor([p.temperature for p in params], device=device)
     top_p = torch.tensor([p.top_p for p in params], device=device)
-    stops = [eos_ids | set(p.stop_token_ids) for p in params]
+    stops = [(frozenset() if p.ignore_eos else eos_ids) | set(p.stop_token_ids) for p in params]
     out = SampledBatch.empty(len(requests))
     out.reasons = ["length"] * len(requests)
     rows = list(range(len(requests)))  # batch row of each live row of the inputs and cache

@@ -116,7 +116,10 @@ def request_params(params: SamplingParams, eos_ids: frozenset[int]) -> Any:
         top_p=params.top_p,
         max_tokens=params.max_new_tokens,
         logprobs=0,  # the sampled token's own log-prob
-        stop_token_ids=sorted(eos_ids | set(params.stop_token_ids)),
+        stop_token_ids=sorted(
+            (set() if params.ignore_eos else eos_ids) | set(params.stop_token_ids)
+        ),
+        ignore_eos=params.ignore_eos,
         detokenize=False,
     )
 

@@ -141,6 +141,8 @@ async def test_eos_and_stop_ids_stop_and_max_new_tokens_is_length(tokenizer, tmp
     out = await engine.generate(prompt, SamplingParams(max_new_tokens=5))
     assert (out.token_ids, out.finish_reason) == ([eos], "stop")
     assert out.logprobs[0] == pytest.approx(0.0, abs=1e-6)
+    out = await engine.generate(prompt, SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert (out.token_ids, out.finish_reason) == ([eos] * 5, "length")  # exact lengths
     await engine.close()
 
     engine = HFEngine(_save(emits_other, tokenizer, tmp_path / "other"))
