@@ -114,7 +114,7 @@ class RolloutConfig(_Section):
     """Most sequences the engine samples in one batched call."""
     weight_update_mode: Literal["drain", "inflight"] = "drain"
     """How a new version reaches a busy engine: `drain` (once the requests in flight finish)
-    or `inflight` (between two decode steps; later tokens carry the new version; hf only)."""
+    or `inflight` (between two decode steps; later tokens carry the new version)."""
     inflight_kv: Literal["recompute", "keep"] = "recompute"
     """inflight: the KV cache of sequences in flight is recomputed under the new weights
     (exact) or kept from the old version (cheap, inexact); see docs/pipeline.md."""
@@ -293,10 +293,11 @@ class Config(_Section):
                 "log-probs of the top-p-truncated distribution, the learner recomputes them "
                 "without truncation; use top_p=1 (or rollout.engine=hf)"
             )
-        if self.rollout.weight_update_mode == "inflight" and self.rollout.engine != "hf":
+        inflight = self.rollout.weight_update_mode == "inflight"
+        if inflight and self.rollout.engine == "vllm" and self.rollout.inflight_kv == "keep":
             raise ValueError(
-                f"rollout.weight_update_mode=inflight with rollout.engine={self.rollout.engine}: "
-                "only the hf engine updates weights in flight so far; use drain"
+                "rollout.inflight_kv=keep with rollout.engine=vllm: vLLM's pause that keeps its "
+                "cache cannot tell which tokens the old version sampled; use recompute (exact)"
             )
         custom = self.reward.custom.path
         if custom is not None and not Path(custom).is_file():

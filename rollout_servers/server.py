@@ -395,7 +395,15 @@ def setup_engine(
     if rc.engine == "vllm":
         from rollout_servers.engines.vllm import VLLMEngine
 
-        return VLLMEngine(model_path, rc.vllm, device=device, seed=seed, dtype=rc.dtype, lora=lora)
+        return VLLMEngine(
+            model_path,
+            rc.vllm,
+            device=device,
+            seed=seed,
+            dtype=rc.dtype,
+            lora=lora,
+            weight_update_mode=rc.weight_update_mode,
+        )
     return HFEngine(
         model_path,
         device=device,

@@ -22,6 +22,14 @@ Invariants (those of `Engine`, and how they are kept here):
   the version it was admitted under, which is the version of every one of its tokens. If a
   load or the delivery check fails the gate stays closed: no token is ever sampled from
   half-applied or undelivered weights.
+- In-flight mode (`rollout.weight_update_mode=inflight`): instead of waiting for the requests
+  in flight, the gate closes and aborts them; each keeps the tokens it has (all sampled by the
+  old version) and, once the gate reopens on the new version, is resubmitted with those tokens
+  appended to its prompt. vLLM prefills the prefix under the new weights (the prefix cache was
+  reset), so every later token's log-prob is exactly the new version's: `inflight_kv=recompute`.
+  Every token carries the version it was sampled under (`token_versions`). vLLM's `keep` pause
+  would continue over the old KV cache but cannot say which tokens came before the pause, so
+  `inflight_kv=keep` is refused for vLLM.
 - LoRA (`learner.lora.rank > 0`): versions carry adapters; the worker merges them into the
   checkpoint's base weights and loads the adapted layers (`vllm_lora`).
 """
@@ -36,8 +44,9 @@ import threading
 import time
 import uuid
 from collections.abc import Coroutine, Iterator
+from dataclasses import replace
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 import torch
 import zmq
@@ -136,6 +145,7 @@ class VLLMEngine(Engine):
         version: int = 0,
         dtype: str = "float32",
         lora: LoraConfig | None = None,
+        weight_update_mode: Literal["drain", "inflight"] = "drain",
     ):
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -154,6 +164,9 @@ class VLLMEngine(Engine):
             self._lora["dtype"] = dtype
         self._eos_ids = eos_ids(model_path)
         self._version = version
+        self.weight_update_mode = weight_update_mode
+        self._live: set[str] = set()  # vLLM request ids in flight
+        self._aborts = 0  # versions that aborted requests in flight (inflight mode)
         self._inflight = 0
         self._busy_since = 0.0
         self._period_requests = 0
@@ -193,32 +206,54 @@ class VLLMEngine(Engine):
         return await asyncio.wrap_future(future)
 
     async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
-        """On the engine loop: pass the gate, count the request, run it in vLLM."""
+        """On the engine loop: pass the gate, run the request in vLLM. In inflight mode a
+        request aborted for a new version comes back here with its tokens so far and goes on
+        under the new version, its tokens appended to the prompt."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        while True:
+            while not self._open.is_set():
+                await self._open.wait()
+            version, aborts = self._version, self._aborts
+            left = replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
+            sample = await self._run(prompt_ids + tokens, left, version)
+            new = list(sample.token_ids)
+            tokens += new
+            logprobs += [step[t].logprob for step, t in zip(sample.logprobs, new, strict=True)]
+            versions += [version] * len(new)
+            reason = sample.finish_reason
+            if reason == "abort" and self._aborts != aborts:  # aborted for a new version
+                if len(tokens) < params.max_new_tokens:
+                    continue
+                reason = "length"
+            if reason not in ("stop", "length"):
+                raise RuntimeError(f"vLLM finished a request with reason {reason!r}")
+            first = versions[0] if versions else version
+            mixed = versions if len(set(versions)) > 1 else None
+            return GenerationOutput(tokens, logprobs, first, reason, token_versions=mixed)
+
+    async def _run(self, prompt_ids: list[int], params: SamplingParams, version: int) -> Any:
+        """One vLLM request, counted in flight under `version`; its final sample."""
         from vllm import TokensPrompt
 
-        while not self._open.is_set():
-            await self._open.wait()
-        version = self._version
+        request_id = uuid.uuid4().hex
         self._enter()
+        self._live.add(request_id)
         try:
-            request = request_params(params, self._eos_ids)
             final = None
             async for out in self.llm.generate(
-                TokensPrompt(prompt_token_ids=prompt_ids), request, request_id=uuid.uuid4().hex
+                TokensPrompt(prompt_token_ids=prompt_ids),
+                request_params(params, self._eos_ids),
+                request_id=request_id,
             ):
                 final = out
         finally:
+            self._live.discard(request_id)
             self._leave(version)
         if final is None:
             raise RuntimeError("vLLM returned no output")
-        sample = final.outputs[0]
-        if sample.finish_reason not in ("stop", "length"):
-            raise RuntimeError(f"vLLM finished a request with reason {sample.finish_reason!r}")
-        token_ids = list(sample.token_ids)
-        logprobs = [
-            step[token].logprob for step, token in zip(sample.logprobs, token_ids, strict=True)
-        ]
-        return GenerationOutput(token_ids, logprobs, version, sample.finish_reason)
+        return final.outputs[0]
 
     def _enter(self) -> None:
         if self._inflight == 0:
@@ -293,8 +328,12 @@ class VLLMEngine(Engine):
         return time.perf_counter() - start
 
     async def _load(self, version: int) -> None:
-        """On the engine loop: close the gate, drain, load the staged version, reset the cache."""
+        """On the engine loop: close the gate, drain (inflight mode: abort the requests in
+        flight, which resume under the new version), load the staged version, reset the cache."""
         self._open.clear()
+        if self.weight_update_mode == "inflight" and self._live:
+            self._aborts += 1  # before the abort: each request sees it when its output returns
+            await self.llm.abort(list(self._live))
         await self._drained.wait()
         await self.llm.collective_rpc("asyncrl_apply", args=(version,))
         if not await self.llm.reset_prefix_cache():  # False: blocks still in use

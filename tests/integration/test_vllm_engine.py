@@ -230,3 +230,46 @@ async def test_delivery_check_stops_an_engine_whose_weights_are_not_the_version(
 
 def logprobs(model, first: int, end: int) -> torch.Tensor:
     return learner_logprobs(model, [first], list(range(first + 1, end)))
+
+
+async def test_inflight_versions_land_mid_request_and_every_token_is_its_versions(model_path):
+    """`weight_update_mode=inflight`: a version arriving while requests run aborts them and
+    resumes them under the new weights, prefix recomputed. Each token's recorded version is
+    the version whose weights give its recorded log-prob (≤1e-4, a full forward of prompt and
+    tokens), and some responses span two versions."""
+    options = VLLMConfig(cpu_kvcache_space_gib=1)
+    engine = VLLMEngine(model_path, options, seed=4, weight_update_mode="inflight")
+    models = [AutoModelForCausalLM.from_pretrained(model_path).eval()]
+    try:
+        broadcaster, receiver, applied, errors = await joined(engine, 1 << 20)
+        params = SamplingParams(max_new_tokens=240, ignore_eos=True)  # long: versions land mid-way
+        outs = []
+        for version in (1, 2):
+            models.append(AutoModelForCausalLM.from_pretrained(model_path).eval())
+            models[-1].load_state_dict(models[-2].state_dict())
+            perturbed(models[-1], seed=version)
+            named = list(models[-1].state_dict().items())
+            running = [asyncio.ensure_future(engine.generate(PROMPT, params)) for _ in range(8)]
+            while engine._inflight < len(running):  # all admitted under the old version
+                await asyncio.sleep(0.005)
+            await asyncio.sleep(0.5)  # some tokens sampled (240 take seconds here)
+            tensors = iter(t for _, t in named)
+            await asyncio.to_thread(broadcaster.broadcast, specs_of(named), tensors, version)
+            outs += await asyncio.gather(*running)
+            assert not errors, errors
+            assert engine.version == version
+        await asyncio.to_thread(broadcaster.shutdown)
+        receiver.join(timeout=30)
+        assert [a.version for a in applied] == [1, 2]
+    finally:
+        await engine.close()
+    spanning = [o for o in outs if len(set(o.versions)) == 2]
+    assert spanning, [sorted(set(o.versions)) for o in outs]
+    worst = 0.0
+    for o in outs:
+        assert len(o.token_ids) == 240 and o.versions == sorted(o.versions)
+        assert o.version == o.versions[0]  # the oldest token's, which staleness judges
+        by_version = {v: learner_logprobs(models[v], PROMPT, o.token_ids) for v in set(o.versions)}
+        for i, v in enumerate(o.versions):
+            worst = max(worst, abs(o.logprobs[i] - by_version[v][i].item()))
+    assert worst < 1e-4, worst

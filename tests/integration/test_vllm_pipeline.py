@@ -50,3 +50,39 @@ def test_vllm_server_trains_on_policy(tmp_path):
     assert stats["engine_version"] == STEPS
     assert stats["weight_syncs"] == STEPS
     assert stats["unacked_at_exit"] == 0
+
+
+def test_vllm_server_updates_weights_in_flight(tmp_path):
+    """`weight_update_mode=inflight` at max_staleness=1: versions abort and resume requests in
+    flight, so some trajectories span two versions, and still no trained sample's oldest token
+    breaks the bound. (Per-token exactness: test_vllm_engine's in-flight test.)"""
+    cfg = load_config(
+        overrides=[
+            f"trainer.run_dir={tmp_path / 'run'}",
+            f"trainer.cache_dir={tmp_path / 'cache'}",
+            "trainer.warmstart_steps=0",  # an untrained model answers long: versions land mid-way
+            "trainer.total_steps=6",
+            "trainer.log_samples=true",
+            "rollout.engine=vllm",
+            "rollout.weight_update_mode=inflight",
+            # generation outlasts a learner step, so each version finds requests in flight
+            "rollout.max_new_tokens=200",
+            "rollout.n=2",
+            "rollout.max_concurrent_groups=8",
+            "data.train_batch_size=4",
+            "replay.max_staleness=1",
+            "launch.progress=none",
+            "launch.startup_timeout_s=300",
+        ]
+    )
+    run_dir = launch(cfg)
+
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == list(range(1, 7))
+    assert any(m["multi_version_frac"] > 0 for m in metrics), metrics
+    assert all(m["staleness_max"] <= 1 for m in metrics)
+    for s in read_jsonl(run_dir / "samples.jsonl"):
+        assert all(s["learner_version"] - v <= 1 for v in s["oldest_versions"]), s
+    stats = json.loads((run_dir / "stats" / "server_0.json").read_text())
+    assert stats["engine_version"] == 6
+    assert stats["unacked_at_exit"] == 0
