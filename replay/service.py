@@ -1,15 +1,16 @@
 """The replay service: one process, one ZeroMQ ROUTER, one single-threaded poll loop.
 
-Wiring: a `PromptSource` feeds leases, an `AdmissionController` decides how many leases a
-server may start, a `GroupBuffer` holds the groups until the learner takes them. Requests are
-answered at once when they can be; otherwise they are held and answered as soon as something
-changes (a group completes, the learner moves on or consumes, a group is dropped), or answered
-empty after `replay.wait_timeout_s` so clients simply ask again.
+Wiring: a `LeaseDesk` grants leases (prompts from a `PromptSource`, as many as an
+`AdmissionController` allows), a `GroupBuffer` holds the groups until the learner takes them.
+Requests are answered at once when they can be; otherwise they are held and answered as soon as
+something changes (a group completes, the learner moves on or consumes, a group is dropped), or
+answered empty after `replay.wait_timeout_s` so clients simply ask again.
 
 Messages (see `asyncrl.protocol`):
 - LeaseRequest -> LeaseGrant: admission judges a server by the version its engine holds (the
   request says); a server asks again as soon as its engine moves to a new version, and that
-  newer request supersedes its held one.
+  newer request supersedes its held one. The servers asking (the requester and every server
+  with a request held and free slots) split the staleness window (`replay.admission`).
 - Trajectory -> Ack(accepted | duplicate | late | rejected), Trajectories -> Acks (one status
   per sample): every trajectory is acknowledged every time it arrives, so a resending sender
   stops; `rejected` (it decoded but cannot be trained on: uneven arrays, NaN reward, ...) is
@@ -31,7 +32,7 @@ import math
 import signal
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,19 +42,16 @@ import zmq
 from asyncrl.auth import secret_from_env
 from asyncrl.codec import ProtocolError, short_repr
 from asyncrl.config import Config
-from asyncrl.data import row_to_prompt_item
 from asyncrl.metrics import peak_rss_mb, write_json_atomic
 from asyncrl.protocol import (
     Ack,
     Acks,
     BatchRequest,
-    ChatMessage,
     CheckpointRequest,
     EvalPoll,
     EvalSubmit,
     LeaseGrant,
     LeaseRequest,
-    PromptItem,
     Stats,
     StatsRequest,
     Trajectories,
@@ -62,7 +60,6 @@ from asyncrl.protocol import (
     empty_batch,
 )
 from replay.access import Peer, confine
-from replay.admission import AdmissionController
 from replay.buffer import (
     GroupBuffer,
     MalformedTrajectory,
@@ -74,7 +71,8 @@ from replay.counters import COUNTERS, summarize
 from replay.endpoint import Endpoint
 from replay.eval_jobs import EvalJobs, EvalQuotaExceeded
 from replay.fleet_stats import FleetStats
-from replay.prompts import PromptSource, reissue, setup_prompt_source
+from replay.leases import LeaseDesk, lease_spread
+from replay.prompts import PromptSource, setup_prompt_source
 
 log = logging.getLogger("asyncrl.replay")
 
@@ -121,16 +119,13 @@ class ReplayService(Endpoint):
         self.cfg = cfg
         self.address = address
         self.run_dir = None if run_dir is None else Path(run_dir)
-        self.prompts = prompts
-        self.admission = AdmissionController(
-            rc.max_staleness, cfg.data.train_batch_size, rc.capacity_groups
-        )
         self.buffer = GroupBuffer(
             seen_ids_limit=max(1 << 16, 16 * rc.capacity_groups * cfg.rollout.n), limits=limits
         )
+        self.eval_jobs = EvalJobs(forget_after_s=rc.lease_timeout_s)
+        self.leases = LeaseDesk(cfg, prompts, self.buffer, self.eval_jobs, self.counters)
+        self.admission = self.leases.admission
         self.learner_version = 0
-        self._rows_drawn = 0
-        self._retry: deque[PromptItem] = deque()  # expired leases, granted again before new rows
         self._held_leases: list[_Held] = []
         self._held_batches: list[_Held] = []
         self._changed = False  # something happened that may let a held request be answered
@@ -146,7 +141,6 @@ class ReplayService(Endpoint):
             EvalPoll: self._on_eval_poll,
             CheckpointRequest: self._on_checkpoint,
         }
-        self.eval_jobs = EvalJobs(forget_after_s=rc.lease_timeout_s)
         # per server: (engine busy s, weight-apply pause s, uptime s), latest and at last batch
         self.fleet = FleetStats()
         log.info(
@@ -218,7 +212,7 @@ class ReplayService(Endpoint):
         )
         # a newer request from the same server carries its current version and free slots
         self._held_leases = self._supersede(self._held_leases, peer, req.server_id)
-        prompts = self._grant(req)
+        prompts = self.leases.grant(req, 1 + self._asking())
         if prompts or req.max_groups == 0:
             self._send(peer, LeaseGrant(req.request_id, prompts))
         else:
@@ -319,67 +313,21 @@ class ReplayService(Endpoint):
         self._send(peer, Stats(request_id=msg.request_id, counters=self.stats()))
 
     def data_state(self, version: int) -> dict[str, Any]:
-        """What a resumed run needs to neither repeat nor skip a prompt: the source's position
-        and every prompt leased but not yet trained (re-issued first on resume)."""
-        pending = [*self.buffer.held_items(), *self._retry]
-        return {
-            "version": version,
-            "rows_drawn": self._rows_drawn,
-            "prompt_source": self.prompts.state(),
-            "pending": [dataclasses.asdict(p) for p in pending],
-        }
+        """What a resumed run needs to neither repeat nor skip a prompt (`LeaseDesk`)."""
+        return self.leases.data_state(version)
 
     def restore(self, state: dict[str, Any]) -> None:
-        """Resume from `data_state`: groups before `version` count as trained for admission."""
-        self.prompts.load_state(state["prompt_source"])
-        self._rows_drawn = int(state["rows_drawn"])
-        for p in state["pending"]:
-            messages = [ChatMessage(**m) for m in p["messages"]]
-            self._retry.append(PromptItem(**{**p, "messages": messages}))
-        self.learner_version = int(state["version"])
-        self.admission.issued = self.learner_version * self.cfg.data.train_batch_size
-        log.info(
-            "resumed at version %d: %d rows drawn, %d prompts to re-issue first",
-            self.learner_version,
-            self._rows_drawn,
-            len(self._retry),
-        )
+        """Resume from `data_state`: groups before its version count as trained."""
+        self.learner_version = self.leases.restore(state)
 
     # ---- leases -----------------------------------------------------------------------------
-    def _grant(self, req: LeaseRequest) -> list[PromptItem]:
-        """Evaluation prompts first (outside admission; at most half the grant when training
-        prompts could fill the rest), then training prompts; never more than the server's
-        quota: rollout.max_concurrent_groups less the training groups it holds already (so no
-        peer can take the whole capacity)."""
-        quota = self.cfg.rollout.max_concurrent_groups - self.buffer.in_flight_of(req.server_id)
-        wanted = min(req.max_groups, max(0, quota))
-        # evaluation may take at most half the slots while training prompts can be granted, so
-        # no evaluator starves training
-        training = self.admission.grantable(req.server_version, wanted, len(self.buffer))
-        evals = self.eval_jobs.take(max(wanted - training, math.ceil(wanted / 2)), req.server_id)
-        self.counters["eval_leases_granted"] += len(evals)
-        return evals + self._grant_training(req, wanted - len(evals))
-
-    def _grant_training(self, req: LeaseRequest, wanted: int) -> list[PromptItem]:
-        if wanted <= 0:
-            return []
-        version = req.server_version
-        k = self.admission.grantable(version, wanted, len(self.buffer))
-        now = time.monotonic()
-        prompts = [self._next_prompt() for _ in range(k)]
-        for item in prompts:
-            self.buffer.open_group(item, now, lease_version=version, server_id=req.server_id)
-        self.admission.on_issued(k)
-        self.counters["leases_granted"] += k
-        return prompts
-
-    def _next_prompt(self) -> PromptItem:
-        if self._retry:
-            self.counters["leases_reissued"] += 1
-            return reissue(self._retry.popleft())
-        row_index = self._rows_drawn
-        self._rows_drawn += 1
-        return row_to_prompt_item(self.prompts.next_row(), row_index, self.cfg.rollout.n)
+    def _asking(self) -> int:
+        """Servers with a lease request held that could take work now (one held per server)."""
+        return sum(
+            1
+            for h in self._held_leases
+            if isinstance(h.request, LeaseRequest) and self.leases.wanted(h.request) > 0
+        )
 
     def _maybe_expire(self, now: float) -> None:
         if now < self._next_expire_at:
@@ -388,13 +336,8 @@ class ReplayService(Endpoint):
         self._next_expire_at = now + min(1.0, timeout / 4)
         self.fleet.forget_silent(now, timeout)
         self.eval_jobs.expire(now)
-        expired = self.buffer.expire(now, timeout)
-        if expired:
-            self.counters["expired"] += len(expired)
-            self.admission.on_never_trained(len(expired))
-            self._retry.extend(expired)
-            self._changed = True
-            log.warning("%d lease(s) expired after %.0fs; re-issuing", len(expired), timeout)
+        if self.leases.expire(now):
+            self._changed = True  # admission slots and capacity were freed
 
     # ---- batches ----------------------------------------------------------------------------
     def _maybe_serve_batch(self, held: _Held) -> bool:
@@ -415,7 +358,7 @@ class ReplayService(Endpoint):
             (x for g in groups for x in g.latencies),
             self.buffer.num_ready,
             self.buffer.num_in_flight,
-        )
+        ) | lease_spread(g.server_id for g in groups)
         batch = dataclasses.replace(
             to_batch(req.request_id, groups, held.stale_dropped), fleet=fleet
         )
@@ -446,12 +389,15 @@ class ReplayService(Endpoint):
         return keep
 
     def _answer_held(self) -> None:
-        """Batches first (consuming frees capacity), then leases, each in arrival order."""
+        """Batches first (consuming frees capacity), then leases, each in arrival order; the
+        servers asking are counted once, before any is answered, so an early grant never
+        widens the shares of the later ones in the same pass."""
         self._held_batches = [h for h in self._held_batches if not self._maybe_serve_batch(h)]
+        asking = self._asking()
         waiting = []
         for held in self._held_leases:
             assert isinstance(held.request, LeaseRequest)
-            prompts = self._grant(held.request)
+            prompts = self.leases.grant(held.request, asking)
             if prompts:
                 self._send(held.peer, LeaseGrant(held.request.request_id, prompts))
             else:

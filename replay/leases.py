@@ -1,0 +1,159 @@
+"""The lease desk: which prompts a rollout server gets when it asks.
+
+A grant is evaluation prompts first (outside admission: they are never trained), then training
+prompts within `AdmissionController` (staleness, capacity and the server's fair share of the
+window while other servers ask, see `replay.admission`), never more than the server's own quota
+(`rollout.max_concurrent_groups` less the training groups it holds). Training prompts come from
+expired leases first (re-issued under fresh group ids), then from the `PromptSource`.
+
+The desk also keeps what a resumed run needs to neither repeat nor skip a prompt
+(`data_state` / `restore`), and measures how a batch's groups spread over the servers
+(`lease_spread`, part of each batch's fleet metrics).
+
+Wiring: `replay.service.ReplayService` builds one desk over its buffer, evaluation jobs and
+counters, and tells it how many servers are asking with every grant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import time
+from collections import Counter, deque
+from collections.abc import Iterable
+from typing import Any
+
+from asyncrl.config import Config
+from asyncrl.data import row_to_prompt_item
+from asyncrl.protocol import ChatMessage, LeaseRequest, PromptItem
+from replay.admission import AdmissionController
+from replay.buffer import GroupBuffer
+from replay.eval_jobs import EvalJobs
+from replay.prompts import PromptSource, reissue
+
+log = logging.getLogger("asyncrl.replay")
+
+
+class LeaseDesk:
+    """Grants, expiry and the prompt stream's position (see the module docstring)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        prompts: PromptSource,
+        buffer: GroupBuffer,
+        eval_jobs: EvalJobs,
+        counters: Counter[str],
+    ) -> None:
+        self.cfg = cfg
+        self.prompts = prompts
+        self.buffer = buffer
+        self.eval_jobs = eval_jobs
+        self.counters = counters
+        self.admission = AdmissionController(
+            cfg.replay.max_staleness, cfg.data.train_batch_size, cfg.replay.capacity_groups
+        )
+        self._rows_drawn = 0
+        self._retry: deque[PromptItem] = deque()  # expired leases, granted again before new rows
+
+    def wanted(self, req: LeaseRequest) -> int:
+        """Groups `req`'s server may take now: what it asks for, within its quota
+        (rollout.max_concurrent_groups less the training groups it holds already, so no peer
+        can take the whole capacity)."""
+        quota = self.cfg.rollout.max_concurrent_groups - self.buffer.in_flight_of(req.server_id)
+        return min(req.max_groups, max(0, quota))
+
+    def grant(self, req: LeaseRequest, asking: int = 1) -> list[PromptItem]:
+        """Evaluation prompts first (at most half the grant when training prompts could fill
+        the rest), then training prompts; `asking`: servers that want work now, this one
+        included (admission's fair share)."""
+        wanted = self.wanted(req)
+        # evaluation may take at most half the slots while training prompts can be granted, so
+        # no evaluator starves training
+        training = self._grantable(req, wanted, asking)
+        evals = self.eval_jobs.take(max(wanted - training, math.ceil(wanted / 2)), req.server_id)
+        self.counters["eval_leases_granted"] += len(evals)
+        return evals + self._grant_training(req, wanted - len(evals), asking)
+
+    def _grantable(self, req: LeaseRequest, wanted: int, asking: int) -> int:
+        in_flight = self.buffer.in_flight_of(req.server_id)
+        return self.admission.grantable(
+            req.server_version, wanted, len(self.buffer), in_flight, asking
+        )
+
+    def _grant_training(self, req: LeaseRequest, wanted: int, asking: int) -> list[PromptItem]:
+        if wanted <= 0:
+            return []
+        version = req.server_version
+        k = self._grantable(req, wanted, asking)
+        now = time.monotonic()
+        prompts = [self._next_prompt() for _ in range(k)]
+        for item in prompts:
+            self.buffer.open_group(item, now, lease_version=version, server_id=req.server_id)
+        self.admission.on_issued(k)
+        self.counters["leases_granted"] += k
+        return prompts
+
+    def _next_prompt(self) -> PromptItem:
+        if self._retry:
+            self.counters["leases_reissued"] += 1
+            return reissue(self._retry.popleft())
+        row_index = self._rows_drawn
+        self._rows_drawn += 1
+        return row_to_prompt_item(self.prompts.next_row(), row_index, self.cfg.rollout.n)
+
+    def expire(self, now: float) -> int:
+        """Drop the leases older than `replay.lease_timeout_s`, to be re-issued first; returns
+        how many expired."""
+        timeout = self.cfg.replay.lease_timeout_s
+        expired = self.buffer.expire(now, timeout)
+        if expired:
+            self.counters["expired"] += len(expired)
+            self.admission.on_never_trained(len(expired))
+            self._retry.extend(expired)
+            log.warning("%d lease(s) expired after %.0fs; re-issuing", len(expired), timeout)
+        return len(expired)
+
+    def data_state(self, version: int) -> dict[str, Any]:
+        """What a resumed run needs to neither repeat nor skip a prompt: the source's position
+        and every prompt leased but not yet trained (re-issued first on resume)."""
+        pending = [*self.buffer.held_items(), *self._retry]
+        return {
+            "version": version,
+            "rows_drawn": self._rows_drawn,
+            "prompt_source": self.prompts.state(),
+            "pending": [dataclasses.asdict(p) for p in pending],
+        }
+
+    def restore(self, state: dict[str, Any]) -> int:
+        """Resume from `data_state`: groups before its version count as trained for admission;
+        returns that version."""
+        self.prompts.load_state(state["prompt_source"])
+        self._rows_drawn = int(state["rows_drawn"])
+        for p in state["pending"]:
+            messages = [ChatMessage(**m) for m in p["messages"]]
+            self._retry.append(PromptItem(**{**p, "messages": messages}))
+        version = int(state["version"])
+        self.admission.issued = version * self.cfg.data.train_batch_size
+        log.info(
+            "resumed at version %d: %d rows drawn, %d prompts to re-issue first",
+            version,
+            self._rows_drawn,
+            len(self._retry),
+        )
+        return version
+
+
+def lease_spread(server_ids: Iterable[int]) -> dict[str, float]:
+    """How a batch's groups spread over the servers that generated them: how many servers
+    (`batch_servers`) and the share of the busiest one (`batch_top_server_frac`; 1/M when M
+    servers made equal parts, 1.0 when one server made the whole batch)."""
+    counts = Counter(server_ids)
+    if not counts:
+        return {}
+    top = max(counts.values())
+    return {
+        "batch_servers": float(len(counts)),
+        "batch_top_server_frac": top / sum(counts.values()),
+    }
