@@ -1,16 +1,20 @@
 """The transformers engine: runs anywhere (CPU or CUDA), in the rollout server's process.
 
-`HFEngine` keeps a continuous request queue and one sampling thread; it applies a weight version
-entirely or not at all (the `Engine` invariants in `base.py`): between batches
-(`weight_update_mode="drain"`), or between two decode steps of the batch in flight
-(`"inflight"`: its later tokens carry the new version, `hf_sampling`).
+`HFEngine` batches continuously: one sampling loop on a worker thread admits queued requests
+between decode steps while it has room, and hands each response back as soon as its row
+finishes (`hf_sampling.LiveBatch`). It applies a weight version entirely or not at all (the
+`Engine` invariants in `base.py`): once the rows in flight finished, admitting none meanwhile
+(`weight_update_mode="drain"`), or between two decode steps (`"inflight"`: later tokens carry
+the new version, `hf_sampling`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
+from collections import deque
 from collections.abc import Iterable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -32,7 +36,7 @@ from rollout_servers.engines.base import (
     SyncTarget,
     check_delivery,
 )
-from rollout_servers.engines.hf_sampling import InflightKV, sample_batch
+from rollout_servers.engines.hf_sampling import InflightKV, LiveBatch, Row
 
 ATTN_IMPLEMENTATION = "sdpa"
 """Attention kernel of the HF engine; its log-probs match a right-padded sdpa or eager forward
@@ -41,8 +45,9 @@ to ~1e-6 in float32 (see tests/unit/test_engine.py)."""
 
 @dataclass
 class _Incoming:
-    """A received version on its way into the model (applied by whichever thread gets there
-    first: the sampler between decode steps, or the weight receiver between batches)."""
+    """A received version on its way into the model, applied by whichever thread gets there
+    first: the sampling loop (inflight: between decode steps; drain: once no row is live), or
+    the weight receiver while no loop runs."""
 
     weights: list[tuple[str, torch.Tensor]]
     version: int
@@ -62,15 +67,49 @@ class _Request:
     future: asyncio.Future[GenerationOutput]
 
 
-class HFEngine(Engine):
-    """A transformers model behind a continuous request queue and one sampling thread.
+@dataclass
+class _BusyPeriod:
+    """From a row going live in an empty batch to the batch being empty again: the engine's
+    "batch" for traces (`Engine.on_batch`), as vLLM's engine reports it."""
 
-    Callers on the event loop enqueue requests; one runner task takes every pending request
-    (up to `max_batch_size`) as one batch and samples it in a dedicated worker thread, so the
-    loop never blocks and requests that arrive during a batch form the next one. Rows of a
-    batch may have different sampling parameters. A lock held for a whole batch and by the
-    weight receiver makes a version apply between batches, or (inflight mode) the sampler
-    takes it between two decode steps while holding that lock.
+    wall: float = field(default_factory=time.time)
+    start: float = field(default_factory=time.perf_counter)
+    requests: int = 0
+    """Requests admitted during the period."""
+    version: int = 0
+    """The version its first tokens were sampled with (inflight mode may apply more)."""
+
+
+def _settle(
+    future: asyncio.Future[GenerationOutput],
+    out: GenerationOutput | None,
+    error: BaseException | None,
+) -> None:
+    """On the event loop: hand a caller its response or failure (unless it gave up)."""
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(out)  # type: ignore[arg-type]
+
+
+def _output(row: Row) -> GenerationOutput:
+    return GenerationOutput(
+        row.tokens, row.logprobs, row.versions[0], row.reason, token_versions=row.versions
+    )
+
+
+class HFEngine(Engine):
+    """A transformers model behind a continuous request queue and one sampling loop.
+
+    Callers on the event loop enqueue requests; a runner task starts the sampling loop on a
+    dedicated worker thread whenever requests wait and none runs, so the event loop never
+    blocks. The loop admits queued requests between decode steps (at most `max_batch_size`
+    live rows, each with its own sampling parameters) and resolves each caller's future,
+    thread-safely, as soon as its row finishes. The loop holds a lock while rows are live;
+    versions come through `_hand_over`, so a steady stream of requests cannot hold a version
+    back: drain mode stops admitting until it is applied.
     """
 
     def __init__(
@@ -88,7 +127,7 @@ class HFEngine(Engine):
         self.device = torch.device(device)
         self.weight_update_mode = weight_update_mode
         self.inflight_kv = inflight_kv
-        self._incoming: _Incoming | None = None  # inflight mode: a version the sampler may take
+        self._incoming: _Incoming | None = None  # a version the sampling loop may take
         self.max_batch_size = max_batch_size
         self.model = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=getattr(torch, dtype), attn_implementation=ATTN_IMPLEMENTATION
@@ -100,8 +139,9 @@ class HFEngine(Engine):
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._pad_id = config.pad_token_id if config.pad_token_id is not None else 0
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
-        # held by a batch, and by the weight receiver from a version's copy through its delivery
-        # check (re-entrant: update_weights and probe_logprobs take it again inside)
+        # held by the sampling loop while it runs, and by whoever applies a version from its
+        # copy through its delivery check (re-entrant: update_weights and probe_logprobs take
+        # it again inside)
         self._lock = threading.RLock()
         self._broken: DeliveryError | None = None
         self._version = version
@@ -110,11 +150,13 @@ class HFEngine(Engine):
         self._lora = lora if lora is not None and lora.rank else None
         self._merger = AdapterMerger.of_model(self.model, self._lora) if self._lora else None
         self._adapters_checksum: str | None = None
-        self._pending: list[_Request] = []
+        self._pending: deque[_Request] = deque()  # appended by the loop, taken by the worker
         self._runner: asyncio.Task[None] | None = None
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="hf-engine")
         self.batches_run = 0
-        """Batches sampled so far (batching is observable, e.g. in tests and stats)."""
+        """Busy periods so far (`_BusyPeriod`: batching is observable in tests and stats)."""
+        self.live_rows = 0
+        """Rows the sampling loop holds now (at most `max_batch_size`)."""
 
     @property
     def version(self) -> int:
@@ -137,62 +179,112 @@ class HFEngine(Engine):
         return await request.future
 
     async def _run_pending(self) -> None:
-        """Drain the queue batch by batch; exits when it is empty (generate restarts it)."""
+        """Run the sampling loop while requests wait; exits when none does (generate restarts
+        it). The loop returns only with its queue empty, but a request may arrive just after."""
         loop = asyncio.get_running_loop()
         while self._pending:
-            batch = [r for r in self._pending[: self.max_batch_size] if not r.future.done()]
-            del self._pending[: self.max_batch_size]
-            if not batch:
-                continue
-            try:
-                outputs = await loop.run_in_executor(self._executor, self._sample_batch, batch)
-            except Exception as e:  # the callers own the failure: each of them re-raises it
-                for r in batch:
-                    if not r.future.done():
-                        r.future.set_exception(e)
-                continue
-            for r, out in zip(batch, outputs, strict=True):
-                if not r.future.done():
-                    r.future.set_result(out)
+            await loop.run_in_executor(self._executor, self._serve, loop)
 
-    def _sample_batch(self, batch: list[_Request]) -> list[GenerationOutput]:
-        """Sample every request of `batch` together (worker thread; holds the weight lock)."""
+    def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Worker thread: sample until no row is live and nothing can be admitted. A failure
+        fails the live rows (DeliveryError: and every later request, `_admit`); a version
+        waiting while no row is live is applied first (it then holds back no request)."""
+        batch = LiveBatch(
+            self.model, self._eos_ids, self._pad_id, self._generator, self.inflight_kv
+        )
+        period: _BusyPeriod | None = None
         with self._lock, torch.inference_mode():
+            try:
+                while True:
+                    if not batch:
+                        self._end_period(period)
+                        period = None
+                        self._maybe_apply_waiting()
+                    started = time.perf_counter()
+                    admitted = self._admit(batch, loop)
+                    if not batch:
+                        return
+                    if period is None:
+                        period, self.batches_run = _BusyPeriod(), self.batches_run + 1
+                        period.version = self._version
+                    period.requests += admitted
+                    self._step(batch, loop)
+                    self.busy_s += time.perf_counter() - started
+            except Exception as e:  # the callers own the failure: each of them re-raises it
+                for row in batch.rows:
+                    loop.call_soon_threadsafe(_settle, row.owner.future, None, e)
+            finally:
+                self.live_rows = 0
+                self._end_period(period)
+
+    def _step(self, batch: LiveBatch, loop: asyncio.AbstractEventLoop) -> None:
+        """One decode step: a token for every live row, finished rows handed back at once,
+        rows whose caller gave up dropped, then (inflight) a version may land before the
+        forward of the new tokens."""
+        self.live_rows = len(batch)
+        for row in batch.sample(self._version):
+            loop.call_soon_threadsafe(_settle, row.owner.future, _output(row), None)
+        batch.remove([r for r in batch.rows if r.owner.future.done()])
+        if batch:
+            new = self._between_steps()
+            batch.advance(weights_changed=new is not None)
+
+    def _admit(self, batch: LiveBatch, loop: asyncio.AbstractEventLoop) -> int:
+        """Queued requests join the batch while it has room; none while a version waits in
+        drain mode (the live rows finish, then it is applied). Returns how many joined."""
+        if self.weight_update_mode == "drain" and self._version_waiting():
+            return 0
+        taken: list[_Request] = []
+        while batch.can_admit() and self._pending and len(batch) + len(taken) < self.max_batch_size:
+            request = self._pending.popleft()
+            if not request.future.done():  # not cancelled while queued
+                taken.append(request)
+        if not taken:
+            return 0
+        try:
             if self._broken is not None:  # weights that failed their delivery check
                 raise self._broken
-            self.batches_run += 1
-            wall, start = time.time(), time.perf_counter()
-            out = sample_batch(
-                self.model,
-                [(r.prompt_ids, r.params) for r in batch],
-                self._eos_ids,
-                self._pad_id,
-                self._generator,
-                self._version,
-                self._between_steps,
-                self.inflight_kv,
-            )
-            took = time.perf_counter() - start
-            self.busy_s += took
-            if self.on_batch is not None:
-                self.on_batch(wall, took, len(batch), self._version)
-            return [
-                GenerationOutput(t, lp, v[0], reason, token_versions=v)
-                for t, lp, v, reason in zip(
-                    out.tokens, out.logprobs, out.versions, out.reasons, strict=True
-                )
-            ]
+            batch.admit([(r.prompt_ids, r.params, r) for r in taken])
+        except Exception as e:
+            for r in taken:
+                loop.call_soon_threadsafe(_settle, r.future, None, e)
+            if isinstance(e, DeliveryError):
+                return 0
+            raise
+        return len(taken)
+
+    def _end_period(self, period: _BusyPeriod | None) -> None:
+        """Report a busy period that just ended (see `_BusyPeriod`)."""
+        if period is not None and self.on_batch is not None:
+            took = time.perf_counter() - period.start
+            self.on_batch(period.wall, took, period.requests, period.version)
+
+    def _version_waiting(self) -> bool:
+        incoming = self._incoming
+        return incoming is not None and not incoming.applied
 
     def _between_steps(self) -> int | None:
-        """Sampler thread, between decode steps (holding the lock): take a received version
-        (only inflight mode publishes one)."""
+        """Sampling loop, between decode steps (holding the lock): inflight mode takes a
+        received version and returns it (else None); drain mode leaves it for `_serve` to apply
+        once no row is live."""
+        if self.weight_update_mode == "drain":
+            return None
+        return self._take_incoming()
+
+    def _maybe_apply_waiting(self) -> None:
+        """Sampling loop, no row live (holding the lock): apply a waiting version before
+        admitting (a failed delivery check is kept in `_broken` and fails later requests)."""
+        with contextlib.suppress(DeliveryError):
+            self._take_incoming()
+
+    def _take_incoming(self) -> int | None:
         incoming = self._incoming
         if incoming is None or incoming.applied:
             return None
         try:
             self._apply(incoming)
         except DeliveryError:
-            raise  # the weights are not the version's: the batch fails, nothing is sampled
+            raise  # the weights are not the version's: the rows fail, nothing is sampled
         except Exception:  # update_weights refused it before copying anything: the old weights
             return None  # sample on; the receiver raises the error and the server stops
         return incoming.version
@@ -219,11 +311,7 @@ class HFEngine(Engine):
             incoming = _Incoming(
                 weights, got.version, got.probe, self._merger is not None, checksum
             )
-            if self.weight_update_mode == "inflight":
-                self._hand_over(incoming)
-            else:
-                with self._lock:  # between batches
-                    self._apply(incoming)
+            self._hand_over(incoming)
             got.release()  # copied into the model: the next version may reuse the staging
             if incoming.error is not None:
                 raise incoming.error
@@ -234,13 +322,13 @@ class HFEngine(Engine):
             yield AppliedVersion(got.version, held)
 
     def _hand_over(self, incoming: _Incoming) -> None:
-        """Inflight mode: the batch in flight takes the version between two decode steps; with
-        no batch in flight, apply it here. Returns once applied, so the next version can be
-        received while the same batch goes on."""
+        """The sampling loop takes the version (inflight: between two decode steps; drain: once
+        its live rows finished, admitting none meanwhile); with no loop running, apply it here.
+        Returns once applied, so the next version can be received while the rows go on."""
         self._incoming = incoming
         try:
             while not incoming.done.wait(0.01):
-                if self._lock.acquire(blocking=False):  # no batch in flight
+                if self._lock.acquire(blocking=False):  # no sampling loop running
                     try:
                         if not incoming.applied:
                             self._apply(incoming)
@@ -251,7 +339,8 @@ class HFEngine(Engine):
 
     def _apply(self, incoming: _Incoming) -> None:
         """Copy a version into the model and check its delivery (the caller holds the lock, so
-        no token is sampled between the two); weights failing the check fail every later batch."""
+        no token is sampled between the two); weights failing the check fail every later
+        request."""
         incoming.applied = True
         start = time.perf_counter()
         try:

@@ -1,26 +1,32 @@
-"""The transformers engine's sampling loop: a batch of left-padded prompts, KV-cached decoding,
-rows leaving the batch as they finish, and a hook between decode steps where a new weight
-version may arrive (`rollout.weight_update_mode=inflight`).
+"""The transformers engine's sampling loop: a running batch that rows join and leave between
+decode steps (continuous batching), KV-cached decoding, and the cache rebuild after a weight
+version arrives in flight (`rollout.weight_update_mode=inflight`).
 
-Position ids come from the attention mask, so a left-padded row sees the same positions as it
-would unpadded (and as in the learner's right-padded forward).
+Rows join by a prefill of the new rows alone, whose cache is then merged into the running one:
+the shorter of the two is left-padded along the sequence with zeros that the attention mask
+hides, and the two are concatenated along the batch. Position ids come from the attention mask,
+so a left-padded row sees the same positions as it would unpadded (and as in the learner's
+right-padded forward): a row's log-probs do not depend on which rows it shared the batch with.
+Columns that are padding for every live row (left by long rows that finished) are trimmed, so
+the cache holds at most the longest live row plus its padding.
 
-In-flight updates: when `between_steps` reports a new version, every later token is sampled
-from the new weights and recorded with the new version. The KV cache of the rows in flight was
-computed by the old weights; `inflight_kv` decides what happens to it:
-- `recompute`: one forward of every live row's whole sequence (prompt and tokens so far) under
-  the new weights rebuilds the cache, so the next token's log-prob equals a fresh forward's;
+In-flight updates: when a new version is applied between two decode steps, every later token is
+sampled from the new weights and recorded with the new version. The KV cache of the rows in
+flight was computed by the old weights; `inflight_kv` decides what happens to it:
+- `recompute`: one forward of every live row's whole sequence (prompt and tokens so far, rows
+  left-padded to the longest) under the new weights rebuilds the cache, so the next token's
+  log-prob equals a fresh forward's;
 - `keep`: decoding goes on over the old cache, a mix of both versions (cheap, inexact).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from rollout_servers.engines.base import SamplingParams
 
@@ -28,86 +34,173 @@ InflightKV = Literal["recompute", "keep"]
 
 
 @dataclass
-class SampledBatch:
-    """Per row: sampled ids, their log-probs and policy versions, and why the row ended."""
+class Row:
+    """One response being sampled: its request, what it sampled so far and why it ended."""
 
-    tokens: list[list[int]]
-    logprobs: list[list[float]]
-    versions: list[list[int]]
-    reasons: list[Literal["stop", "length"]] = field(default_factory=list)
+    prompt: list[int]
+    params: SamplingParams
+    stops: frozenset[int]
+    """Ids that end the response (EOS unless ignored, and the request's stop ids)."""
+    owner: Any
+    """Whoever asked for the row (the engine's request); the batch never reads it."""
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    """Policy version of the weights that sampled each token."""
+    reason: Literal["stop", "length"] = "length"
 
-    @classmethod
-    def empty(cls, n: int) -> SampledBatch:
-        return cls([[] for _ in range(n)], [[] for _ in range(n)], [[] for _ in range(n)])
 
+class LiveBatch:
+    """The rows being sampled together, their attention mask, KV cache and next-token logits.
 
-def sample_batch(
-    model: torch.nn.Module,
-    requests: list[tuple[list[int], SamplingParams]],
-    eos_ids: frozenset[int],
-    pad_id: int,
-    generator: torch.Generator,
-    version: int,
-    between_steps: Callable[[], int | None] | None = None,
-    inflight_kv: InflightKV = "recompute",
-) -> SampledBatch:
-    """Sample every request (prompt ids, parameters) together, starting at `version`.
-    `between_steps()` runs after each decode step; it returns the version the model now holds
-    when new weights were applied meanwhile, else None."""
-    device = next(model.parameters()).device
-    params = [p for _, p in requests]
-    prompts, mask = _left_padded([ids for ids, _ in requests], pad_id, device)
-    temperature = torch.tensor([p.temperature for p in params], device=device)
-    top_p = torch.tensor([p.top_p for p in params], device=device)
-    stops = [(frozenset() if p.ignore_eos else eos_ids) | set(p.stop_token_ids) for p in params]
-    out = SampledBatch.empty(len(requests))
-    out.reasons = ["length"] * len(requests)
-    rows = list(range(len(requests)))  # batch row of each live row of the inputs and cache
-    logits, cache = _forward_whole(model, prompts, mask)
-    while True:
-        live = torch.tensor(rows, device=device)
-        next_ids, next_lps = sample_next(logits, temperature[live], top_p[live], generator)
-        keep = []
-        for j, (row, tok, lp) in enumerate(
-            zip(rows, next_ids.tolist(), next_lps.tolist(), strict=True)
-        ):
-            out.tokens[row].append(tok)
-            out.logprobs[row].append(lp)
-            out.versions[row].append(version)
-            if tok in stops[row]:
-                out.reasons[row] = "stop"
-            elif len(out.tokens[row]) < params[row].max_new_tokens:
-                keep.append(j)
-        if not keep:
-            return out
-        if len(keep) < len(rows):
-            index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            next_ids, mask = next_ids[index], mask[index]
-            rows = [rows[j] for j in keep]
-        mask = torch.cat([mask, mask.new_ones((len(rows), 1))], dim=1)
-        new = between_steps() if between_steps is not None else None
-        if new is not None:
-            version = new
-            if inflight_kv == "recompute":
-                del logits, cache  # free the old cache before building the new one
-                # live rows started together, so each has sampled as many tokens so far
-                sampled = torch.tensor([out.tokens[r] for r in rows], device=device)
-                seq = torch.cat([prompts[torch.tensor(rows, device=device)], sampled], dim=1)
-                logits, cache = _forward_whole(model, seq, mask)
-                continue
-        position = mask.sum(dim=-1, keepdim=True) - 1  # of the newest token
-        logits = (
-            model(
-                input_ids=next_ids[:, None],
-                attention_mask=mask,
+    One step is `sample` (a token for every row; finished rows leave) then `advance` (a forward
+    of the new tokens); `admit` adds rows between two steps (after `advance`, or to an empty
+    batch). Invariant between steps: row i of `rows`, `mask`, the cache and the logits is the
+    same response, and each row's mask is zeros (padding) then ones (its sequence so far).
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eos_ids: frozenset[int],
+        pad_id: int,
+        generator: torch.Generator,
+        inflight_kv: InflightKV = "recompute",
+    ):
+        self.model, self.eos_ids, self.pad_id = model, eos_ids, pad_id
+        self.generator, self.inflight_kv = generator, inflight_kv
+        self.device = next(model.parameters()).device
+        self.rows: list[Row] = []
+        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
+        self.cache: DynamicCache | None = None
+        self.logits: torch.Tensor | None = None  # next-token logits of every row, until sampled
+        self.next_ids: torch.Tensor | None = None  # sampled, not yet in the cache
+        # caches other than plain full-attention layers (sliding windows, linear attention)
+        # cannot be padded and merged: such models batch statically (rows join an empty batch)
+        probe = DynamicCache(config=model.config)
+        self.merges = all(type(layer) is DynamicLayer for layer in probe.layers)
+        self._temperature = self._top_p = torch.zeros(0, device=self.device)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def can_admit(self) -> bool:
+        """Rows may join now (between two steps; not in a batch that cannot merge caches)."""
+        return self.next_ids is None and (self.merges or not self.rows)
+
+    def admit(self, requests: list[tuple[list[int], SamplingParams, Any]]) -> list[Row]:
+        """Add rows (prompt ids, parameters, owner): a prefill of the new rows alone, its cache
+        merged into the running one. Returns the new rows."""
+        assert requests and self.can_admit(), "rows join between steps"
+        rows = [
+            Row(ids, p, (frozenset() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids), o)
+            for ids, p, o in requests
+        ]
+        ids, mask = _left_padded([r.prompt for r in rows], self.pad_id, self.device)
+        logits, cache = _forward_whole(self.model, ids, mask)
+        if self.rows:
+            assert self.cache is not None and self.logits is not None
+            width = max(self.mask.shape[1], mask.shape[1])
+            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
+                mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)])
+                mine.values = torch.cat(
+                    [_pad_left(mine.values, width), _pad_left(theirs.values, width)]
+                )
+            mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
+            logits, cache = torch.cat([self.logits, logits]), self.cache
+        self.rows, self.mask, self.cache, self.logits = self.rows + rows, mask, cache, logits
+        self._rows_changed()
+        return rows
+
+    def sample(self, version: int) -> list[Row]:
+        """Sample one token for every row, recorded with `version` (the weights that computed
+        the logits); rows that stop or reach max_new_tokens leave the batch and are returned."""
+        assert self.logits is not None and self.next_ids is None, "sample after admit/advance"
+        ids, lps = sample_next(self.logits, self._temperature, self._top_p, self.generator)
+        self.logits, self.next_ids = None, ids
+        finished = []
+        for row, tok, lp in zip(self.rows, ids.tolist(), lps.tolist(), strict=True):
+            row.tokens.append(tok)
+            row.logprobs.append(lp)
+            row.versions.append(version)
+            if tok in row.stops:
+                row.reason = "stop"
+            if tok in row.stops or len(row.tokens) >= row.params.max_new_tokens:
+                finished.append(row)
+        self.remove(finished)
+        return finished
+
+    def remove(self, rows: list[Row]) -> None:
+        """Rows leave the batch (finished, or their caller gave up on them); padding columns no
+        live row needs any more are trimmed from the mask and cache."""
+        if not rows:
+            return
+        gone = {id(r) for r in rows}
+        keep = [j for j, r in enumerate(self.rows) if id(r) not in gone]
+        self.rows = [self.rows[j] for j in keep]
+        if not self.rows:  # empty: the next admit starts a fresh cache
+            self.mask, self.cache, self.logits, self.next_ids = self.mask[:0, :0], None, None, None
+            self._rows_changed()
+            return
+        index = torch.tensor(keep, device=self.device)
+        assert self.cache is not None
+        self.cache.batch_select_indices(index)
+        self.mask = self.mask[index]
+        if self.next_ids is not None:
+            self.next_ids = self.next_ids[index]
+        if self.logits is not None:
+            self.logits = self.logits[index]
+        self._rows_changed()
+        lead = int(self.mask.any(dim=0).int().argmax())  # leading columns of padding only
+        if lead and self.merges:
+            self.mask = self.mask[:, lead:]
+            for layer in self.cache.layers:
+                layer.keys, layer.values = layer.keys[..., lead:, :], layer.values[..., lead:, :]
+
+    def advance(self, weights_changed: bool = False) -> None:
+        """Feed the tokens just sampled: one decode step over the cache, or, when new weights
+        were applied since the last step and `inflight_kv="recompute"`, a forward of every
+        row's whole sequence that rebuilds the cache under the new weights."""
+        assert self.next_ids is not None and self.cache is not None, "advance after sample"
+        if weights_changed and self.inflight_kv == "recompute":
+            # rows joined at different steps: each is its prompt and its own tokens so far
+            seqs = [r.prompt + r.tokens for r in self.rows]
+            self.logits = self.cache = None  # free the old cache before building the new one
+            ids, self.mask = _left_padded(seqs, self.pad_id, self.device)
+            self.logits, self.cache = _forward_whole(self.model, ids, self.mask)
+            self.next_ids = None
+            return
+        self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
+        position = self.mask.sum(dim=-1, keepdim=True) - 1  # of the newest token
+        self.logits = (
+            self.model(
+                input_ids=self.next_ids[:, None],
+                attention_mask=self.mask,
                 position_ids=position,
-                past_key_values=cache,
+                past_key_values=self.cache,
                 use_cache=True,
             )
             .logits[:, -1]
             .float()
         )
+        self.next_ids = None
+
+    def _rows_changed(self) -> None:
+        params = [r.params for r in self.rows]
+        self._temperature = torch.tensor([p.temperature for p in params], device=self.device)
+        self._top_p = torch.tensor([p.top_p for p in params], device=self.device)
+
+
+def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
+    """`x` ([..., seq] masks, [batch, heads, seq, dim] keys and values) left-padded with zeros
+    along the sequence to `width`."""
+    seq_dim = 1 if x.dim() == 2 else -2
+    missing = width - x.shape[seq_dim]
+    if missing == 0:
+        return x
+    shape = list(x.shape)
+    shape[seq_dim] = missing
+    return torch.cat([x.new_zeros(shape), x], dim=seq_dim)
 
 
 def _left_padded(

@@ -1,0 +1,211 @@
+"""Continuous batching in the transformers engine: requests join the running sampling loop
+between decode steps, each caller gets its response as soon as its row finishes, slots freed by
+finished rows are refilled (at most max_batch_size live rows), and a row's log-probs are those
+of an unpadded forward whatever rows it shared the batch with.
+
+Steps are driven by a hook between decode steps (`_between_steps`) that can hold the sampling
+loop until the test has queued what it wants, so nothing here depends on timing: a deadline
+only bounds how long a broken engine makes a test wait before it fails."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
+
+from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+from rollout_servers.engines.base import GenerationOutput, SamplingParams
+from rollout_servers.engines.hf import HFEngine
+from rollout_servers.engines.hf_sampling import LiveBatch
+
+DEADLINE_S = 60.0
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    tokenizer = build_tokenizer()
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(tokenizer, TinyModelSpec(), seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+class Pause:
+    """Holds the sampling loop after decode step `at` until `resume` (or the deadline)."""
+
+    def __init__(self, at: int):
+        self.at, self.reached, self.resume = at, threading.Event(), threading.Event()
+
+    def __call__(self, step: int) -> None:
+        if step == self.at:
+            self.reached.set()
+            self.resume.wait(DEADLINE_S)
+
+
+class HookedEngine(HFEngine):
+    """Counts decode steps, records the most rows live at once, and runs the pauses."""
+
+    pauses: tuple[Pause, ...] = ()
+    steps = 0
+    peak_rows = 0
+
+    def _between_steps(self):
+        self.steps += 1
+        self.peak_rows = max(self.peak_rows, self.live_rows)
+        for pause in self.pauses:
+            pause(self.steps)
+        return super()._between_steps()
+
+
+def exact(n: int) -> SamplingParams:
+    """Temperature 1, exactly n tokens (a random model may sample EOS)."""
+    return SamplingParams(temperature=1.0, max_new_tokens=n, ignore_eos=True)
+
+
+async def join_at(
+    engine: HFEngine, pause: Pause, requests: list[tuple[list[int], SamplingParams]]
+) -> list[asyncio.Task[GenerationOutput]]:
+    """Queue `requests` while the loop is held at `pause`, then let it go on: they join at the
+    next admission, between that step and the next."""
+    assert await asyncio.to_thread(pause.reached.wait, DEADLINE_S), "the loop never got there"
+    queued = len(engine._pending)
+    tasks = [asyncio.create_task(engine.generate(p, sp)) for p, sp in requests]
+    while len(engine._pending) < queued + len(requests):
+        await asyncio.sleep(0)
+    pause.resume.set()
+    return tasks
+
+
+def unpadded_logprobs(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    ids = torch.tensor([prompt + tokens])
+    with torch.no_grad():
+        logits = model(ids).logits[0, len(prompt) - 1 : -1].float()
+    return logits.log_softmax(-1).gather(1, torch.tensor(tokens)[:, None])[:, 0]
+
+
+async def test_a_request_arriving_mid_loop_joins_it_and_finishes_first(model_path):
+    engine = HookedEngine(model_path, seed=0)
+    periods: list[tuple[int, int]] = []
+    engine.on_batch = lambda start, seconds, n, version: periods.append((n, version))
+    arrive, hold = Pause(3), Pause(20)
+    engine.pauses = (arrive, hold)
+    long = asyncio.create_task(engine.generate([5, 6, 7], exact(40)))
+    (short,) = await join_at(engine, arrive, [([9, 10], exact(3))])
+    # the loop is held at step 20, the long row 20 tokens short of its end
+    out = await asyncio.wait_for(short, DEADLINE_S)
+    assert not long.done()
+    hold.resume.set()
+    assert len((await long).token_ids) == 40 and len(out.token_ids) == 3
+    await engine.close()  # the loop reports its busy period as it stops
+    assert engine.batches_run == 1 and periods == [(2, 0)]  # the short request joined it
+    assert engine.busy_s > 0
+
+
+async def test_a_row_whose_caller_gave_up_leaves_the_loop(model_path):
+    engine = HookedEngine(model_path, seed=0)
+    hold = Pause(5)
+    engine.pauses = (hold,)
+    task = asyncio.create_task(engine.generate([5, 6], exact(1000)))
+    assert await asyncio.to_thread(hold.reached.wait, DEADLINE_S)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    hold.resume.set()
+    await asyncio.wait_for(engine.close(), DEADLINE_S)
+    assert engine.steps == 5  # dropped at the next step, no forward for it
+
+
+async def test_early_rows_return_before_the_long_row_ends(model_path):
+    engine = HookedEngine(model_path, seed=0)
+    hold = Pause(10)
+    engine.pauses = (hold,)
+    long = asyncio.create_task(engine.generate([5, 6, 7], exact(30)))
+    short = asyncio.create_task(engine.generate([3], exact(2)))
+    out = await asyncio.wait_for(short, DEADLINE_S)  # while the loop is held at step 10
+    assert not long.done() and len(out.token_ids) == 2
+    hold.resume.set()
+    assert len((await long).token_ids) == 30
+    await engine.close()
+
+
+async def test_rows_admitted_mid_loop_have_the_logprobs_of_an_unpadded_forward(model_path):
+    """Rows join with prompts shorter and longer than the running cache (either side is
+    left-padded), and after rows with long prompts left (their padding columns trimmed); each
+    row's log-probs equal a forward of that row alone."""
+    engine = HookedEngine(model_path, seed=0)
+    second, third = Pause(4), Pause(12)
+    engine.pauses = (second, third)
+    waves = [
+        [(list(range(3, 43)), exact(8)), ([7, 8], exact(30))],
+        [(list(range(10, 20)), exact(20)), (list(range(40, 100)), exact(6)), ([4], exact(3))],
+        [([11, 12, 13], exact(10)), (list(range(20, 45)), exact(5))],
+    ]
+    tasks = [asyncio.create_task(engine.generate(p, sp)) for p, sp in waves[0]]
+    tasks += await join_at(engine, second, waves[1])
+    tasks += await join_at(engine, third, waves[2])
+    outs = await asyncio.wait_for(asyncio.gather(*tasks), DEADLINE_S)
+    await engine.close()
+    assert engine.batches_run == 1  # every wave joined the running loop
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    requests = [r for wave in waves for r in wave]
+    for (prompt, params), out in zip(requests, outs, strict=True):
+        assert len(out.token_ids) == params.max_new_tokens
+        expected = unpadded_logprobs(model, prompt, out.token_ids)
+        assert (torch.tensor(out.logprobs) - expected).abs().max().item() < 1e-5
+
+
+async def test_max_batch_size_is_respected_and_freed_slots_are_refilled(model_path):
+    """One 12-token row and eight 2-token rows through 3 slots: the short rows flow through the
+    two other slots while the long one runs, so all end with it after 12 steps (static batches
+    of 3 would take 12 + 2 + 2)."""
+    engine = HookedEngine(model_path, seed=0, max_batch_size=3)
+    requests = [([5, 6], exact(12))] + [([i, i + 1], exact(2)) for i in range(8)]
+    outs = await asyncio.gather(*(engine.generate(p, sp) for p, sp in requests))
+    await engine.close()
+    assert [len(o.token_ids) for o in outs] == [sp.max_new_tokens for _, sp in requests]
+    assert engine.peak_rows == 3
+    assert engine.steps == 11  # hooks run between steps: 12 steps
+
+
+def test_padding_columns_leave_with_the_rows_that_needed_them(model_path):
+    """After the row with the long prompt finishes, the cache shrinks to the live row's own
+    length: it never grows with the rows that came and went."""
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    batch = LiveBatch(model, frozenset(), 0, torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        batch.admit([(list(range(3, 43)), exact(2), None), ([5], exact(6), None)])
+        assert batch.mask.shape[1] == 40
+        batch.sample(0)
+        batch.advance()
+        finished = batch.sample(0)  # the long-prompt row's second and last token
+        assert len(finished) == 1 and len(batch) == 1
+        assert batch.mask.shape[1] == 2  # the short row: its prompt and first token
+        assert batch.cache is not None and batch.cache.layers[0].keys.shape[-2] == 2
+        batch.advance()
+        assert batch.mask.shape[1] == 3 and bool(batch.mask.all())
+
+
+def test_sliding_window_caches_are_not_merged():
+    """A sliding-window cache cannot be left-padded and merged: rows join an empty batch only
+    (the model batches statically, as before continuous batching)."""
+    config = MistralConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=4,
+    )
+    batch = LiveBatch(MistralForCausalLM(config).eval(), frozenset(), 0, torch.Generator())
+    assert not batch.merges and batch.can_admit()
+    with torch.inference_mode():
+        batch.admit([([1, 2, 3], exact(4), None)])
+        assert not batch.can_admit()
+        batch.sample(0)
+        batch.advance()
+        assert not batch.can_admit()
