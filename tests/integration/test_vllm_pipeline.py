@@ -65,11 +65,13 @@ def test_vllm_server_updates_weights_in_flight(tmp_path):
             "trainer.log_samples=true",
             "rollout.engine=vllm",
             "rollout.weight_update_mode=inflight",
-            # generation outlasts a learner step, so each version finds requests in flight
+            # vLLM samples one sequence at a time: generating a batch outlasts a learner step,
+            # so the server is always busy and each version finds requests in flight
+            "rollout.vllm.max_num_seqs=1",
             "rollout.max_new_tokens=200",
-            "rollout.n=2",
-            "rollout.max_concurrent_groups=8",
-            "data.train_batch_size=4",
+            "rollout.n=4",
+            "rollout.max_concurrent_groups=2",
+            "data.train_batch_size=8",
             "replay.max_staleness=1",
             "launch.progress=none",
             "launch.startup_timeout_s=300",
