@@ -164,3 +164,37 @@ def test_the_embedded_default_learns_with_a_bf16_learner(tmp_path, default_model
     first = sum(r["reward_mean"] for r in rows[:5]) / 5
     last = sum(r["reward_mean"] for r in rows[-20:]) / 20
     assert last > 0.55 and last - first > 0.25, f"reward {first:.3f} -> {last:.3f}"
+
+
+def test_hf_server_updates_weights_in_flight(tmp_path, model_cache):
+    """`weight_update_mode=inflight` at max_staleness=1 through the whole pipeline: versions
+    land between decode steps of running requests, so some trajectories span two versions, and
+    no trained sample's oldest token breaks the bound. (Per-token exactness against each
+    version's forward: tests/unit/test_inflight.py, with the real weight broadcast.)"""
+    cfg = load_config(
+        overrides=[
+            f"trainer.run_dir={tmp_path / 'run'}",
+            f"trainer.cache_dir={model_cache}",
+            "trainer.warmstart_steps=0",  # an untrained model answers long: versions land mid-way
+            "trainer.total_steps=6",
+            "trainer.log_samples=true",
+            "rollout.weight_update_mode=inflight",
+            # one sequence at a time: generating a batch outlasts a learner step, so the server
+            # is always busy and each version finds a request in flight
+            "rollout.max_batch_size=1",
+            "rollout.max_new_tokens=200",
+            "rollout.n=4",
+            "rollout.max_concurrent_groups=2",
+            "data.train_batch_size=8",
+            "replay.max_staleness=1",
+            "launch.progress=none",
+            "launch.startup_timeout_s=120",
+        ]
+    )
+    run_dir = launch(cfg)
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["version"] for m in metrics] == list(range(1, 7))
+    assert any(m["multi_version_frac"] > 0 for m in metrics), metrics
+    assert all(m["staleness_max"] <= 1 for m in metrics)
+    for s in read_jsonl(run_dir / "samples.jsonl"):
+        assert all(s["learner_version"] - v <= 1 for v in s["oldest_versions"]), s
