@@ -100,7 +100,8 @@ class Engine(ABC):
     busy_s: float = 0.0
     """Cumulative seconds spent sampling (engines add to it; the server reports idle time)."""
     on_batch: Callable[[float, float, int, int], None] | None = None
-    """Called after each sampling batch with (unix start, seconds, sequences, version)."""
+    """Called after each busy period (from the first sequence in flight to none; both engines
+    batch continuously) with (unix start, seconds, sequences admitted, version at its start)."""
 
     @property
     @abstractmethod

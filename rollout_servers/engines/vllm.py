@@ -169,6 +169,7 @@ class VLLMEngine(Engine):
         self._aborts = 0  # versions that aborted requests in flight (inflight mode)
         self._inflight = 0
         self._busy_since = 0.0
+        self._busy_done = 0.0  # seconds of busy periods that ended
         self._period_requests = 0
         self._closed = False
 
@@ -195,6 +196,13 @@ class VLLMEngine(Engine):
     @property
     def version(self) -> int:
         return self._version
+
+    @property
+    def busy_s(self) -> float:
+        """Busy seconds so far, the busy period under way included (a server that never goes
+        idle is not reported idle)."""
+        current = time.time() - self._busy_since if self._inflight else 0.0
+        return self._busy_done + current
 
     # ---- generation -------------------------------------------------------------------------
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
@@ -269,7 +277,7 @@ class VLLMEngine(Engine):
         self._inflight -= 1
         if self._inflight == 0:
             took = time.time() - self._busy_since
-            self.busy_s += took
+            self._busy_done += took
             if self.on_batch is not None:
                 self.on_batch(self._busy_since, took, self._period_requests, version)
             self._drained.set()
