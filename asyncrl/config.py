@@ -16,6 +16,7 @@ import pydantic
 import yaml
 from pydantic import Field, ValidationError
 
+from asyncrl.checkpoints import missing_parts
 from asyncrl.config_base import Section as _Section
 from asyncrl.learner_config import AlgorithmConfig, LearnerConfig  # noqa: F401 (re-exported)
 from asyncrl.sandbox_config import SandboxConfig
@@ -195,9 +196,10 @@ class TrainerConfig(_Section):
     save_final: bool = True
     """Save the final weights in Hugging Face format under run_dir/final."""
     save_every: int = Field(0, ge=0)
-    """Checkpoint (weights, optimizer, data position) every this many steps (0: never)."""
+    """Checkpoint (learner weights and optimizer, the replay's state) every this many steps
+    (0: never); see `asyncrl.checkpoints`."""
     resume_from: str | None = None
-    """A checkpoint directory (run_dir/checkpoints/step_N) to continue training from."""
+    """A complete checkpoint directory (run_dir/checkpoints/step_N) to continue training from."""
     log_samples: bool = False
     """Write every trained trajectory id and version to run_dir/samples.jsonl (audits, tests)."""
     val_every: int = Field(0, ge=0)
@@ -273,9 +275,10 @@ class Config(_Section):
                 "to bind sockets beyond this machine"
             )
         resume = self.trainer.resume_from
-        if resume is not None and not (Path(resume) / "trainer.json").is_file():
+        if resume is not None and missing_parts(resume):
             raise ValueError(
-                f"trainer.resume_from={resume!r} is not a checkpoint (no trainer.json)"
+                f"trainer.resume_from={resume!r} is not a complete checkpoint: "
+                f"{missing_parts(resume)[0]} is missing"
             )
         ray = self.launch.ray
         for who, cpus, gpus in (

@@ -77,8 +77,14 @@ def peak_rss_mb() -> float:
 
 def write_json_atomic(path: str | Path, obj: Any) -> None:
     """Write JSON so a reader never sees half a file."""
+    write_bytes_atomic(path, json.dumps(obj, indent=1).encode())
+
+
+def write_bytes_atomic(path: str | Path, data: bytes) -> None:
+    """Write `data` to a temporary file next to `path`, then rename it over `path`: a reader
+    (or a process killed meanwhile) never leaves or sees half a file."""
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     tmp = p.with_suffix(p.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=1))
+    tmp.write_bytes(data)
     tmp.replace(p)

@@ -414,8 +414,8 @@ class EvalResults:
 @message("checkpoint_request")
 class CheckpointRequest:
     request_id: int  # echoed in the Ack
-    path: str  # JSON file the replay writes its data position to (inside the run directory)
-    version: int  # the learner version the checkpoint is taken at
+    path: str  # file the replay writes its whole state to (inside the run directory)
+    version: int  # the learner version the checkpoint is taken at (the replay's current one)
 
     def validate(self) -> None:
         _check_index(self.request_id, "request_id")

@@ -92,7 +92,8 @@ class ReplayClient:
         return self._request(lambda i: EvalPoll(i, job_id), EvalResults)
 
     def checkpoint(self, path: str, version: int) -> None:
-        """Ask the replay to save its data position (for a learner checkpoint) to `path`."""
+        """Ask the replay to save its whole state at `version` (the version last published)
+        to `path`, for a learner checkpoint (`replay.checkpoint`); returns once it is written."""
         self._request(lambda i: CheckpointRequest(i, path, version), Ack)
 
     def stats(self) -> dict[str, float]:

@@ -1,17 +1,74 @@
-"""Learner checkpoints: sharded weights and optimizer state (torch.distributed.checkpoint).
+"""Learner checkpoints: sharded weights and optimizer state (torch.distributed.checkpoint), the
+trainer's state and the replay's, written together (layout: `asyncrl.checkpoints`).
 
-A checkpoint directory `run_dir/checkpoints/step_<version>` holds `dcp/` (every rank's shards
-of the policy, its optimizer and, with a critic, the critic's), `trainer.json` (version, KL
-coefficient) and `replay.json` (the replay's data position, written by the replay). The
-learning-rate schedule needs no state: it is a function of the version (`learner.optim`).
+`save_checkpoint` writes every part into `step_<v>.partial/` (the ranks' shards, then the
+replay's state, asked of the replay after version v was published and before the next batch is
+asked for, then `trainer.json`) and renames it to `step_<v>` last: a checkpoint is complete when
+it exists at all. The learning-rate schedule needs no state: it is a function of the version
+(`learner.optim`).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import shutil
 from pathlib import Path
+from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+from asyncrl.checkpoints import (
+    REPLAY_FILE,
+    SHARDS_DIR,
+    TRAINER_FILE,
+    check_complete,
+    checkpoint_dir,
+    partial_dir,
+    publish,
+)
+from asyncrl.metrics import write_json_atomic
+from asyncrl.replay_client import ReplayClient
+
+log = logging.getLogger("asyncrl.learner")
+
+
+def save_checkpoint(
+    run_dir: Path,
+    version: int,
+    rank: int,
+    world: int,
+    modules: tuple,
+    replay: ReplayClient | None,
+    trainer_state: dict[str, Any],
+) -> Path:
+    """All ranks: write the checkpoint of `version` (a collective). `modules`: (model,
+    optimizer, critic, critic optimizer), the critic's None without one; `replay` and
+    `trainer_state` (written as trainer.json, with the version) are rank 0's. Returns the
+    checkpoint's directory."""
+    partial = partial_dir(run_dir, version)
+    if rank == 0 and partial.exists():  # left by an attempt that died before its rename
+        shutil.rmtree(partial)
+    if world > 1:
+        dist.barrier()  # nobody writes into it before it is cleared
+    save_sharded(partial, *modules)
+    if rank == 0:
+        assert replay is not None
+        replay.checkpoint(str(partial / REPLAY_FILE), version)
+        write_json_atomic(partial / TRAINER_FILE, {"version": version, **trainer_state})
+        final = publish(partial)
+        log.info("checkpoint at version %d written to %s", version, final)
+    return checkpoint_dir(run_dir, version)
+
+
+def load_checkpoint(path: Path, modules: tuple) -> dict[str, Any]:
+    """Restore a complete `save_checkpoint` directory into `modules` (as there); returns its
+    trainer.json. Raises IncompleteCheckpoint, naming the missing file, for anything else."""
+    check_complete(path)
+    load_sharded(path, *modules)
+    return json.loads((path / TRAINER_FILE).read_text())
 
 
 def checkpoint_state(model, optimizer, critic=None, critic_optimizer=None) -> dict:
@@ -23,15 +80,16 @@ def checkpoint_state(model, optimizer, critic=None, critic_optimizer=None) -> di
 
 
 def save_sharded(path: Path, model, optimizer, critic=None, critic_optimizer=None) -> None:
-    """Every rank writes its shards under path/dcp (a collective)."""
+    """Every rank writes its shards under path/dcp (a collective); rank 0 writes dcp/.metadata
+    once every rank's shards are written."""
     state = checkpoint_state(model, optimizer, critic, critic_optimizer)
-    dcp.save(state, checkpoint_id=str(path / "dcp"))
+    dcp.save(state, checkpoint_id=str(path / SHARDS_DIR))
 
 
 def load_sharded(path: Path, model, optimizer, critic=None, critic_optimizer=None) -> None:
     """Restore what `save_sharded` wrote into the (already sharded) models and optimizers."""
     state = checkpoint_state(model, optimizer, critic, critic_optimizer)
-    dcp.load(state, checkpoint_id=str(path / "dcp"))
+    dcp.load(state, checkpoint_id=str(path / SHARDS_DIR))
     set_state_dict(
         model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"]
     )

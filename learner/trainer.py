@@ -14,7 +14,6 @@ publish_version.
 
 from __future__ import annotations
 
-import json
 import logging
 import signal
 import time
@@ -37,7 +36,7 @@ from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, weights_checksum
 from learner.batch import TrainBatch, broadcast_batch, from_message
-from learner.checkpoint import load_sharded, save_sharded
+from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.delivery import delivery_probe, wants_probe
 from learner.forward import policy_forward, value_forward
 from learner.fsdp import (
@@ -307,21 +306,22 @@ class Learner:
 
     # ---- loop ---------------------------------------------------------------------------
     def save_checkpoint(self, version: int) -> None:
-        """Weights and optimizer (sharded, `learner.checkpoint`), the trainer state, and the
-        replay's data position, under run_dir/checkpoints/step_<version>."""
-        path = Path(self.spec.run_dir) / "checkpoints" / f"step_{version}"
-        save_sharded(path, self.model, self.optimizer, self.critic, self.critic_optimizer)
-        if self.rank == 0:
-            self.replay.checkpoint(str(path / "replay.json"), version)
-            write_json_atomic(
-                path / "trainer.json", {"version": version, "kl_coef": self.kl_ctrl.value}
-            )
-            log.info("checkpoint at version %d written to %s", version, path)
+        """Weights and optimizer (sharded), the trainer state and the replay's whole state,
+        as one checkpoint run_dir/checkpoints/step_<version> (`learner.checkpoint`)."""
+        save_checkpoint(
+            Path(self.spec.run_dir),
+            version,
+            self.rank,
+            self.world,
+            (self.model, self.optimizer, self.critic, self.critic_optimizer),
+            self.replay,
+            {"kl_coef": self.kl_ctrl.value},
+        )
 
     def load_checkpoint(self, path: Path) -> int:
         """Restore a `save_checkpoint` directory; returns its version."""
-        load_sharded(path, self.model, self.optimizer, self.critic, self.critic_optimizer)
-        trainer = json.loads((path / "trainer.json").read_text())
+        modules = (self.model, self.optimizer, self.critic, self.critic_optimizer)
+        trainer = load_checkpoint(path, modules)
         self.kl_ctrl.value = trainer["kl_coef"]
         return int(trainer["version"])
 

@@ -93,6 +93,17 @@ class Group:
         return self.filled == len(self.samples)
 
 
+@dataclass(frozen=True)
+class SavedGroup:
+    """A ready group as a checkpoint keeps it (`GroupBuffer.saved` and `restore`)."""
+
+    item: PromptItem
+    lease_version: int  # the version admission judged the lease by
+    server_id: int  # the server it was leased to
+    samples: list[Trajectory]  # by sample_index, all n of them
+    latencies: list[float]  # lease grant -> sample arrival, s
+
+
 class GroupBuffer:
     def __init__(self, seen_ids_limit: int = 1 << 16, limits: TokenLimits | None = None) -> None:
         """`seen_ids_limit`: how many trajectory ids to remember for `duplicate` answers. It
@@ -118,9 +129,39 @@ class GroupBuffer:
     def num_in_flight(self) -> int:
         return len(self._groups) - self._ready
 
-    def held_items(self) -> list[PromptItem]:
-        """The prompt of every group held (in flight or ready), oldest lease first."""
-        return [g.item for g in self._groups.values()]
+    def saved(self) -> tuple[list[SavedGroup], list[PromptItem], list[str]]:
+        """What a checkpoint keeps of the buffer, each oldest first: the ready groups with their
+        samples, the prompts of the incomplete groups (their partial samples are not kept: on
+        resume those prompts are leased again) and the trajectory ids remembered for
+        `duplicate` answers."""
+        ready = [
+            SavedGroup(g.item, g.lease_version, g.server_id, list(g.samples), list(g.latencies))
+            for g in self._groups.values()
+            if g.ready
+        ]
+        incomplete = [g.item for g in self._groups.values() if not g.ready]
+        return ready, incomplete, list(self._seen)
+
+    def restore(self, ready: list[SavedGroup], seen_ids: list[str]) -> None:
+        """Put back what `saved` kept, into an empty buffer: the ready groups (their samples
+        pass the checks of `add` again, and the groups' versions are recomputed from them) and
+        the remembered ids, so a resend of a trajectory accepted before the checkpoint is
+        answered `duplicate`. Raises MalformedTrajectory if a saved group is not whole."""
+        if self._groups or self._seen:
+            raise ValueError("restore needs an empty buffer")
+        for saved in ready:
+            self.open_group(saved.item, time.monotonic(), saved.lease_version, saved.server_id)
+            group = self._groups[saved.item.group_id]
+            statuses = [self.add(traj) for traj in saved.samples]
+            if not group.ready or set(statuses) != {"accepted"}:
+                raise MalformedTrajectory(
+                    f"saved group {saved.item.group_id!r} is not whole: {group.filled} of "
+                    f"{len(group.samples)} samples placed ({sorted(set(statuses))})"
+                )
+            group.latencies = list(saved.latencies)
+        self._seen = OrderedDict.fromkeys([*seen_ids, *self._seen])
+        while len(self._seen) > self._seen_limit:
+            self._seen.popitem(last=False)
 
     def in_flight_of(self, server_id: int) -> int:
         """Groups leased to `server_id` and not yet complete (kept as a count: asked on every

@@ -6,8 +6,8 @@ window while other servers ask, see `replay.admission`), never more than the ser
 (`rollout.max_concurrent_groups` less the training groups it holds). Training prompts come from
 expired leases first (re-issued under fresh group ids), then from the `PromptSource`.
 
-The desk also keeps what a resumed run needs to neither repeat nor skip a prompt
-(`data_state` / `restore`), and measures how a batch's groups spread over the servers
+The desk also takes and restores the replay's state for a checkpoint (`data_state` / `restore`,
+the format in `replay.checkpoint`), and measures how a batch's groups spread over the servers
 (`lease_spread`, part of each batch's fleet metrics).
 
 Wiring: `replay.service.ReplayService` builds one desk over its buffer, evaluation jobs and
@@ -16,19 +16,18 @@ counters, and tells it how many servers are asking with every grant.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
-from typing import Any
 
 from asyncrl.config import Config
 from asyncrl.data import row_to_prompt_item
-from asyncrl.protocol import ChatMessage, LeaseRequest, PromptItem
+from asyncrl.protocol import LeaseRequest, PromptItem
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer
+from replay.checkpoint import ReplayState
 from replay.eval_jobs import EvalJobs
 from replay.prompts import PromptSource, reissue
 
@@ -115,34 +114,42 @@ class LeaseDesk:
             log.warning("%d lease(s) expired after %.0fs; re-issuing", len(expired), timeout)
         return len(expired)
 
-    def data_state(self, version: int) -> dict[str, Any]:
-        """What a resumed run needs to neither repeat nor skip a prompt: the source's position
-        and every prompt leased but not yet trained (re-issued first on resume)."""
-        pending = [*self.buffer.held_items(), *self._retry]
-        return {
-            "version": version,
-            "rows_drawn": self._rows_drawn,
-            "prompt_source": self.prompts.state(),
-            "pending": [dataclasses.asdict(p) for p in pending],
-        }
+    def data_state(self, version: int) -> ReplayState:
+        """The replay's whole state at learner version `version`, for a checkpoint: the ready
+        groups with their samples, the prompts leased but not complete (in flight or expired:
+        leased again first on resume), the prompt stream's position, the remembered trajectory
+        ids and the counters (`replay.checkpoint`)."""
+        ready, incomplete, seen_ids = self.buffer.saved()
+        return ReplayState(
+            version=version,
+            rows_drawn=self._rows_drawn,
+            prompt_source=self.prompts.state(),
+            reissue=[*incomplete, *self._retry],
+            ready=ready,
+            seen_ids=seen_ids,
+            counters={k: int(v) for k, v in self.counters.items()},
+        )
 
-    def restore(self, state: dict[str, Any]) -> int:
-        """Resume from `data_state`: groups before its version count as trained for admission;
-        returns that version."""
-        self.prompts.load_state(state["prompt_source"])
-        self._rows_drawn = int(state["rows_drawn"])
-        for p in state["pending"]:
-            messages = [ChatMessage(**m) for m in p["messages"]]
-            self._retry.append(PromptItem(**{**p, "messages": messages}))
-        version = int(state["version"])
-        self.admission.issued = version * self.cfg.data.train_batch_size
+    def restore(self, state: ReplayState) -> int:
+        """Resume from `data_state` (into a fresh desk and buffer): the ready groups go back in
+        the buffer, the incomplete ones are leased again first, as fresh leases; admission
+        counts the `version` x B groups trained before plus the ready ones as issued. Returns
+        the version."""
+        self.buffer.restore(state.ready, state.seen_ids)
+        self.prompts.load_state(state.prompt_source)
+        self._rows_drawn = state.rows_drawn
+        self._retry.extend(state.reissue)
+        for name, value in state.counters.items():  # they go on from where they stopped
+            self.counters[name] = value
+        self.admission.issued = state.version * self.cfg.data.train_batch_size + len(state.ready)
         log.info(
-            "resumed at version %d: %d rows drawn, %d prompts to re-issue first",
-            version,
+            "resumed at version %d: %d rows drawn, %d groups ready, %d prompts to lease again",
+            state.version,
             self._rows_drawn,
+            len(state.ready),
             len(self._retry),
         )
-        return version
+        return state.version
 
 
 def lease_spread(server_ids: Iterable[int]) -> dict[str, float]:

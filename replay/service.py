@@ -18,7 +18,9 @@ Messages (see `asyncrl.protocol`):
 - BatchRequest -> Batch: exactly `num_groups` whole groups trainable at the request's
   `learner_version` (authoritative), or an empty batch after the wait.
 - VersionUpdate -> Ack(ok); StatsRequest -> Stats; EvalSubmit -> Ack; EvalPoll -> EvalResults;
-  CheckpointRequest -> Ack (the file must lie inside the run directory).
+  CheckpointRequest -> Ack: the replay's whole state at the request's version, which must be
+  the learner version it last heard, written to the file asked for, which must lie inside the
+  run directory (`replay.checkpoint`).
 Every message is authenticated first and its role must be allowed to send it; each ends in
 exactly one outcome counter, and nothing a peer sends stops the loop (`replay.endpoint`).
 """
@@ -26,7 +28,6 @@ exactly one outcome counter, and nothing a peer sends stops the loop (`replay.en
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import signal
@@ -35,11 +36,11 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import zmq
 
 from asyncrl.auth import secret_from_env
+from asyncrl.checkpoints import REPLAY_FILE
 from asyncrl.codec import ProtocolError, short_repr
 from asyncrl.config import Config
 from asyncrl.metrics import peak_rss_mb, write_json_atomic
@@ -67,6 +68,7 @@ from replay.buffer import (
     check_trajectory,
     to_batch,
 )
+from replay.checkpoint import ReplayState, read_state, write_state
 from replay.counters import COUNTERS, summarize
 from replay.endpoint import Endpoint
 from replay.eval_jobs import EvalJobs, EvalQuotaExceeded
@@ -302,8 +304,14 @@ class ReplayService(Endpoint):
         except ValueError as e:
             self._reject(peer, "rejected_forbidden", str(e))
             return
+        if msg.version != self.learner_version:  # the state must be at the saved weights' version
+            reason = (
+                f"checkpoint at version {msg.version}, but the learner is at {self.learner_version}"
+            )
+            self._reject(peer, "rejected_invalid", reason)
+            return
         try:
-            write_json_atomic(path, self.data_state(msg.version))
+            write_state(path, self.data_state(msg.version))
         except OSError as e:
             self._reject(peer, "rejected_invalid", f"cannot write checkpoint {path}: {e}")
             return
@@ -312,12 +320,13 @@ class ReplayService(Endpoint):
     def _on_stats_request(self, peer: Peer, msg: StatsRequest) -> None:
         self._send(peer, Stats(request_id=msg.request_id, counters=self.stats()))
 
-    def data_state(self, version: int) -> dict[str, Any]:
-        """What a resumed run needs to neither repeat nor skip a prompt (`LeaseDesk`)."""
+    def data_state(self, version: int) -> ReplayState:
+        """The whole state a resumed replay needs (`replay.checkpoint`, taken by `LeaseDesk`)."""
         return self.leases.data_state(version)
 
-    def restore(self, state: dict[str, Any]) -> None:
-        """Resume from `data_state`: groups before its version count as trained."""
+    def restore(self, state: ReplayState) -> None:
+        """Resume from `data_state`, before any lease is granted: ready groups are trained,
+        not generated again; incomplete leases are leased again first."""
         self.learner_version = self.leases.restore(state)
 
     # ---- leases -----------------------------------------------------------------------------
@@ -430,7 +439,7 @@ def run_replay(cfg: Config, address: str, run_dir: str, model_path: str | None =
     service = ReplayService(cfg, address, prompts, secret_from_env(), run_dir, limits)
     stats_path = Path(run_dir) / "stats" / "replay.json"
     if cfg.trainer.resume_from is not None:
-        service.restore(json.loads((Path(cfg.trainer.resume_from) / "replay.json").read_text()))
+        service.restore(read_state(Path(cfg.trainer.resume_from) / REPLAY_FILE))
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _STOP_SIGNALS}
     try:

@@ -25,6 +25,7 @@ from asyncrl.protocol import (
     Acks,
     Batch,
     BatchRequest,
+    CheckpointRequest,
     Error,
     LeaseGrant,
     LeaseRequest,
@@ -36,6 +37,7 @@ from asyncrl.protocol import (
     VersionUpdate,
 )
 from asyncrl.transport import free_port, tcp_address
+from replay.checkpoint import read_state
 from replay.counters import COUNTERS
 
 pytestmark = pytest.mark.integration
@@ -381,3 +383,21 @@ def test_run_replay_writes_its_counters_on_sigterm(tmp_path: Path):
     assert (stats["received"], stats["rejected_malformed"]) == (2, 1)
     assert stats["rejected_unauthenticated"] == 1
     assert "replay done" in err.decode()
+
+
+def test_a_checkpoint_holds_the_replays_state_at_the_learners_version(tmp_path: Path):
+    """The state is taken only at the version the learner last published (the version of the
+    weights it saves), and holds the groups ready then, whole."""
+    with running_replay(_config(), tmp_path) as address, dealer(address) as sock:
+        ready = _lease(sock, 1, version=0, max_groups=B)
+        _complete(sock, ready)
+        assert isinstance(_ask(sock, VersionUpdate(2, 1)), Ack)
+        wrong = _ask(sock, CheckpointRequest(3, str(tmp_path / "wrong.msgpack"), 2))
+        assert isinstance(wrong, Error) and "the learner is at 1" in wrong.reason
+        ok = _ask(sock, CheckpointRequest(4, str(tmp_path / "replay.msgpack"), 1))
+        assert isinstance(ok, Ack)
+    assert not (tmp_path / "wrong.msgpack").exists()
+    state = read_state(tmp_path / "replay.msgpack")
+    assert state.version == 1 and [g.item for g in state.ready] == ready
+    assert [len(g.samples) for g in state.ready] == [N] * B
+    assert state.counters["accepted"] == N * B and state.rows_drawn == B

@@ -1,20 +1,28 @@
-"""A run checkpointed at step 3 and resumed continues at version 4, with the optimizer state
-and the learning-rate schedule, and trains on prompts that neither repeat nor skip the ones
-before the checkpoint."""
+"""A run checkpointed at step 3 and resumed continues at version 4, with the optimizer state,
+the learning-rate schedule and the replay's state: the groups ready at the checkpoint are trained
+after the resume (not generated again), and across the two runs no prompt is repeated or
+skipped."""
 
 import json
+from collections import Counter
 
 import pytest
 
+from asyncrl.checkpoints import REPLAY_FILE
 from asyncrl.config import load_config
 from asyncrl.launch.run import launch
 from asyncrl.metrics import read_jsonl
+from replay.checkpoint import read_state
 
 pytestmark = pytest.mark.integration
 
 
+def _row(group_id: str) -> int:
+    return int(group_id.split("-")[0])
+
+
 def _rows(samples):
-    return [int(g.split("-")[0]) for s in samples for g in s["group_ids"]]
+    return [_row(g) for s in samples for g in s["group_ids"]]
 
 
 def _common(tmp_path) -> list[str]:
@@ -34,17 +42,16 @@ def test_checkpoint_and_resume(tmp_path):
         *_common(tmp_path),
         "trainer.log_samples=true",
         "trainer.total_steps=6",
+        "trainer.save_every=3",
         "learner.warmup_steps=4",
         "learner.lr=5e-4",
     ]
-    first = launch(
-        load_config(
-            overrides=[*common, f"trainer.run_dir={tmp_path / 'a'}", "trainer.save_every=3"]
-        )
-    )
+    first = launch(load_config(overrides=[*common, f"trainer.run_dir={tmp_path / 'a'}"]))
     ckpt = first / "checkpoints" / "step_3"
     assert json.loads((ckpt / "trainer.json").read_text())["version"] == 3
-    data = json.loads((ckpt / "replay.json").read_text())
+    at_3 = read_state(ckpt / REPLAY_FILE)
+    assert at_3.version == 3 and at_3.counters["batches_served"] == 3
+    assert at_3.ready, "no group was ready at the checkpoint: the test would prove nothing"
 
     second = launch(
         load_config(
@@ -55,17 +62,29 @@ def test_checkpoint_and_resume(tmp_path):
     assert [r["version"] for r in rows] == [4, 5, 6]
     # the schedule continues where it stopped: learner steps 3, 4, 5 of a 4-step warmup
     assert [r["lr"] for r in rows] == pytest.approx([4e-4, 5e-4, 5e-4])
+    # the replay's counters go on from the checkpoint's
+    stats = json.loads((second / "stats" / "replay.json").read_text())
+    assert stats["batches_served"] == 6
 
-    before = _rows(read_jsonl(first / "samples.jsonl")[:3])
-    after = _rows(read_jsonl(second / "samples.jsonl"))
-    assert not set(before) & set(after), "a prompt trained before the checkpoint came back"
-    pending = {int(p["group_id"].split("-")[0]) for p in data["pending"]}
-    drawn = data["rows_drawn"]
-    # what the resumed run trains is what was leased but untrained at the checkpoint, then
-    # fresh rows from where the stream stopped: nothing is skipped
-    assert set(after) <= pending | set(range(drawn, drawn + len(after)))
-    first_batch = set(_rows(read_jsonl(second / "samples.jsonl")[:1]))
-    assert first_batch <= pending or len(pending) < 4
+    before = read_jsonl(first / "samples.jsonl")[:3]
+    after = read_jsonl(second / "samples.jsonl")
+    stale_after = sum(r["stale_dropped"] for r in rows)
+    # the groups ready at the checkpoint are trained after the resume, their very samples
+    # (only a group that became too stale meanwhile may be dropped, and is counted)
+    trained_after = {t for s in after for t in s["traj_ids"]}
+    kept = [g for g in at_3.ready if {t.traj_id for t in g.samples} <= trained_after]
+    assert kept and len(kept) >= len(at_3.ready) - stale_after
+
+    # no prompt repeated or skipped: the rows trained before the checkpoint and after the
+    # resume, and those the replay still held at the end (its step-6 state), are every row
+    # drawn, each once (less the groups dropped as stale, which are never trained)
+    at_6 = read_state(second / "checkpoints" / "step_6" / REPLAY_FILE)
+    held = [_row(g.item.group_id) for g in at_6.ready] + [_row(p.group_id) for p in at_6.reissue]
+    seen = Counter(_rows(before) + _rows(after) + held)
+    assert [r for r, k in seen.items() if k > 1] == [], "a prompt was repeated"
+    stale = sum(r["stale_dropped"] for r in read_jsonl(first / "metrics.jsonl")[:3]) + stale_after
+    assert set(seen) <= set(range(at_6.rows_drawn))
+    assert len(set(range(at_6.rows_drawn)) - set(seen)) == stale, "a prompt was skipped"
 
 
 def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):

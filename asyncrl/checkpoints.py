@@ -1,0 +1,85 @@
+"""The layout of a checkpoint directory, shared by its writers (the learner's ranks and the
+replay) and its readers (config validation, the learner and the replay on resume, and a
+launcher looking for the newest checkpoint).
+
+`run_dir/checkpoints/step_<v>/` holds, all taken at learner version v:
+- `dcp/`: every learner rank's shards (`learner.checkpoint`); `dcp/.metadata` is written last;
+- `replay.msgpack`: the replay's whole state (`replay.checkpoint`);
+- `trainer.json`: the version and the trainer's own state.
+
+Atomicity: the parts are written into `step_<v>.partial/`, and learner rank 0 renames it to
+`step_<v>` once all three are in (one `rename`, atomic on a POSIX filesystem). So a directory
+named `step_<v>` is complete by construction, and a crash at any point before the rename leaves
+the previous checkpoint the newest one (`latest_checkpoint`); a `.partial` directory is never
+resumed from. `check_complete` still checks every part, so a directory someone assembled or
+damaged by hand is refused with the name of what is missing.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from pathlib import Path
+
+SHARDS_DIR = "dcp"
+SHARDS_DONE = "dcp/.metadata"  # written by torch.distributed.checkpoint after every shard
+REPLAY_FILE = "replay.msgpack"
+TRAINER_FILE = "trainer.json"
+PARTS = (SHARDS_DONE, REPLAY_FILE, TRAINER_FILE)
+"""What a complete checkpoint directory holds (files, relative to it)."""
+
+_STEP = re.compile(r"step_(\d+)")
+
+
+class IncompleteCheckpoint(ValueError):
+    """A checkpoint directory that cannot be resumed from; the text names the file."""
+
+
+def checkpoint_dir(run_dir: str | Path, version: int) -> Path:
+    """Where the checkpoint of `version` lives once complete."""
+    return Path(run_dir) / "checkpoints" / f"step_{version}"
+
+
+def partial_dir(run_dir: str | Path, version: int) -> Path:
+    """Where the parts of `version`'s checkpoint are written before `publish`."""
+    return Path(run_dir) / "checkpoints" / f"step_{version}.partial"
+
+
+def missing_parts(path: str | Path) -> list[str]:
+    """The parts (`PARTS`) that `path` lacks, as full paths; [] for a complete checkpoint."""
+    return [str(Path(path) / part) for part in PARTS if not (Path(path) / part).is_file()]
+
+
+def check_complete(path: str | Path) -> None:
+    """Raise IncompleteCheckpoint naming the first missing file, unless `path` is complete."""
+    missing = missing_parts(path)
+    if missing:
+        raise IncompleteCheckpoint(
+            f"{path} is not a complete checkpoint: {missing[0]} is missing (a checkpoint is "
+            f"complete when it holds {', '.join(PARTS)})"
+        )
+
+
+def publish(partial: Path) -> Path:
+    """Rename a finished `step_<v>.partial` to `step_<v>` (replacing an older one of the same
+    version, left by an earlier attempt); returns the final path."""
+    check_complete(partial)
+    final = partial.with_name(partial.name.removesuffix(".partial"))
+    if final.exists():
+        shutil.rmtree(final)
+    partial.rename(final)
+    return final
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint of the highest version under `run_dir/checkpoints`, or None.
+    `.partial` directories and incomplete ones are passed over."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return None
+    found = [
+        (int(m.group(1)), p)
+        for p in root.iterdir()
+        if (m := _STEP.fullmatch(p.name)) and p.is_dir() and not missing_parts(p)
+    ]
+    return max(found)[1] if found else None
