@@ -5,10 +5,13 @@
     python tools/simulate.py validate A.json [B.json ...] --calibration calibration.json
     python tools/simulate.py predict [--calibration calibration.json] --servers 64 \
         --learner-ranks 8 --lengths lognormal:256:1.0 --max-new-tokens 2048 --staleness 0,1,2,4,8
+    python tools/bench_pipeline.py --modes drain,inflight --lengths lognormal --json M.json
+    python tools/simulate.py modes M.json [--engine continuous]   # drain vs inflight
 
 It predicts throughput, idle ratios and staleness for fleets this machine cannot run; the model
-itself, and what it mirrors of the code, is `asyncrl/pipeline_model.py`. Method and figures:
-docs/simulator.md.
+itself, and what it mirrors of the code, is `asyncrl/analysis/pipeline_model.py`; the weight
+update modes (`rollout.weight_update_mode` drain vs inflight) are `tools/sim_weight_updates.py`.
+Method and figures: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from sim_weight_updates import ModeMeans, WeightUpdate, mean_mode
 
 from asyncrl.analysis.pipeline_model import Costs, Fleet, Lengths, Result, simulate
 
@@ -192,6 +196,91 @@ def mean_result(fleet: Fleet, costs: Costs, steps: int, warmup: int, seeds: int)
     )
 
 
+# ---- weight-update modes: drain vs inflight -------------------------------------------------
+MODES = ("drain", "inflight")
+
+
+def fit_mode_costs(bench: dict[str, Any]) -> tuple[Costs, WeightUpdate]:
+    """Costs of a `bench_pipeline.py --modes drain,inflight` record. Generation from the
+    record's `decode` timing of the engine (else as `fit_costs` fits it from the drain run's
+    spans, which assumes static batches), broadcast as `fit_costs` fits it; training on the tokens really trained (the
+    learner packs, so no padding to the longest), from both runs; `apply_s` from the inflight
+    run's apply spans (a drain apply span includes the wait for the rows in flight); the
+    latencies only a synchronous run shows (lease, scoring, delivery) from the built-in
+    calibration; the recompute from the record's `prefill` timing of the bench model (a
+    forward over rows x tokens), else one prefill plus a decode row-step per token."""
+    costs, _ = fit_costs([bench], ("drain",))
+    costs = dataclasses.replace(costs, **{k: float(v) for k, v in bench.get("decode", {}).items()})
+    warmup, x, y, applies = bench["warmup"], [], [], []
+    for mode, run in bench["runs"].items():
+        for r in run["steps"][warmup:]:
+            x.append([1.0, r["train_tokens_per_s"] * r["time_update_s"]])
+            y.append(r["step_time_s"] - r["time_fetch_batch_s"] - r["time_broadcast_weights_s"])
+        if mode == "inflight":
+            warm = run["steps"][0]["time"]
+            spans = run["spans"]
+            applies += [s["dur"] for s in spans if s["name"] == "apply_weights" and s["ts"] >= warm]
+    train, built_in = _nnls(x, y), Costs()
+    costs = dataclasses.replace(
+        costs,
+        train_step_s=train[0],
+        train_token_s=train[1],
+        apply_s=statistics.fmean(applies) if applies else costs.apply_s,
+        lease_s=built_in.lease_s,
+        score_s=built_in.score_s,
+        deliver_s=built_in.deliver_s,
+    )
+    prefill = bench.get("prefill") or {
+        "fixed_s": costs.gen_batch_s,
+        "token_s": costs.gen_seq_step_s,
+    }
+    return costs, WeightUpdate("drain", prefill["fixed_s"], prefill["token_s"])
+
+
+def predict_modes(
+    bench: dict[str, Any], engine: str, seeds: int = 3, steps: int = 80
+) -> dict[str, ModeMeans]:
+    """Each mode of a `--modes` record, simulated with the record's fleet (its exact response
+    lengths, `engine` batching, training on real tokens) and `fit_mode_costs`."""
+    costs, update = fit_mode_costs(bench)
+    runs = bench["runs"]
+    lengths = tuple(x for run in runs.values() for x in run["response_lengths"])
+    fleet = fleet_of_run(runs["drain"], engine=engine, padded_training=False)
+    fleet = dataclasses.replace(fleet, lengths=dataclasses.replace(fleet.lengths, values=lengths))
+    warmup = bench["warmup"]
+    steps = max(steps, runs["drain"]["config"]["total_steps"])
+    return {
+        m: mean_mode(fleet, costs, dataclasses.replace(update, mode=m), steps, warmup, seeds)
+        for m in MODES
+    }
+
+
+def print_modes(bench: dict[str, Any], predicted: dict[str, ModeMeans]) -> float:
+    """Measured vs predicted, per mode, and the inflight/drain ratios; returns the predicted
+    ratio."""
+    meas = {m: bench["runs"][m]["measured"] for m in MODES}
+    print(f"{'':26}" + "".join(f"{m + ' meas.':>15}{'pred.':>9}" for m in MODES))
+    for label, key, pkey, fmt in (
+        ("samples/s", "samples_per_s", "samples_per_s", "{:.2f}"),
+        ("server idle", "server_idle", "server_idle", "{:.3f}"),
+        ("stall per sync, s", "stall_per_sync_s", "stall_per_sync_s", "{:.3f}"),
+        ("multi-version fraction", "multi_version_frac", "multi_version_frac", "{:.3f}"),
+    ):
+        cells = [
+            f"{fmt.format(meas[m].get(key, float('nan'))):>15}"
+            f"{fmt.format(getattr(predicted[m], pkey)):>9}"
+            for m in MODES
+        ]
+        print(f"{label:26}" + "".join(cells))
+    measured = meas["inflight"]["samples_per_s"] / meas["drain"]["samples_per_s"]
+    ratio = predicted["inflight"].samples_per_s / predicted["drain"].samples_per_s
+    print(
+        f"inflight/drain samples/s: measured {measured:.2f} (target >= 1.30), simulator "
+        f"{ratio:.2f} ({100 * (ratio - measured) / measured:+.0f}%, target within 15%)"
+    )
+    return ratio
+
+
 # ---- command line ---------------------------------------------------------------------------
 def load_costs(path: Path | None) -> Costs:
     """A `calibrate` output file's costs; the built-in calibration when `path` is None."""
@@ -306,6 +395,16 @@ def cmd_predict(args: argparse.Namespace) -> None:
     )
 
 
+def cmd_modes(args: argparse.Namespace) -> None:
+    bench = json.loads(args.bench.read_text())
+    engine = args.engine or bench.get("engine", "continuous")
+    costs, update = fit_mode_costs(bench)
+    print(f"costs: {costs}")
+    print(f"recompute: {update.recompute_s:.4g} s + {update.recompute_token_s:.3g} s/token")
+    print(f"engine batching modelled: {engine}")
+    print_modes(bench, predict_modes(bench, engine, args.seeds, args.steps))
+
+
 def _cost_override(text: str) -> tuple[str, float]:
     name, _, value = text.partition("=")
     if name not in {f.name for f in dataclasses.fields(Costs)}:
@@ -331,6 +430,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--per-run", action="store_true", help="each run's own generation/training costs"
     )
     v.set_defaults(fn=cmd_validate)
+    m = sub.add_parser("modes", help="drain vs inflight: a bench_pipeline --modes record")
+    m.add_argument("bench", type=Path)
+    m.add_argument("--engine", choices=("static", "continuous"), help="default: the record's")
+    m.add_argument("--seeds", type=int, default=3)
+    m.add_argument("--steps", type=int, default=80, help="simulated steps (at least the run's)")
+    m.set_defaults(fn=cmd_modes)
     p = sub.add_parser("predict", help="throughput, idle ratios, staleness for a fleet")
     p.add_argument("--calibration", type=Path, help="a calibrate output (default: built in)")
     p.add_argument("--servers", type=int, default=64)

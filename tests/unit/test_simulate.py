@@ -15,12 +15,17 @@ ROOT = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def sim():
+    """tools/simulate.py, imported as its command line does (tools/ first on sys.path: it
+    imports tools/sim_weight_updates.py by name)."""
+    sys.path.insert(0, str(ROOT / "tools"))
     spec = importlib.util.spec_from_file_location("simulate", ROOT / "tools" / "simulate.py")
     module = importlib.util.module_from_spec(spec)
     sys.modules["simulate"] = module  # dataclasses look their module up while the class is built
     spec.loader.exec_module(module)
     yield module
     sys.modules.pop("simulate", None)
+    sys.modules.pop("sim_weight_updates", None)
+    sys.path.remove(str(ROOT / "tools"))
 
 
 def long_tailed(sim, engine="static", servers=4, staleness=2):
