@@ -60,7 +60,8 @@ from asyncrl.metrics import read_jsonl
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def build_bench_model(out: Path, hidden: int, layers: int) -> str:
+def build_bench_model(out: Path, hidden: int, layers: int, context: int = 256) -> str:
+    """A random Llama of the given size whose context holds `context` tokens."""
     from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
@@ -70,6 +71,7 @@ def build_bench_model(out: Path, hidden: int, layers: int) -> str:
         num_hidden_layers=layers,
         num_attention_heads=hidden // 32,
         num_key_value_heads=hidden // 32,
+        max_position_embeddings=context,
     )
     model = build_tiny_model(tokenizer, spec, seed=0)
     model.save_pretrained(out)
@@ -369,7 +371,8 @@ def report_modes(results: dict[str, dict[str, Any]], bench: dict[str, Any]) -> N
 def main() -> int:
     args = parse_args()
     work = Path(tempfile.mkdtemp(prefix="asyncrl-bench-"))
-    model = build_bench_model(work / "model", args.hidden, args.layers)
+    context = max(256, args.new_tokens + 128)  # the prompt and the longest response
+    model = build_bench_model(work / "model", args.hidden, args.layers, context)
     extra = length_overrides(args)
     if args.modes is None:
         runs = {

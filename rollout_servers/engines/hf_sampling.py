@@ -96,19 +96,15 @@ class LiveBatch:
             Row(ids, p, (frozenset() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids), o)
             for ids, p, o in requests
         ]
-        ids, mask = _left_padded([r.prompt for r in rows], self.pad_id, self.device)
-        logits, cache = _forward_whole(self.model, ids, mask)
+        order, new = _prefill(
+            self.model, [r.prompt for r in rows], self.pad_id, self.device, self.merges
+        )
+        rows = [rows[i] for i in order]
         if self.rows:
             assert self.cache is not None and self.logits is not None
-            width = max(self.mask.shape[1], mask.shape[1])
-            for mine, theirs in zip(self.cache.layers, cache.layers, strict=True):
-                mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)])
-                mine.values = torch.cat(
-                    [_pad_left(mine.values, width), _pad_left(theirs.values, width)]
-                )
-            mask = torch.cat([_pad_left(self.mask, width), _pad_left(mask, width)])
-            logits, cache = torch.cat([self.logits, logits]), self.cache
-        self.rows, self.mask, self.cache, self.logits = self.rows + rows, mask, cache, logits
+            new = _concat((self.logits, self.cache, self.mask), new)
+        self.logits, self.cache, self.mask = new
+        self.rows = self.rows + rows
         self._rows_changed()
         return rows
 
@@ -166,8 +162,11 @@ class LiveBatch:
             # rows joined at different steps: each is its prompt and its own tokens so far
             seqs = [r.prompt + r.tokens for r in self.rows]
             self.logits = self.cache = None  # free the old cache before building the new one
-            ids, self.mask = _left_padded(seqs, self.pad_id, self.device)
-            self.logits, self.cache = _forward_whole(self.model, ids, self.mask)
+            order, (self.logits, self.cache, self.mask) = _prefill(
+                self.model, seqs, self.pad_id, self.device, self.merges
+            )
+            self.rows = [self.rows[i] for i in order]
+            self._rows_changed()
             self.next_ids = None
             return
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
@@ -189,6 +188,57 @@ class LiveBatch:
         params = [r.params for r in self.rows]
         self._temperature = torch.tensor([p.temperature for p in params], device=self.device)
         self._top_p = torch.tensor([p.top_p for p in params], device=self.device)
+
+
+Prefilled = tuple[torch.Tensor, DynamicCache, torch.Tensor]
+"""Next-token logits, KV cache and attention mask of left-padded rows."""
+
+PAD_WASTE = 0.25
+"""A prefill chunk's padding may add at most this share to its real tokens' compute."""
+
+
+def _prefill(
+    model: torch.nn.Module,
+    seqs: list[list[int]],
+    pad_id: int,
+    device: torch.device,
+    chunked: bool = True,
+) -> tuple[list[int], Prefilled]:
+    """A forward of every sequence, in chunks of rows of similar length (sorted, a chunk closed
+    before its padding would exceed PAD_WASTE of its tokens), merged into one cache: long-tailed
+    lengths padded to the longest as one batch would cost rows x longest instead of the sum of
+    the lengths. Returns the order of `seqs` in the result, and the result."""
+    order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
+    chunks: list[list[int]] = [[]]
+    tokens = 0
+    for i in order:
+        longest = len(seqs[i])  # ascending: the newest row is the chunk's longest
+        wasteful = (len(chunks[-1]) + 1) * longest > (1 + PAD_WASTE) * (tokens + longest)
+        if chunked and chunks[-1] and wasteful:
+            chunks.append([])
+            tokens = 0
+        chunks[-1].append(i)
+        tokens += longest
+    merged: Prefilled | None = None
+    for chunk in chunks:
+        ids, mask = _left_padded([seqs[i] for i in chunk], pad_id, device)
+        logits, cache = _forward_whole(model, ids, mask)
+        part = (logits, cache, mask)
+        merged = part if merged is None else _concat(merged, part)
+    assert merged is not None
+    return [i for chunk in chunks for i in chunk], merged
+
+
+def _concat(a: Prefilled, b: Prefilled) -> Prefilled:
+    """The rows of `a` then those of `b` (`a`'s cache object is reused): the narrower is
+    left-padded with zeros that the mask hides."""
+    (logits_a, cache_a, mask_a), (logits_b, cache_b, mask_b) = a, b
+    width = max(mask_a.shape[1], mask_b.shape[1])
+    for mine, theirs in zip(cache_a.layers, cache_b.layers, strict=True):
+        mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)])
+        mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(theirs.values, width)])
+    mask = torch.cat([_pad_left(mask_a, width), _pad_left(mask_b, width)])
+    return torch.cat([logits_a, logits_b]), cache_a, mask
 
 
 def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:

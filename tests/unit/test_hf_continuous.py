@@ -209,3 +209,32 @@ def test_sliding_window_caches_are_not_merged():
         batch.sample(0)
         batch.advance()
         assert not batch.can_admit()
+
+
+def test_prefill_chunks_long_tailed_lengths_and_stays_exact(model_path, monkeypatch):
+    """Rows of very different lengths (a recompute after an in-flight version, or prompts
+    admitted together) are prefilled in chunks of similar length: the compute spent on padding
+    stays within PAD_WASTE of the real tokens, and each row's logits equal an unpadded
+    forward's."""
+    from rollout_servers.engines import hf_sampling
+
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    seqs = [[5 + k % 20 for k in range(n)] for n in (3, 120, 4, 110, 2, 60)]
+    shapes = []
+    forward = hf_sampling._forward_whole
+
+    def counting(model, ids, mask):
+        shapes.append(tuple(ids.shape))
+        return forward(model, ids, mask)
+
+    monkeypatch.setattr(hf_sampling, "_forward_whole", counting)
+    with torch.no_grad():
+        order, (logits, _, mask) = hf_sampling._prefill(model, seqs, 0, torch.device("cpu"))
+    assert sorted(order) == list(range(len(seqs))) and len(shapes) > 1
+    real = sum(len(s) for s in seqs)
+    assert sum(r * w for r, w in shapes) <= (1 + hf_sampling.PAD_WASTE) * real, shapes
+    for j, i in enumerate(order):
+        assert int(mask[j].sum()) == len(seqs[i])
+        with torch.no_grad():
+            alone = model(torch.tensor([seqs[i]])).logits[0, -1].float()
+        assert (logits[j] - alone).abs().max() < 1e-5
