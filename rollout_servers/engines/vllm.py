@@ -167,6 +167,7 @@ class VLLMEngine(Engine):
         self.weight_update_mode = weight_update_mode
         self._live: set[str] = set()  # vLLM request ids in flight
         self._aborts = 0  # versions that aborted requests in flight (inflight mode)
+        self._broken: BaseException | None = None  # a version failed: every request fails
         self._inflight = 0
         self._busy_since = 0.0
         self._busy_done = 0.0  # seconds of busy periods that ended
@@ -223,6 +224,8 @@ class VLLMEngine(Engine):
         while True:
             while not self._open.is_set():
                 await self._open.wait()
+            if self._broken is not None:  # weights that failed to load or their check
+                raise self._broken
             version, aborts = self._version, self._aborts
             left = replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
             sample = await self._run(prompt_ids + tokens, left, version)
@@ -274,10 +277,11 @@ class VLLMEngine(Engine):
     def _leave(self, version: int) -> None:
         """A busy period (from the first request in flight to none) is this engine's "batch":
         vLLM batches continuously, so busy time and trace spans are measured per period."""
-        self._inflight -= 1
-        if self._inflight == 0:
+        if self._inflight == 1:  # ends the period: counted before busy_s stops adding it
             took = time.time() - self._busy_since
             self._busy_done += took
+        self._inflight -= 1
+        if self._inflight == 0:
             if self.on_batch is not None:
                 self.on_batch(self._busy_since, took, self._period_requests, version)
             self._drained.set()
@@ -329,11 +333,20 @@ class VLLMEngine(Engine):
         taken. When loading or the delivery check fails the gate stays closed: no token is
         sampled from weights that are not the version's."""
         start = time.perf_counter()
-        self._call(self._load(notice.version))
-        probe = torch.tensor(notice.probe) if notice.probe else None
-        check_delivery(self, notice.version, probe, self._vocab)
+        try:
+            self._call(self._load(notice.version))
+            probe = torch.tensor(notice.probe) if notice.probe else None
+            check_delivery(self, notice.version, probe, self._vocab)
+        except BaseException as e:  # waiting callers and later ones fail with it, not hang
+            self._call(self._fail(e))
+            raise
         self._call(self._reopen(notice.version))
         return time.perf_counter() - start
+
+    async def _fail(self, error: BaseException) -> None:
+        """On the engine loop: the gate opens onto `error` (it never reopens onto weights)."""
+        self._broken = error
+        self._open.set()
 
     async def _load(self, version: int) -> None:
         """On the engine loop: close the gate, drain (inflight mode: abort the requests in

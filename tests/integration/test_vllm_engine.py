@@ -220,6 +220,10 @@ async def test_delivery_check_stops_an_engine_whose_weights_are_not_the_version(
         await asyncio.to_thread(receiver.join, 60)
         assert len(errors) == 1 and isinstance(errors[0], DeliveryError), errors
         assert "version 1" in str(errors[0]) and engine.version == 0 and not applied
+        # a later request fails with the same error instead of waiting at the closed gate
+        later = engine.generate(PROMPT, SamplingParams(max_new_tokens=2))
+        with pytest.raises(DeliveryError):
+            await asyncio.wait_for(later, 30)
         # the same weights with their own probe pass: the check measures what was loaded
         assert (
             engine.probe_logprobs(list(range(3, 19))) - logprobs(sent, 3, 19)
