@@ -144,6 +144,7 @@ class HFEngine(Engine):
         # it again inside)
         self._lock = threading.RLock()
         self._broken: DeliveryError | None = None
+        self._closed = False
         self._version = version
         self._params = dict(self.model.state_dict())
         # LoRA (`asyncrl.lora`): versions carry adapters, merged into a copy of the base weights
@@ -165,6 +166,8 @@ class HFEngine(Engine):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+        if self._closed:
+            raise RuntimeError("HFEngine is closed")
         loop = asyncio.get_running_loop()
         if (
             self._runner is not None
@@ -416,6 +419,7 @@ class HFEngine(Engine):
         yield from self._params.items()
 
     async def close(self) -> None:
+        self._closed = True  # a later generate raises instead of waiting on a stopped executor
         if self._runner is not None and not self._runner.done():
             await self._runner
         self._executor.shutdown(wait=True)

@@ -238,3 +238,11 @@ def test_prefill_chunks_long_tailed_lengths_and_stays_exact(model_path, monkeypa
         with torch.no_grad():
             alone = model(torch.tensor([seqs[i]])).logits[0, -1].float()
         assert (logits[j] - alone).abs().max() < 1e-5
+
+
+async def test_generate_after_close_raises(model_path):
+    engine = HFEngine(model_path)
+    await engine.generate([5, 6], SamplingParams(max_new_tokens=2))
+    await engine.close()
+    with pytest.raises(RuntimeError, match="closed"):
+        await asyncio.wait_for(engine.generate([5, 6], SamplingParams(max_new_tokens=2)), 10)
