@@ -200,6 +200,9 @@ class TrainerConfig(_Section):
     (0: never); see `asyncrl.checkpoints`."""
     resume_from: str | None = None
     """A complete checkpoint directory (run_dir/checkpoints/step_N) to continue training from."""
+    auto_resume: int = Field(0, ge=0)
+    """When the learner or the replay dies, restart the whole run from its latest checkpoint,
+    up to this many times (0: a death ends the run); needs save_every > 0."""
     log_samples: bool = False
     """Write every trained trajectory id and version to run_dir/samples.jsonl (audits, tests)."""
     val_every: int = Field(0, ge=0)
@@ -252,6 +255,16 @@ class LaunchConfig(_Section):
     """A fleet that is not up by then fails the launch."""
     progress: Literal["auto", "line", "none"] = "auto"
     """Live progress display: `auto` (a refreshing line on a terminal), `line`, `none`."""
+    heartbeat_s: float = Field(2.0, gt=0)
+    """How often each rollout server tells the replay it is alive."""
+    server_timeout_s: float = Field(30.0, gt=0)
+    """A server silent this long (dead, hung, SIGSTOPped) is declared dead: its leases are
+    re-issued at once and the launcher kills and restarts it."""
+    max_restarts: int = Field(3, ge=0)
+    """Restarts per rollout server; one that fails after the last is dropped from the run,
+    which goes on with the others (0: a server death ends the run)."""
+    restart_backoff_s: float = Field(2.0, ge=0)
+    """Wait before a server's first restart, doubled for each restart after it."""
 
 
 class Config(_Section):
@@ -279,6 +292,16 @@ class Config(_Section):
             raise ValueError(
                 f"trainer.resume_from={resume!r} is not a complete checkpoint: "
                 f"{missing_parts(resume)[0]} is missing"
+            )
+        if self.trainer.auto_resume > 0 and self.trainer.save_every == 0:
+            raise ValueError(
+                f"trainer.auto_resume={self.trainer.auto_resume} needs checkpoints to resume "
+                "from: set trainer.save_every > 0"
+            )
+        if self.launch.server_timeout_s <= self.launch.heartbeat_s:
+            raise ValueError(
+                f"launch.server_timeout_s={self.launch.server_timeout_s} must be longer than "
+                f"launch.heartbeat_s={self.launch.heartbeat_s}: every server would be declared dead"
             )
         ray = self.launch.ray
         for who, cpus, gpus in (

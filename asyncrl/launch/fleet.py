@@ -29,7 +29,12 @@ FOLLOWERS_WINDOW_S = 2.0
 
 
 class LaunchError(RuntimeError):
-    """A fleet failed; the message names the process and why."""
+    """A fleet failed; the message names the process and why, `failed` the members that
+    failed (first death first; empty when no member died, e.g. a start that timed out)."""
+
+    def __init__(self, message: str, failed: Sequence[str] = ()):
+        super().__init__(message)
+        self.failed = tuple(failed)
 
 
 class Fleet(Protocol):
@@ -157,7 +162,8 @@ def raise_on_failure(fleet: Fleet, window_s: float = FOLLOWERS_WINDOW_S) -> None
     deadline = time.monotonic() + window_s
     while (left := deadline - time.monotonic()) > 0 and fleet.wait(left):
         fleet.failures()  # stamps what ended, as it ends
-    raise LaunchError(failure_report(fleet.failures()))
+    failed = fleet.failures()
+    raise LaunchError(failure_report(failed), [m.name for m in failed])
 
 
 def wait_for_replay(fleet: Fleet, answers: Callable[[], bool], timeout_s: float) -> None:
