@@ -2,13 +2,15 @@
 decode steps (continuous batching), KV-cached decoding, and the cache rebuild after a weight
 version arrives in flight (`rollout.weight_update_mode=inflight`).
 
-Rows join by a prefill of the new rows alone, whose cache is then merged into the running one:
-the shorter of the two is left-padded along the sequence with zeros that the attention mask
-hides, and the two are concatenated along the batch. Position ids come from the attention mask,
-so a left-padded row sees the same positions as it would unpadded (and as in the learner's
-right-padded forward): a row's log-probs do not depend on which rows it shared the batch with.
-Columns that are padding for every live row (left by long rows that finished) are trimmed, so
-the cache holds at most the longest live row plus its padding.
+Rows join by a prefill of the new rows alone (in chunks of similar length), whose cache is then
+merged into a running cohort's (`Cohort`: rows decoded by one forward): the shorter of the two
+is left-padded along the sequence with zeros that the attention mask hides, and the two are
+concatenated along the batch. A chunk that would pad a cohort too much starts a cohort of its
+own (`LiveBatch`), so short rows do not attend over the padding of a long one. Position ids come
+from the attention mask, so a left-padded row sees the same positions as it would unpadded (and
+as in the learner's right-padded forward): a row's log-probs do not depend on which rows it
+shared a cohort with. Columns that are padding for every row of a cohort (left by long rows
+that finished) are trimmed, so its cache holds at most its longest row plus its padding.
 
 In-flight updates: when a new version is applied between two decode steps, every later token is
 sampled from the new weights and recorded with the new version. The KV cache of the rows in
@@ -32,6 +34,19 @@ from rollout_servers.engines.base import SamplingParams
 
 InflightKV = Literal["recompute", "keep"]
 
+Prefilled = tuple[torch.Tensor, DynamicCache, torch.Tensor]
+"""Next-token logits, KV cache and attention mask of left-padded rows."""
+
+PAD_WASTE = 0.25
+"""A prefill chunk's padding may add at most this share to its real tokens' compute; rows join
+a cohort whose padding they raise by at most this share (or MERGE_SLACK_CELLS)."""
+MERGE_SLACK_CELLS = 1024
+"""Padding cells (rows x columns) a merge may always add: a decode step's fixed cost (a forward
+of the tiny models' few layers, ~3 ms on the reference CPU) is worth ~1,000 cells of attention
+and cache copying (~2.5 us each, the bench model at 32 rows x 64-1,000 columns)."""
+MAX_COHORTS = 4
+"""Cohorts decoded per step at most (each is one forward); beyond it rows join the cheapest."""
+
 
 @dataclass
 class Row:
@@ -50,69 +65,42 @@ class Row:
     reason: Literal["stop", "length"] = "length"
 
 
-class LiveBatch:
-    """The rows being sampled together, their attention mask, KV cache and next-token logits.
+class Cohort:
+    """Rows decoded by one forward: their attention mask, KV cache and next-token logits, every
+    row left-padded to the longest. Invariant between steps: row i of `rows`, `mask`, the cache
+    and the logits is the same response, and each row's mask is zeros (padding) then ones (its
+    sequence so far)."""
 
-    One step is `sample` (a token for every row; finished rows leave) then `advance` (a forward
-    of the new tokens); `admit` adds rows between two steps (after `advance`, or to an empty
-    batch). Invariant between steps: row i of `rows`, `mask`, the cache and the logits is the
-    same response, and each row's mask is zeros (padding) then ones (its sequence so far).
-    """
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        eos_ids: frozenset[int],
-        pad_id: int,
-        generator: torch.Generator,
-        inflight_kv: InflightKV = "recompute",
-    ):
-        self.model, self.eos_ids, self.pad_id = model, eos_ids, pad_id
-        self.generator, self.inflight_kv = generator, inflight_kv
-        self.device = next(model.parameters()).device
-        self.rows: list[Row] = []
-        self.mask = torch.zeros((0, 0), dtype=torch.long, device=self.device)
-        self.cache: DynamicCache | None = None
-        self.logits: torch.Tensor | None = None  # next-token logits of every row, until sampled
+    def __init__(self, rows: list[Row], prefilled: Prefilled, trims: bool = True):
+        self.rows, self.trims = rows, trims
+        self.logits: torch.Tensor | None  # next-token logits of every row, until sampled
+        self.logits, self.cache, self.mask = prefilled
         self.next_ids: torch.Tensor | None = None  # sampled, not yet in the cache
-        # caches other than plain full-attention layers (sliding windows, linear attention)
-        # cannot be padded and merged: such models batch statically (rows join an empty batch)
-        probe = DynamicCache(config=model.config)
-        self.merges = all(type(layer) is DynamicLayer for layer in probe.layers)
-        self._temperature = self._top_p = torch.zeros(0, device=self.device)
+        self._rows_changed()
 
-    def __len__(self) -> int:
-        return len(self.rows)
+    @property
+    def cells(self) -> int:
+        """Rows x columns: what one decode step attends over."""
+        return self.mask.shape[0] * self.mask.shape[1]
 
-    def can_admit(self) -> bool:
-        """Rows may join now (between two steps; not in a batch that cannot merge caches)."""
-        return self.next_ids is None and (self.merges or not self.rows)
+    def merge_cost(self, other: Prefilled) -> tuple[int, int]:
+        """(padding cells a merge with `other` would add, real tokens of both)."""
+        width = max(self.mask.shape[1], other[2].shape[1])
+        rows = self.mask.shape[0] + other[2].shape[0]
+        added = rows * width - self.cells - other[2].numel()
+        return added, int(self.mask.sum()) + int(other[2].sum())
 
-    def admit(self, requests: list[tuple[list[int], SamplingParams, Any]]) -> list[Row]:
-        """Add rows (prompt ids, parameters, owner): a prefill of the new rows alone, its cache
-        merged into the running one. Returns the new rows."""
-        assert requests and self.can_admit(), "rows join between steps"
-        rows = [
-            Row(ids, p, (frozenset() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids), o)
-            for ids, p, o in requests
-        ]
-        order, new = _prefill(
-            self.model, [r.prompt for r in rows], self.pad_id, self.device, self.merges
-        )
-        rows = [rows[i] for i in order]
-        if self.rows:
-            assert self.cache is not None and self.logits is not None
-            new = _concat((self.logits, self.cache, self.mask), new)
-        self.logits, self.cache, self.mask = new
+    def absorb(self, rows: list[Row], other: Prefilled) -> None:
+        assert self.logits is not None, "rows join between steps"
+        self.logits, self.cache, self.mask = _concat((self.logits, self.cache, self.mask), other)
         self.rows = self.rows + rows
         self._rows_changed()
-        return rows
 
-    def sample(self, version: int) -> list[Row]:
-        """Sample one token for every row, recorded with `version` (the weights that computed
-        the logits); rows that stop or reach max_new_tokens leave the batch and are returned."""
+    def sample(self, version: int, generator: torch.Generator) -> list[Row]:
+        """One token for every row, recorded with `version`; rows that stop or reach
+        max_new_tokens leave and are returned."""
         assert self.logits is not None and self.next_ids is None, "sample after admit/advance"
-        ids, lps = sample_next(self.logits, self._temperature, self._top_p, self.generator)
+        ids, lps = sample_next(self.logits, self._temperature, self._top_p, generator)
         self.logits, self.next_ids = None, ids
         finished = []
         for row, tok, lp in zip(self.rows, ids.tolist(), lps.tolist(), strict=True):
@@ -127,19 +115,17 @@ class LiveBatch:
         return finished
 
     def remove(self, rows: list[Row]) -> None:
-        """Rows leave the batch (finished, or their caller gave up on them); padding columns no
-        live row needs any more are trimmed from the mask and cache."""
-        if not rows:
-            return
+        """Rows leave; padding columns no row needs any more go too (unless the cache cannot
+        be trimmed: `LiveBatch.merges`)."""
         gone = {id(r) for r in rows}
         keep = [j for j, r in enumerate(self.rows) if id(r) not in gone]
-        self.rows = [self.rows[j] for j in keep]
-        if not self.rows:  # empty: the next admit starts a fresh cache
-            self.mask, self.cache, self.logits, self.next_ids = self.mask[:0, :0], None, None, None
-            self._rows_changed()
+        if len(keep) == len(self.rows):
             return
-        index = torch.tensor(keep, device=self.device)
-        assert self.cache is not None
+        if not keep:  # empty: the batch drops this cohort
+            self.rows = []
+            return
+        self.rows = [self.rows[j] for j in keep]
+        index = torch.tensor(keep, device=self.mask.device)
         self.cache.batch_select_indices(index)
         self.mask = self.mask[index]
         if self.next_ids is not None:
@@ -147,32 +133,19 @@ class LiveBatch:
         if self.logits is not None:
             self.logits = self.logits[index]
         self._rows_changed()
-        lead = int(self.mask.any(dim=0).int().argmax())  # leading columns of padding only
-        if lead and self.merges:
+        lead = int(self.mask.any(dim=0).int().argmax())
+        if lead and self.trims:  # leading columns of padding only
             self.mask = self.mask[:, lead:]
             for layer in self.cache.layers:
                 layer.keys, layer.values = layer.keys[..., lead:, :], layer.values[..., lead:, :]
 
-    def advance(self, weights_changed: bool = False) -> None:
-        """Feed the tokens just sampled: one decode step over the cache, or, when new weights
-        were applied since the last step and `inflight_kv="recompute"`, a forward of every
-        row's whole sequence that rebuilds the cache under the new weights."""
-        assert self.next_ids is not None and self.cache is not None, "advance after sample"
-        if weights_changed and self.inflight_kv == "recompute":
-            # rows joined at different steps: each is its prompt and its own tokens so far
-            seqs = [r.prompt + r.tokens for r in self.rows]
-            self.logits = self.cache = None  # free the old cache before building the new one
-            order, (self.logits, self.cache, self.mask) = _prefill(
-                self.model, seqs, self.pad_id, self.device, self.merges
-            )
-            self.rows = [self.rows[i] for i in order]
-            self._rows_changed()
-            self.next_ids = None
-            return
+    def advance(self, model: torch.nn.Module) -> None:
+        """Feed the tokens just sampled: one decode step over the cache."""
+        assert self.next_ids is not None, "advance after sample"
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
         position = self.mask.sum(dim=-1, keepdim=True) - 1  # of the newest token
         self.logits = (
-            self.model(
+            model(
                 input_ids=self.next_ids[:, None],
                 attention_mask=self.mask,
                 position_ids=position,
@@ -186,15 +159,108 @@ class LiveBatch:
 
     def _rows_changed(self) -> None:
         params = [r.params for r in self.rows]
-        self._temperature = torch.tensor([p.temperature for p in params], device=self.device)
-        self._top_p = torch.tensor([p.top_p for p in params], device=self.device)
+        device = self.mask.device
+        self._temperature = torch.tensor([p.temperature for p in params], device=device)
+        self._top_p = torch.tensor([p.top_p for p in params], device=device)
 
 
-Prefilled = tuple[torch.Tensor, DynamicCache, torch.Tensor]
-"""Next-token logits, KV cache and attention mask of left-padded rows."""
+class LiveBatch:
+    """The rows being sampled, in cohorts of similar length (`Cohort`: one forward each).
 
-PAD_WASTE = 0.25
-"""A prefill chunk's padding may add at most this share to its real tokens' compute."""
+    One step is `sample` (a token for every row; finished rows leave) then `advance` (a forward
+    of the new tokens); `admit` adds rows between two steps (after `advance`, or to an empty
+    batch). New rows are prefilled in chunks of similar length; a chunk joins the cohort it
+    pads least, unless that padding exceeds PAD_WASTE of the real tokens and MERGE_SLACK_CELLS,
+    when it starts a cohort of its own (at most MAX_COHORTS; then it joins the cheapest). One
+    padded batch would make every decode step attend over rows x the longest live row: on
+    long-tailed lengths, a few long rows made every short row pay for their length.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        eos_ids: frozenset[int],
+        pad_id: int,
+        generator: torch.Generator,
+        inflight_kv: InflightKV = "recompute",
+    ):
+        self.model, self.eos_ids, self.pad_id = model, eos_ids, pad_id
+        self.generator, self.inflight_kv = generator, inflight_kv
+        self.device = next(model.parameters()).device
+        self.cohorts: list[Cohort] = []
+        # caches other than plain full-attention layers (sliding windows, linear attention)
+        # cannot be padded and merged: such models batch statically (rows join an empty batch)
+        probe = DynamicCache(config=model.config)
+        self.merges = all(type(layer) is DynamicLayer for layer in probe.layers)
+
+    @property
+    def rows(self) -> list[Row]:
+        return [r for c in self.cohorts for r in c.rows]
+
+    def __len__(self) -> int:
+        return sum(len(c.rows) for c in self.cohorts)
+
+    def can_admit(self) -> bool:
+        """Rows may join now (between two steps; not in a batch that cannot merge caches)."""
+        between = all(c.next_ids is None for c in self.cohorts)
+        return between and (self.merges or not self.cohorts)
+
+    def admit(self, requests: list[tuple[list[int], SamplingParams, Any]]) -> list[Row]:
+        """Add rows (prompt ids, parameters, owner), prefilled alone and placed in cohorts.
+        Returns the new rows."""
+        assert requests and self.can_admit(), "rows join between steps"
+        rows = [
+            Row(ids, p, (frozenset() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids), o)
+            for ids, p, o in requests
+        ]
+        chunks = _prefill(
+            self.model, [r.prompt for r in rows], self.pad_id, self.device, self.merges
+        )
+        for order, prefilled in chunks:
+            self._place([rows[i] for i in order], prefilled)
+        return rows
+
+    def _place(self, rows: list[Row], prefilled: Prefilled) -> None:
+        costs = [c.merge_cost(prefilled) for c in self.cohorts]
+        if self.merges and costs:
+            best = min(range(len(costs)), key=lambda i: costs[i][0])
+            added, tokens = costs[best]
+            cheap = added <= MERGE_SLACK_CELLS or added <= PAD_WASTE * tokens
+            if cheap or len(self.cohorts) >= MAX_COHORTS:
+                self.cohorts[best].absorb(rows, prefilled)
+                return
+        self.cohorts.append(Cohort(rows, prefilled, trims=self.merges))
+
+    def sample(self, version: int) -> list[Row]:
+        """Sample one token for every row, recorded with `version` (the weights that computed
+        the logits); rows that stop or reach max_new_tokens leave the batch and are returned."""
+        finished = [r for c in self.cohorts for r in c.sample(version, self.generator)]
+        self.cohorts = [c for c in self.cohorts if c.rows]
+        return finished
+
+    def remove(self, rows: list[Row]) -> None:
+        """Rows leave the batch (their caller gave up on them); padding columns no live row
+        needs any more are trimmed from the mask and cache."""
+        for c in self.cohorts:
+            c.remove(rows)
+        self.cohorts = [c for c in self.cohorts if c.rows]
+
+    def advance(self, weights_changed: bool = False) -> None:
+        """Feed the tokens just sampled: one decode step per cohort, or, when new weights were
+        applied since the last step and `inflight_kv="recompute"`, a forward of every row's
+        whole sequence that rebuilds the cache under the new weights."""
+        if weights_changed and self.inflight_kv == "recompute":
+            # rows joined at different steps: each is its prompt and its own tokens so far
+            rows = self.rows
+            self.cohorts = []  # free the old caches before building the new ones
+            seqs = [r.prompt + r.tokens for r in rows]
+            for order, prefilled in _prefill(
+                self.model, seqs, self.pad_id, self.device, self.merges
+            ):
+                self._place([rows[i] for i in order], prefilled)
+            return
+        for c in self.cohorts:
+            c.advance(self.model)
 
 
 def _prefill(
@@ -203,11 +269,11 @@ def _prefill(
     pad_id: int,
     device: torch.device,
     chunked: bool = True,
-) -> tuple[list[int], Prefilled]:
+) -> list[tuple[list[int], Prefilled]]:
     """A forward of every sequence, in chunks of rows of similar length (sorted, a chunk closed
-    before its padding would exceed PAD_WASTE of its tokens), merged into one cache: long-tailed
-    lengths padded to the longest as one batch would cost rows x longest instead of the sum of
-    the lengths. Returns the order of `seqs` in the result, and the result."""
+    before its padding would exceed PAD_WASTE of its tokens; one chunk unless `chunked`): long-
+    tailed lengths padded to the longest as one batch would cost rows x longest instead of the
+    sum of the lengths. Returns each chunk's indices into `seqs` and its prefill."""
     order = sorted(range(len(seqs)), key=lambda i: len(seqs[i]))
     chunks: list[list[int]] = [[]]
     tokens = 0
@@ -219,14 +285,12 @@ def _prefill(
             tokens = 0
         chunks[-1].append(i)
         tokens += longest
-    merged: Prefilled | None = None
+    out = []
     for chunk in chunks:
         ids, mask = _left_padded([seqs[i] for i in chunk], pad_id, device)
         logits, cache = _forward_whole(model, ids, mask)
-        part = (logits, cache, mask)
-        merged = part if merged is None else _concat(merged, part)
-    assert merged is not None
-    return [i for chunk in chunks for i in chunk], merged
+        out.append((chunk, (logits, cache, mask)))
+    return out
 
 
 def _concat(a: Prefilled, b: Prefilled) -> Prefilled:

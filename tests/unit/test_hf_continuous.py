@@ -178,15 +178,16 @@ def test_padding_columns_leave_with_the_rows_that_needed_them(model_path):
     batch = LiveBatch(model, frozenset(), 0, torch.Generator().manual_seed(0))
     with torch.inference_mode():
         batch.admit([(list(range(3, 43)), exact(2), None), ([5], exact(6), None)])
-        assert batch.mask.shape[1] == 40
+        assert len(batch.cohorts) == 1 and batch.cohorts[0].mask.shape[1] == 40
         batch.sample(0)
         batch.advance()
         finished = batch.sample(0)  # the long-prompt row's second and last token
         assert len(finished) == 1 and len(batch) == 1
-        assert batch.mask.shape[1] == 2  # the short row: its prompt and first token
-        assert batch.cache is not None and batch.cache.layers[0].keys.shape[-2] == 2
+        cohort = batch.cohorts[0]
+        assert cohort.mask.shape[1] == 2  # the short row: its prompt and first token
+        assert cohort.cache.layers[0].keys.shape[-2] == 2
         batch.advance()
-        assert batch.mask.shape[1] == 3 and bool(batch.mask.all())
+        assert cohort.mask.shape[1] == 3 and bool(cohort.mask.all())
 
 
 def test_sliding_window_caches_are_not_merged():
@@ -229,15 +230,17 @@ def test_prefill_chunks_long_tailed_lengths_and_stays_exact(model_path, monkeypa
 
     monkeypatch.setattr(hf_sampling, "_forward_whole", counting)
     with torch.no_grad():
-        order, (logits, _, mask) = hf_sampling._prefill(model, seqs, 0, torch.device("cpu"))
+        chunks = hf_sampling._prefill(model, seqs, 0, torch.device("cpu"))
+    order = [i for indices, _ in chunks for i in indices]
     assert sorted(order) == list(range(len(seqs))) and len(shapes) > 1
     real = sum(len(s) for s in seqs)
     assert sum(r * w for r, w in shapes) <= (1 + hf_sampling.PAD_WASTE) * real, shapes
-    for j, i in enumerate(order):
-        assert int(mask[j].sum()) == len(seqs[i])
-        with torch.no_grad():
-            alone = model(torch.tensor([seqs[i]])).logits[0, -1].float()
-        assert (logits[j] - alone).abs().max() < 1e-5
+    for indices, (logits, _, mask) in chunks:
+        for j, i in enumerate(indices):
+            assert int(mask[j].sum()) == len(seqs[i])
+            with torch.no_grad():
+                alone = model(torch.tensor([seqs[i]])).logits[0, -1].float()
+            assert (logits[j] - alone).abs().max() < 1e-5
 
 
 async def test_generate_after_close_raises(model_path):
@@ -246,3 +249,45 @@ async def test_generate_after_close_raises(model_path):
     await engine.close()
     with pytest.raises(RuntimeError, match="closed"):
         await asyncio.wait_for(engine.generate([5, 6], SamplingParams(max_new_tokens=2)), 10)
+
+
+def test_short_rows_joining_a_long_one_get_a_cohort_of_their_own(model_path):
+    """Short rows joining a batch that holds one long row would each attend over its padding at
+    every step: they form a cohort of their own (one forward each per step), and every row's
+    log-probs still equal an unpadded forward's."""
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    batch = LiveBatch(model, frozenset(), 0, torch.Generator().manual_seed(0))
+    long_prompt = [5 + k % 40 for k in range(150)]
+    shorts = [[3 + i, 4 + i, 5 + i] for i in range(8)]
+    done = []
+    with torch.inference_mode():
+        batch.admit([(long_prompt, exact(20), "long")])
+        for _ in range(2):
+            done += batch.sample(0)
+            batch.advance()
+        batch.admit([(p, exact(10), f"short{i}") for i, p in enumerate(shorts)])
+        assert len(batch.cohorts) == 2
+        assert [len(c.rows) for c in batch.cohorts] == [1, 8]
+        assert batch.cohorts[1].mask.shape[1] == 3  # not padded to the long row's 152
+        while batch:
+            done += batch.sample(0)
+            if batch:
+                batch.advance()
+    prompts = {"long": long_prompt} | {f"short{i}": p for i, p in enumerate(shorts)}
+    assert sorted(r.owner for r in done) == sorted(prompts)
+    for row in done:
+        expected = unpadded_logprobs(model, prompts[row.owner], row.tokens)
+        assert (torch.tensor(row.logprobs) - expected).abs().max().item() < 1e-5
+
+
+def test_cohorts_are_capped_and_rows_beyond_join_the_cheapest(model_path):
+    from rollout_servers.engines.hf_sampling import MAX_COHORTS
+
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    batch = LiveBatch(model, frozenset(), 0, torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        for wave, length in enumerate((2, 40, 90, 160, 250)):
+            batch.admit([([3 + (k % 30) for k in range(length)], exact(2), wave)] * 30)
+            assert len(batch.cohorts) == min(wave + 1, MAX_COHORTS)
+    widths = sorted(c.mask.shape[1] for c in batch.cohorts)
+    assert widths[-1] == 250 and len(batch) == 150
