@@ -291,3 +291,32 @@ def test_cohorts_are_capped_and_rows_beyond_join_the_cheapest(model_path):
             assert len(batch.cohorts) == min(wave + 1, MAX_COHORTS)
     widths = sorted(c.mask.shape[1] for c in batch.cohorts)
     assert widths[-1] == 250 and len(batch) == 150
+
+
+def test_decode_steps_append_to_the_cache_in_place(model_path):
+    """A decode step writes its token into the cache's spare room (`GrowingLayer`) instead of
+    copying the whole cache, and rows leaving, trims and merges keep the contents exact."""
+    from rollout_servers.engines.hf_sampling import GrowingLayer
+
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    batch = LiveBatch(model, frozenset(), 0, torch.Generator().manual_seed(0))
+    prompts = {"a": [5, 6, 7], "b": list(range(3, 30))}
+    done = []
+    with torch.inference_mode():
+        batch.admit([(prompts["a"], exact(12), "a"), (prompts["b"], exact(4), "b")])
+        batch.sample(0)
+        batch.advance()
+        layer = batch.cohorts[0].cache.layers[0]
+        assert isinstance(layer, GrowingLayer)
+        buffer = layer._keys_buf.data_ptr()
+        for _ in range(2):
+            done += batch.sample(0)
+            batch.advance()
+        assert layer._keys_buf.data_ptr() == buffer  # no new buffer: written in place
+        while batch:
+            done += batch.sample(0)  # "b" leaves after 4 tokens: its padding is trimmed
+            if batch:
+                batch.advance()
+    for row in done:
+        expected = unpadded_logprobs(model, prompts[row.owner], row.tokens)
+        assert (torch.tensor(row.logprobs) - expected).abs().max().item() < 1e-5
