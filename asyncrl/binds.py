@@ -84,11 +84,12 @@ def listening_socket(host: str, port: int) -> socket.socket:
 
 
 def setup_store(
-    host: str, port: int, world_size: int, is_master: bool, timeout: datetime.timedelta
+    host: str, port: int, world_size: int | None, is_master: bool, timeout: datetime.timedelta
 ) -> dist.TCPStore:
-    """A TCPStore at `host`:`port`. The master listens on `host` only: torch gets a duplicate of
-    a socket bound there, which it owns from then on (it closes the descriptor with the store,
-    so the Python socket must not own the same one)."""
+    """A TCPStore at `host`:`port` (`world_size` None: a master that waits for no client). The
+    master listens on `host` only: torch gets a duplicate of a socket bound there, which it
+    owns from then on (it closes the descriptor with the store, so the Python socket must not
+    own the same one)."""
     if not is_master:
         return dist.TCPStore(host, port, world_size, False, timeout)
     with listening_socket(host, port) as sock:

@@ -1,12 +1,20 @@
 """Bucketed weight broadcast from learner rank 0 to every rollout server.
 
-The sync group is a torch.distributed process group of its own: rank 0 is learner rank 0 and
-rank i+1 is rollout server i (gloo on CPU, NCCL on CUDA). It is built from its own TCPStore
-rather than `init_process_group`, because learner ranks already have a default group (the FSDP
-one) and a process can hold only one default group. Its store and its gloo/NCCL sockets listen
-on the sync host only (`asyncrl.binds`).
+Each rollout server has a process group of its own with learner rank 0: rank 0 is the learner,
+rank 1 the server (gloo on CPU, NCCL on CUDA). Every group is built on the one TCPStore that
+learner rank 0 hosts on the sync port, under a `torch.distributed.PrefixStore` named for the
+server and its epoch (`sync_prefix`: `server_3/epoch_1` is server 3's second start), so a
+restarted server joins a fresh group without the others stopping, and a member that dies or
+hangs fails only its own group (`learner.sync_fleet` keeps the members). These groups stand
+apart from `init_process_group`, because learner ranks already have a default group (the FSDP
+one) and a process can hold only one. The store and the gloo/NCCL sockets listen on the sync
+host only (`asyncrl.binds`).
 
-One sync, every collective in this order:
+Joining (`join_sync_group`, a server's side): the server sets `ready` under its prefix and
+waits for the learner's `answer`: `join`, after which both build the group, or `abandon` (the
+learner stopped waiting for it), after which the server fails and must restart to try again.
+
+One sync, every collective in this order, on each member's group:
   1. a header, int64 [version, num_params, layout_hash, bucket_bytes, probe]; version -1 means
      shutdown;
   2. the buckets: flat tensors of one dtype each, in the order of `plan_buckets`;
@@ -14,7 +22,14 @@ One sync, every collective in this order:
      learner's log-probs of `probe_ids` under this version, then the tolerance. The engine
      scores the same ids after applying the version and fails loudly when they differ
      (`rollout_servers.engines.base.check_delivery`): an engine that keeps sampling the old
-     policy (an update applied to a copy, a stale adapter or cache) cannot go unnoticed.
+     policy (an update applied to a copy, a stale adapter or cache) cannot go unnoticed;
+  4. the acknowledgement: an all-reduce of one element, which completes on the learner only
+     once the receiver holds the whole version (a send completes as soon as the bytes are in
+     the kernel's buffers, so without it a stopped receiver would go unnoticed).
+Learner rank 0 starts each collective on every member's group before it waits on any, so the
+members receive concurrently. A member whose collective fails (its process died: the connection
+is reset) or does not complete within its group's timeout (hung, SIGSTOPped) is aborted and left
+out of the rest of the version; the others still get it.
 
 Both sides derive the bucket plan from their own view of the model (names, shapes and dtypes in
 state-dict order) and the header's bucket size; the layout hash makes a mismatch fail loudly
@@ -26,12 +41,13 @@ overlaps sending the previous one; a receiver reuses a version's staging once it
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import logging
 import zlib
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Hashable, Iterable, Iterator
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -42,6 +58,13 @@ log = logging.getLogger("asyncrl.weight_sync")
 
 SHUTDOWN = -1
 PROBE_LEN = 16
+JOIN, ABANDON = b"join", b"abandon"
+"""The learner's answer to a server epoch's `ready` (module docstring, joining)."""
+
+
+def sync_prefix(server_id: int, epoch: int) -> str:
+    """The store prefix of one server epoch's group with learner rank 0."""
+    return f"server_{server_id}/epoch_{epoch}"
 
 
 def probe_ids(vocab_size: int) -> list[int]:
@@ -112,7 +135,7 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
 
 
 class SyncGroup:
-    """The learner-rank-0 + servers process group (rank 0 hosts the rendezvous store)."""
+    """A weight-sync process group whose rank 0 is learner rank 0."""
 
     def __init__(
         self,
@@ -122,35 +145,131 @@ class SyncGroup:
         world_size: int,
         device: torch.device,
         timeout_s: float = 3600.0,
+        store: dist.Store | None = None,
     ):
-        timeout = datetime.timedelta(seconds=timeout_s)
+        """`store`: rendezvous there (a server epoch's prefix of learner rank 0's store) instead
+        of on a TCPStore of the group's own at host:port (rank 0 hosting it). `timeout_s`
+        bounds the rendezvous and every collective (`wait`)."""
+        self.timeout = datetime.timedelta(seconds=timeout_s)
         self.rank, self.world_size, self.device = rank, world_size, device
         bind_collectives_to(host)
-        self._store = setup_store(host, port, world_size, rank == 0, timeout)
-        if device.type == "cuda":
-            self._pg = dist.ProcessGroupNCCL(self._store, rank, world_size)
+        if store is None:
+            store = setup_store(host, port, world_size, rank == 0, self.timeout)
+        self._store = store
+        if device.type == "cuda":  # (not run here: no GPU)
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = self.timeout
+            self._pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
         else:
-            self._pg = dist.ProcessGroupGloo(self._store, rank, world_size, timeout)
+            self._pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Broadcast `tensor` in place from rank 0."""
-        self._pg.broadcast(tensor, 0).wait()
+        self.wait(self._pg.broadcast(tensor, 0))
 
     def broadcast_async(self, tensor: torch.Tensor) -> dist.Work:
-        """Start broadcasting `tensor` from rank 0; `.wait()` on the result before touching it."""
+        """Start broadcasting `tensor` from rank 0; `wait` on the result before touching it."""
         return self._pg.broadcast(tensor, 0)
+
+    def ack_async(self) -> dist.Work:
+        """Start the acknowledgement that ends a version (module docstring)."""
+        return self._pg.allreduce(torch.ones(1, device=self.device))
+
+    def wait(self, work: dist.Work) -> None:
+        """Block until `work` completes; raises when it fails or takes longer than the timeout
+        (on CUDA too: with a timeout, NCCL's wait blocks the calling thread)."""
+        work.wait(self.timeout)
+
+    def abort(self) -> None:
+        """Close the group's connections: its collectives in flight fail, here and at the peer."""
+        with contextlib.suppress(Exception):  # best effort: the group is being given up
+            self._pg.abort()
+
+
+def join_sync_group(
+    host: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    timeout_s: float = 3600.0,
+    server_id: int | None = None,
+    epoch: int = 0,
+) -> SyncGroup:
+    """A rollout server's side. With `server_id`: the 2-member group of this server epoch on
+    learner rank 0's store (it joins as rank 1 of 2; module docstring, joining); it waits up
+    to `timeout_s` for the learner's answer. Without: a group of its own at host:port, as
+    `rank` of `world_size` (tests and benches pair it with a plain `SyncGroup`)."""
+    if server_id is None:
+        return SyncGroup(host, port, rank, world_size, device, timeout_s)
+    timeout = datetime.timedelta(seconds=timeout_s)
+    prefix = sync_prefix(server_id, epoch)
+    store = dist.PrefixStore(prefix, dist.TCPStore(host, port, None, False, timeout))
+    store.set("ready", "1")
+    store.wait(["answer"])
+    if store.get("answer") != JOIN:
+        raise RuntimeError(
+            f"the learner stopped waiting for {prefix} to join the weight sync before it "
+            "connected; this server must restart (a new epoch) to receive weights"
+        )
+    log.info("joined the weight sync as %s", prefix)
+    return SyncGroup(host, port, 1, 2, device, timeout_s, store=store)
+
+
+@dataclass
+class _Fanout:
+    """One version's collectives on every member's group at once. A member whose collective
+    fails or times out is aborted and left out of the rest of the version (`failed`)."""
+
+    live: dict[Hashable, SyncGroup]
+    failed: dict[Hashable, BaseException] = field(default_factory=dict)
+
+    def start(self, op: Callable[[SyncGroup], dist.Work]) -> list[tuple[Hashable, dist.Work]]:
+        started = []
+        for key, group in list(self.live.items()):
+            try:
+                started.append((key, op(group)))
+            except Exception as e:  # a member's failure is its own (module docstring)
+                self._fail(key, e)
+        return started
+
+    def finish(self, started: list[tuple[Hashable, dist.Work]]) -> None:
+        for key, work in started:
+            if key not in self.live:
+                continue
+            try:
+                self.live[key].wait(work)
+            except Exception as e:  # a member's failure is its own (module docstring)
+                self._fail(key, e)
+
+    def run(self, op: Callable[[SyncGroup], dist.Work]) -> None:
+        self.finish(self.start(op))
+
+    def _fail(self, key: Hashable, error: BaseException) -> None:
+        self.failed[key] = error
+        self.live.pop(key).abort()
 
 
 class WeightBroadcaster:
-    """Learner rank 0's side: streams full tensors into buckets and broadcasts each.
+    """Learner rank 0's side: streams full tensors into buckets and broadcasts each to every
+    member's group, concurrently.
 
     Two staging buffers per dtype live for the whole run (allocated at the first version): a
     bucket is packed into one while the previous one is still on the wire, so packing overlaps
     sending and no version pays for fresh memory. A bucket of one tensor (one larger than the
     bucket size, e.g. an embedding) already in the engine's dtype is sent as it is, uncopied."""
 
-    def __init__(self, group: SyncGroup, bucket_bytes: int):
-        self.group, self.bucket_bytes = group, bucket_bytes
+    def __init__(
+        self,
+        members: SyncGroup | dict[Hashable, SyncGroup],
+        bucket_bytes: int,
+        device: torch.device | None = None,
+    ):
+        self.members = members if isinstance(members, dict) else {0: members}
+        """The groups a version goes to, by key (the owner may add some between versions); a
+        member that fails is removed."""
+        self.bucket_bytes = bucket_bytes
+        self.device = device or next(iter(self.members.values())).device
         self._staging: dict[torch.dtype, list[torch.Tensor]] = {}
 
     def _buffers(self, buckets: list[Bucket]) -> dict[torch.dtype, list[torch.Tensor]]:
@@ -158,7 +277,7 @@ class WeightBroadcaster:
             need = max(b.numel for b in buckets if b.dtype == dtype)
             have = self._staging.get(dtype)
             if have is None or have[0].numel() < need:
-                device = self.group.device
+                device = self.device
                 self._staging[dtype] = [torch.empty(need, dtype=dtype, device=device) for _ in "ab"]
         return self._staging
 
@@ -168,43 +287,55 @@ class WeightBroadcaster:
         tensors: Iterator[torch.Tensor],
         version: int,
         probe: torch.Tensor | None = None,
-    ) -> None:
-        """Send one version. `tensors` yields the full tensors in `specs` order (it may gather
-        them lazily: one bucket's full tensors are alive at a time); a floating-point
-        tensor is cast to its spec's dtype as it is packed (the engine's dtype, one pass).
-        `probe`: the delivery probe (module docstring), sent after the weights."""
+    ) -> dict[Hashable, BaseException]:
+        """Send one version to every member; returns the members that failed (aborted and
+        removed from `members`) with their errors. `tensors` yields the full tensors in `specs`
+        order (it may gather them lazily: one bucket's full tensors are alive at a time; it is
+        consumed whole even with no member left); a floating-point tensor is cast to its spec's
+        dtype as it is packed (the engine's dtype, one pass). `probe`: the delivery probe
+        (module docstring), sent after the weights."""
+        fan = _Fanout(dict(self.members))
         header = torch.tensor(
             [version, len(specs), layout_hash(specs), self.bucket_bytes, probe is not None],
             dtype=torch.int64,
-        )
-        self.group.broadcast(header.to(self.group.device))
+        ).to(self.device)
+        fan.run(lambda g: g.broadcast_async(header))
         buckets = plan_buckets(specs, self.bucket_bytes)
         staging = self._buffers(buckets)
-        in_flight: dict[int, dist.Work] = {}  # id of a staging buffer -> its broadcast
-        sent_whole: list[tuple[torch.Tensor, dist.Work]] = []
+        in_flight: dict[int, list] = {}  # id of a staging buffer -> its broadcasts
+        sent_whole: list[tuple[torch.Tensor, list]] = []
         for i, bucket in enumerate(buckets):
             parts = [_checked(spec, next(tensors)) for spec in bucket.params]
+            if not fan.live:
+                continue  # nobody to send to: the tensors are still gathered (a collective)
             if len(parts) == 1 and parts[0].dtype == bucket.dtype and parts[0].is_contiguous():
-                sent_whole.append((parts[0], self.group.broadcast_async(parts[0].reshape(-1))))
+                flat = parts[0].reshape(-1)
+                sent_whole.append((flat, fan.start(lambda g, t=flat: g.broadcast_async(t))))
                 continue  # one tensor already as the engine wants it: sent uncopied
             buffer = staging[bucket.dtype][i % 2]
-            if (work := in_flight.pop(id(buffer), None)) is not None:
-                work.wait()
+            fan.finish(in_flight.pop(id(buffer), []))
             flat, offset = buffer[: bucket.numel], 0
             for spec, t in zip(bucket.params, parts, strict=True):
                 flat[offset : offset + spec.numel].copy_(t.reshape(-1))  # casts to spec.dtype
                 offset += spec.numel
-            in_flight[id(buffer)] = self.group.broadcast_async(flat)
-        for work in [*in_flight.values(), *(w for _, w in sent_whole)]:
-            work.wait()
+            in_flight[id(buffer)] = fan.start(lambda g, t=flat: g.broadcast_async(t))
+        for started in [*in_flight.values(), *(w for _, w in sent_whole)]:
+            fan.finish(started)
         if probe is not None:
-            self.group.broadcast(probe.detach().float().reshape(PROBE_LEN).to(self.group.device))
+            sent = probe.detach().float().reshape(PROBE_LEN).to(self.device)
+            fan.run(lambda g: g.broadcast_async(sent))
+        fan.run(lambda g: g.ack_async())
+        for key in fan.failed:
+            self.members.pop(key, None)
+        return fan.failed
 
-    def shutdown(self) -> None:
-        """Tell every receiver that no more versions will come."""
-        self.group.broadcast(
-            torch.tensor([SHUTDOWN, 0, 0, 0, 0], dtype=torch.int64).to(self.group.device)
-        )
+    def shutdown(self) -> dict[Hashable, BaseException]:
+        """Tell every receiver that no more versions will come; returns the members that
+        failed to hear it."""
+        fan = _Fanout(dict(self.members))
+        header = torch.tensor([SHUTDOWN, 0, 0, 0, 0], dtype=torch.int64).to(self.device)
+        fan.run(lambda g: g.broadcast_async(header))
+        return fan.failed
 
 
 def _checked(spec: ParamSpec, t: torch.Tensor) -> torch.Tensor:
@@ -270,5 +401,6 @@ class WeightReceiver:
         if has_probe:
             probe = torch.zeros(PROBE_LEN, dtype=torch.float32, device=self.group.device)
             self.group.broadcast(probe)
+        self.group.wait(self.group.ack_async())
         release = lambda: setattr(self, "_free", staging)  # noqa: E731
         return ReceivedVersion(version, buckets, release, probe)

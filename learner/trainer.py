@@ -3,8 +3,9 @@
 Invariants:
 - The learner trains at version w = number of optimizer steps taken; it asks the replay for
   groups trainable at w, so no token older than `replay.max_staleness` versions reaches the loss.
-- After step w the weights of version w + 1 are on every rollout server (the broadcast is a
-  collective: it returns when all have them) before the replay hears of version w + 1.
+- After step w the weights of version w + 1 are on every rollout server that is a member of
+  the weight sync (the broadcast returns when each has acknowledged them, or has been dropped:
+  `learner.sync_fleet`) before the replay hears of version w + 1.
 - Every rank runs the same number of forward/backward passes (FSDP collectives pair up).
 
 A step is a list of named, timed stages: fetch_batch, compute_logprobs (proximal / reference /
@@ -34,7 +35,7 @@ from asyncrl.protocol import Batch
 from asyncrl.replay_client import ReplayClient
 from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
-from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, weights_checksum
+from asyncrl.weight_sync import weights_checksum
 from learner.batch import TrainBatch, broadcast_batch, from_message
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from learner.delivery import delivery_probe, wants_probe
@@ -56,6 +57,7 @@ from learner.losses import (
     rejection_mask,
 )
 from learner.optim import lr_factor, set_lr, setup_optimizer
+from learner.sync_fleet import SyncFleet, as_sent, sent_tensors, setup_sync_fleet
 from learner.update import UpdateInputs, Updater, recompute
 from learner.version_stats import oldest_versions, version_stats
 
@@ -103,13 +105,10 @@ class Learner:
         self.pad_id = self.model.config.pad_token_id or 0
         run_dir = Path(spec.run_dir)
         self.replay: ReplayClient | None = None
-        self.broadcaster: WeightBroadcaster | None = None
+        self.fleet: SyncFleet | None = None
         if rank == 0:
             self.replay = ReplayClient(spec.replay_address, key_from_env("learner"))
-            group = SyncGroup(
-                spec.sync_host, spec.sync_port, 0, 1 + cfg.rollout.num_servers, device
-            )
-            self.broadcaster = WeightBroadcaster(group, int(lc.bucket_mb * 2**20))
+            self.fleet = setup_sync_fleet(cfg, spec, device, self.replay)
             self.trace = SpanWriter(run_dir / "trace" / "learner_0.jsonl")
             self.loggers = setup_loggers(cfg.trainer.logger, run_dir, cfg.model_dump(mode="json"))
             dc = cfg.data
@@ -263,29 +262,24 @@ class Learner:
         return {**stats, "lr": lc.lr * factor}
 
     def broadcast_weights(self, version: int) -> str | None:
-        """Gather full weights (all ranks) and broadcast them to every server (rank 0)."""
-        want_sum = self.cfg.learner.weight_checksum and self.rank == 0
-        hashed: list[tuple[str, torch.Tensor]] = []
-
-        def tensors():
-            for name, t in sync_tensors(self.model):  # cast while packed (no extra copy)
-                if want_sum:
-                    hashed.append((name, _as_sent(t, self.sync_dtype).cpu().clone()))
-                yield t
-
+        """Gather full weights (all ranks) and broadcast them to every member of the weight
+        sync (rank 0; it first joins restarted servers and drops failed ones)."""
+        hashed: list | None = [] if self.cfg.learner.weight_checksum and self.rank == 0 else None
         lc, probe = self.cfg.learner, None
         if wants_probe(self.cfg):  # all ranks: a forward
             probe = delivery_probe(self.model, lc, self.cfg.rollout.dtype, self.device)
-        if self.rank == 0:
-            assert self.broadcaster is not None
-            self.broadcaster.broadcast(self.specs, tensors(), version, probe)
-        else:
-            for _ in tensors():
+        tensors = sent_tensors(self.model, self.sync_dtype, hashed)
+        if self.rank != 0:
+            for _ in tensors:  # the gathers are collectives
                 pass
-        if not want_sum:
+            return None
+        members = self.fleet.broadcast(self.specs, tensors, version, probe)
+        if hashed is None:
             return None
         digest = weights_checksum(hashed)
-        self.weight_log.write({"version": version, "checksum": digest})
+        # members: server id -> epoch of each server that acknowledged this version
+        delivered = {str(server): epoch for server, epoch in sorted(members.items())}
+        self.weight_log.write({"version": version, "checksum": digest, "members": delivered})
         return digest
 
     def validate(self, version: int) -> dict[str, float]:
@@ -327,9 +321,10 @@ class Learner:
 
     def run(self) -> None:
         tc = self.cfg.trainer
-        if self.cfg.learner.weight_checksum:
-            # a collective: all ranks
-            sent = ((n, _as_sent(t, self.sync_dtype)) for n, t in sync_tensors(self.model))
+        if self.cfg.learner.weight_checksum and tc.resume_from is None:
+            # the base model's checksum, version 0 (a resumed run recorded it already); a
+            # collective: all ranks
+            sent = ((n, as_sent(t, self.sync_dtype)) for n, t in sync_tensors(self.model))
             digest = weights_checksum(sent)
             if self.rank == 0:
                 self.weight_log.write({"version": 0, "checksum": digest})
@@ -352,7 +347,7 @@ class Learner:
             if tc.save_final:
                 self.save_final(Path(self.spec.run_dir) / "final")
         if self.rank == 0:
-            self.broadcaster.shutdown()
+            self.fleet.shutdown()
             self.loggers.close()
             self.trace.flush()
 
@@ -469,11 +464,6 @@ def trajectory_metric_means(msg: Batch) -> dict[str, float]:
         if len(column):
             out[f"traj/{name}"] = float(column.mean())
     return out
-
-
-def _as_sent(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """A full tensor as the servers receive it (floating point in the engine's dtype)."""
-    return t.to(dtype) if t.is_floating_point() else t
 
 
 def _keep_mask(result) -> torch.Tensor:

@@ -4,7 +4,9 @@ Components (built in `setup_rollout_server`, driven by `RolloutServer.run`):
 - engine (`engine.py`): batched sampling shared by every agent loop; applies a weight version
   atomically between batches and tags each sampled token with the version that produced it.
 - weight receiver (a thread over `asyncrl.weight_sync.WeightReceiver`): joins the learner's
-  broadcast group and hands each complete version to the engine.
+  weight sync as this server's epoch (`ASYNCRL_SERVER_EPOCH`, 0 at the first start, one more
+  per restart: a restarted server rejoins without stopping the others) and hands each complete
+  version to the engine.
 - replay client (`replay_client.py`): asks for prompt leases, sends trajectories and keeps them
   until the replay acknowledges them.
 - agent loops (`agent_loop.py`): one per sample, `n` per leased prompt, all concurrent.
@@ -21,6 +23,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import os
 import signal
 import threading
 import time
@@ -67,6 +70,8 @@ class RolloutServer:
         sandbox: SharedSandbox | None = None,
     ):
         self.cfg, self.spec, self.server_id = cfg, spec, server_id
+        self.epoch = int(os.environ.get("ASYNCRL_SERVER_EPOCH", "0"))
+        """Which start of this server this is (the launcher counts restarts)."""
         self.engine, self.agent_loop, self.client, self.rewards = (
             engine,
             agent_loop,
@@ -99,10 +104,7 @@ class RolloutServer:
         if self.spec.sync_port == 0:
             log.info("no learner: serving the weights of %s as they are", self.spec.model_path)
             return None
-        if self._weight_log is not None:
-            self._weight_log.write(
-                {"version": self.engine.version, "checksum": self.engine.weights_checksum()}
-            )
+        self._log_weights(self.engine.version)
         thread = threading.Thread(
             target=self._receive_weights, args=(loop,), daemon=True, name="weight-receiver"
         )
@@ -114,9 +116,11 @@ class RolloutServer:
             target = SyncTarget(
                 self.spec.sync_host,
                 self.spec.sync_port,
-                1 + self.server_id,
-                1 + self.cfg.rollout.num_servers,
+                1,
+                2,
                 torch.device("cuda" if _uses_cuda(self.cfg.rollout.device) else "cpu"),
+                server_id=self.server_id,
+                epoch=self.epoch,
             )
             for applied in self.engine.follow_learner(target):
                 self.sync_times.append(applied.apply_s)
@@ -127,15 +131,19 @@ class RolloutServer:
                     applied.apply_s,
                     version=applied.version,
                 )
-                if self._weight_log is not None:
-                    self._weight_log.write(
-                        {"version": applied.version, "checksum": self.engine.weights_checksum()}
-                    )
+                self._log_weights(applied.version)
                 loop.call_soon_threadsafe(self._wake.set)
             log.info("learner closed the weight-sync group")
         except BaseException as e:  # surfaced by the main loop, which re-raises it
             self._receiver_error = e
             loop.call_soon_threadsafe(self._wake.set)
+
+    def _log_weights(self, version: int) -> None:
+        """weights_server_<id>.jsonl (with `learner.weight_checksum`): the checksum of the live
+        weights at each version, and the epoch (a restarted server appends to the same file)."""
+        if self._weight_log is not None:
+            checksum = self.engine.weights_checksum()
+            self._weight_log.write({"version": version, "checksum": checksum, "epoch": self.epoch})
 
     # ---- one group, one sample ------------------------------------------------------------
     async def run_group(self, prompt: PromptItem) -> None:

@@ -74,16 +74,27 @@ class GenerationOutput:
 
 @dataclass(frozen=True)
 class SyncTarget:
-    """Where an engine joins the learner's weight-sync group (`asyncrl.weight_sync`)."""
+    """Where an engine joins the learner's weight sync (`asyncrl.weight_sync.join_sync_group`).
+
+    A rollout server names itself (`server_id`, `epoch`) and joins its own group with learner
+    rank 0, as rank 1 of 2, on the learner's store at host:port. Without `server_id` (tests and
+    benches) the engine joins a plain group at host:port as `rank` of `world_size`."""
 
     host: str
     port: int
     rank: int
-    """This server's rank in the group (learner rank 0 is rank 0)."""
+    """This server's rank in the group (learner rank 0 is rank 0); 1 with `server_id`."""
     world_size: int
+    """2 with `server_id`."""
     device: torch.device
     """cuda: NCCL; cpu: gloo."""
     timeout_s: float = 3600.0
+    """How long the engine waits for the learner: to join, then for each collective."""
+    server_id: int | None = None
+    """This server's id (its group's store prefix names it with the epoch)."""
+    epoch: int = 0
+    """Which start of this server this is (0 first, one more per restart): a restarted server
+    joins under a new prefix, without stopping the others."""
 
 
 @dataclass(frozen=True)
@@ -114,8 +125,9 @@ class Engine(ABC):
 
     @abstractmethod
     def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
-        """Join the learner's weight-sync group and apply every version it broadcasts, each
-        entirely or not at all, yielding after each; returns when the learner closes the group.
+        """Join the learner's weight sync (`target`) and apply every version it broadcasts, each
+        entirely or not at all, yielding after each; returns when the learner closes the group,
+        raises when the group fails (the learner dropped this server: it restarts to rejoin).
         Blocking: the server runs it in a thread of its own."""
 
     def weights_checksum(self) -> str | None:

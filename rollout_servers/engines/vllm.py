@@ -308,6 +308,8 @@ class VLLMEngine(Engine):
                         address,
                         target.timeout_s,
                         self._lora,
+                        target.server_id,
+                        target.epoch,
                     ),
                 )
             )

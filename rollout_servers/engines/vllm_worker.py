@@ -35,7 +35,7 @@ import zmq
 
 from asyncrl.protocol import WeightReceiverClosed, WeightReceiverFailed, WeightsStaged
 from asyncrl.transport import send_msg
-from asyncrl.weight_sync import ParamSpec, ReceivedVersion, SyncGroup, WeightReceiver
+from asyncrl.weight_sync import ParamSpec, ReceivedVersion, WeightReceiver, join_sync_group
 from rollout_servers.engines.vllm_lora import MergedVersions
 
 
@@ -66,9 +66,11 @@ class WeightSyncExtension:
         notify_address: str,
         timeout_s: float,
         lora: dict | None = None,
+        server_id: int | None = None,
+        epoch: int = 0,
     ) -> None:
-        """Start the receiver thread: it joins the group as `rank` and stages each version.
-        `lora` (model_path, targets, scale, dtype): versions carry adapters, merged here
+        """Start the receiver thread: it joins the weight sync (`join_sync_group`: as server
+        `server_id`, `epoch`, or as `rank` of a plain group) and stages each version. `lora` (model_path, targets, scale, dtype): versions carry adapters, merged here
         (`vllm_lora.MergedVersions`) into the checkpoint's base weights."""
         self._asyncrl_lora = None
         if lora is not None:
@@ -86,7 +88,7 @@ class WeightSyncExtension:
         self._asyncrl_applied = threading.Event()
         self._asyncrl_thread = threading.Thread(
             target=self._asyncrl_receive_loop,
-            args=(host, port, rank, world_size, notify_address, timeout_s),
+            args=(host, port, rank, world_size, notify_address, timeout_s, server_id, epoch),
             daemon=True,
             name="asyncrl-weight-receiver",
         )
@@ -100,6 +102,8 @@ class WeightSyncExtension:
         world_size: int,
         notify_address: str,
         timeout_s: float,
+        server_id: int | None,
+        epoch: int,
     ) -> None:
         ctx = zmq.Context.instance()
         notify = ctx.socket(zmq.PUSH)
@@ -109,7 +113,8 @@ class WeightSyncExtension:
         staged = -1
         try:
             device = self.device if self.device.type == "cuda" else torch.device("cpu")
-            group = SyncGroup(host, port, rank, world_size, device, timeout_s)
+            args = (host, port, rank, world_size, device, timeout_s, server_id, epoch)
+            group = join_sync_group(*args)
             receiver = WeightReceiver(group, self._asyncrl_specs)
             while True:
                 start = time.perf_counter()

@@ -1,0 +1,235 @@
+"""Learner rank 0's side of the weight sync: who receives each version.
+
+Every rollout server epoch (a server's n-th start, `ASYNCRL_SERVER_EPOCH`) is a member with a
+2-member group of its own (`asyncrl.weight_sync`), keyed (server id, epoch). Why one group per
+server and not one group of all: a group re-formed under a new epoch needs every live member to
+stop and rendezvous again, and one hung member blocks a collective for all; separate groups keep
+a death or a hang to its own group. The price: rank 0 sends one copy per server.
+
+Before each version `SyncFleet.broadcast` asks the replay which epoch of each server is alive
+(`server_epochs`) and joins every epoch newer than the one it has (or has tried) for that
+server: it waits for the epoch's `ready` key, answers `join` and builds the group. A server not
+ready within the bound is answered `abandon` and left out (it fails; the launcher restarts it
+as the next epoch, which is joined then). The first version joins epoch 0 of every configured
+server (or a newer epoch the replay lists), waiting up to `launch.startup_timeout_s` (servers
+still loading their model); later joins wait up to `launch.server_timeout_s`. A new member
+receives that version in full (every version is the full weights), so a restarted server is
+brought to the current weights, then gets every later version.
+
+A member whose collective fails (its process died: noticed at once) or does not complete
+within `launch.startup_timeout_s` is dropped for good. A hung or SIGSTOPped server is normally
+dropped much sooner: the replay declares it dead after `launch.server_timeout_s` without a
+heartbeat, the launcher kills it, and its closed connection fails the collective at once. The
+op bound is long on purpose: in drain mode a healthy server takes the next version only once
+its responses in flight end, which can take longer than `server_timeout_s`. The version still
+reaches the other members and training goes on. A newer epoch of
+the same server replaces it. Each join and drop is a line in the learner's log and a record of
+`run_dir/sync_members.jsonl`: {time, event (joined | dropped | not_joined), server, epoch,
+version, reason}.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import re
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from asyncrl.binds import bind_collectives_to, setup_store
+from asyncrl.config import Config
+from asyncrl.metrics import JsonlWriter
+from asyncrl.run_spec import RunSpec
+from asyncrl.weight_sync import (
+    ABANDON,
+    JOIN,
+    ParamSpec,
+    SyncGroup,
+    WeightBroadcaster,
+    sync_prefix,
+)
+from learner.fsdp import sync_tensors
+
+log = logging.getLogger("asyncrl.learner")
+
+POLL_S = 0.05
+"""How often a join looks for `ready` keys."""
+EPOCHS_POLL_S = 1.0
+"""How often a join asks the replay again (a server restarted while it waited)."""
+
+
+class SyncFleet:
+    """The members of the weight sync and the broadcast of each version to them."""
+
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        num_servers: int,
+        device: torch.device,
+        bucket_bytes: int,
+        server_epochs: Callable[[], dict[int, int]],
+        timeout_s: float,
+        first_join_s: float,
+        events: JsonlWriter | None = None,
+        op_timeout_s: float | None = None,
+    ):
+        """`server_epochs`: server id -> epoch of each server alive now (the replay's view).
+        `timeout_s`: a later join waits this long; `first_join_s`: the first version's join;
+        `op_timeout_s`: a member's collective (default `timeout_s`)."""
+        self.host, self.num_servers, self.device = host, num_servers, device
+        self.server_epochs, self.events = server_epochs, events
+        self.timeout_s, self.first_join_s = timeout_s, first_join_s
+        self.op_timeout_s = op_timeout_s or timeout_s
+        bind_collectives_to(host)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        self.store = setup_store(host, port, None, True, timeout)
+        self.broadcaster = WeightBroadcaster({}, bucket_bytes, device)
+        self._tried: dict[int, int] = {}  # server id -> newest epoch asked to join
+        self._first = True
+
+    @property
+    def members(self) -> dict[int, int]:
+        """server id -> epoch of every member."""
+        return dict(self.broadcaster.members.keys())  # keys: (server id, epoch)
+
+    def broadcast(
+        self,
+        specs: list[ParamSpec],
+        tensors: Iterator[torch.Tensor],
+        version: int,
+        probe: torch.Tensor | None = None,
+    ) -> dict[int, int]:
+        """Join new server epochs, then send `version` to every member (`WeightBroadcaster`);
+        returns the members that have it (server id -> epoch)."""
+        self.maybe_join(version)
+        failed = self.broadcaster.broadcast(specs, tensors, version, probe)
+        for (server, epoch), error in failed.items():
+            self._event("dropped", server, epoch, version, _reason(error, self.op_timeout_s))
+        return self.members
+
+    def maybe_join(self, version: int) -> None:
+        """Join every server epoch newer than the one held, each waited for up to the bound
+        (module docstring); all of them at once."""
+        bound = self.first_join_s if self._first else self.timeout_s
+        waiting = self._wanted(version, first=self._first)
+        self._first = False
+        deadline = time.monotonic() + bound
+        asked = time.monotonic()
+        while waiting:
+            for server, epoch in list(waiting.items()):
+                store = dist.PrefixStore(sync_prefix(server, epoch), self.store)
+                if store.check(["ready"]):
+                    del waiting[server]
+                    self._join(server, epoch, store, version)
+            if not waiting or time.monotonic() >= deadline:
+                break
+            time.sleep(POLL_S)
+            if time.monotonic() - asked >= EPOCHS_POLL_S:  # restarted while we waited?
+                asked = time.monotonic()
+                for server, epoch in self._wanted(version, first=False).items():
+                    if server in waiting:
+                        self._abandon(server, waiting[server], version, f"epoch {epoch} is up")
+                    waiting[server] = epoch
+        for server, epoch in waiting.items():
+            self._abandon(server, epoch, version, f"not ready within {bound:g} s")
+
+    def shutdown(self) -> None:
+        """Tell every member that no more versions will come."""
+        for (server, epoch), error in self.broadcaster.shutdown().items():
+            log.info("server %d epoch %d did not hear the shutdown: %s", server, epoch, error)
+
+    def _wanted(self, version: int, first: bool) -> dict[int, int]:
+        """Server epochs to join now: each newer than the one held or tried (the first time,
+        epoch 0 of every configured server unless a newer one is listed). A member replaced
+        by a newer epoch is dropped."""
+        listed = self.server_epochs()
+        if first:
+            listed = {server: 0 for server in range(self.num_servers)} | listed
+        wanted = {s: e for s, e in listed.items() if e > self._tried.get(s, -1)}
+        self._tried.update(wanted)
+        for server, epoch in list(self.broadcaster.members):
+            if server in wanted:
+                self.broadcaster.members.pop((server, epoch)).abort()
+                reason = f"epoch {wanted[server]} replaces it"
+                self._event("dropped", server, epoch, version, reason)
+        return wanted
+
+    def _join(self, server: int, epoch: int, store: dist.Store, version: int) -> None:
+        store.set("answer", JOIN)
+        try:
+            group = SyncGroup(self.host, 0, 0, 2, self.device, self.op_timeout_s, store=store)
+        except Exception as e:  # it left between `ready` and the rendezvous: its own failure
+            self._event("not_joined", server, epoch, version, _reason(e, self.timeout_s))
+            return
+        self.broadcaster.members[(server, epoch)] = group
+        self._event("joined", server, epoch, version)
+
+    def _abandon(self, server: int, epoch: int, version: int, reason: str) -> None:
+        """Answer `abandon`, so that the server fails at once should it come later."""
+        dist.PrefixStore(sync_prefix(server, epoch), self.store).set("answer", ABANDON)
+        self._event("not_joined", server, epoch, version, reason)
+
+    def _event(self, event: str, server: int, epoch: int, version: int, reason: str = "") -> None:
+        level = logging.INFO if event == "joined" else logging.WARNING
+        why = f": {reason}" if reason else ""
+        line = "weight sync: server %d epoch %d %s at version %d%s"
+        log.log(level, line, server, epoch, event, version, why)
+        if self.events is not None:
+            self.events.write(
+                {
+                    "time": time.time(),
+                    "event": event,
+                    "server": server,
+                    "epoch": epoch,
+                    "version": version,
+                    "reason": reason,
+                }
+            )
+
+
+def _reason(error: BaseException, timeout_s: float) -> str:
+    """One line: gloo's message without its source location ("[.../pair.cc:537] ")."""
+    text = str(error).splitlines()[0] if str(error) else type(error).__name__
+    text = re.sub(r"^\[[^\]]*\.(cc|cpp|h):\d+\] ", "", text)[:200]
+    if "timed out" in text.lower() or "timeout" in text.lower():
+        return f"no answer within {timeout_s:g} s ({text})"
+    return text
+
+
+def setup_sync_fleet(cfg: Config, spec: RunSpec, device: torch.device, replay) -> SyncFleet:
+    """Learner rank 0's fleet for a run: its store on the sync port, the replay's view of which
+    servers are alive, the launch section's timeouts."""
+    return SyncFleet(
+        spec.sync_host,
+        spec.sync_port,
+        cfg.rollout.num_servers,
+        device,
+        int(cfg.learner.bucket_mb * 2**20),
+        replay.server_epochs,
+        cfg.launch.server_timeout_s,
+        cfg.launch.startup_timeout_s,
+        JsonlWriter(Path(spec.run_dir) / "sync_members.jsonl"),
+        op_timeout_s=max(cfg.launch.server_timeout_s, cfg.launch.startup_timeout_s),
+    )
+
+
+def as_sent(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A full tensor as the servers receive it (floating point in the engine's dtype)."""
+    return t.to(dtype) if t.is_floating_point() else t
+
+
+def sent_tensors(
+    model: torch.nn.Module, dtype: torch.dtype, hashed: list | None = None
+) -> Iterator[torch.Tensor]:
+    """The full tensors of one version in `sync_specs` order (a collective: every learner rank
+    iterates them), cast to `dtype` later, while packed. With `hashed`, each is also appended
+    to it as (name, copy as the servers receive it), for `weights_checksum`."""
+    for name, t in sync_tensors(model):
+        if hashed is not None:
+            hashed.append((name, as_sent(t, dtype).cpu().clone()))
+        yield t

@@ -1,0 +1,69 @@
+"""A rollout server's weight receiver without an engine, as a process of its own, for the
+weight-sync membership tests: `python sync_peers.py PORT SERVER_ID EPOCH OUT`.
+
+It joins the learner's weight sync as (SERVER_ID, EPOCH) exactly as `HFEngine.follow_learner`
+does (`join_sync_group`, then `WeightReceiver`) and appends to OUT (JSON lines): `started`
+before it joins, each version it receives with the checksum of the weights as received, and
+how it ended (`closed`: the learner shut the sync down; `error`: the group failed, exit code 3).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from asyncrl.weight_sync import ParamSpec, WeightReceiver, join_sync_group, weights_checksum
+
+SPECS = [
+    ParamSpec("embed", (64, 8), torch.float32),  # a bucket of its own: sent uncopied
+    ParamSpec("a", (16,), torch.float32),
+    ParamSpec("b", (4, 4), torch.float32),
+    ParamSpec("steps", (3,), torch.int64),
+]
+BUCKET_BYTES = 256
+
+
+def version_tensors(version: int) -> list[torch.Tensor]:
+    """The weights of `version` (different for every version, in `SPECS` order)."""
+    g = torch.Generator().manual_seed(version)
+    return [
+        torch.randn(s.shape, generator=g).to(s.dtype)
+        if s.dtype.is_floating_point
+        else torch.full(s.shape, version, dtype=s.dtype)
+        for s in SPECS
+    ]
+
+
+def version_checksum(version: int) -> str:
+    return weights_checksum(zip((s.name for s in SPECS), version_tensors(version), strict=True))
+
+
+def main(port: int, server_id: int, epoch: int, out: Path) -> int:
+    torch.set_num_threads(1)
+
+    def write(record: dict) -> None:
+        with out.open("a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    write({"event": "started", "epoch": epoch})
+    try:
+        group = join_sync_group(
+            "127.0.0.1", port, 1, 2, torch.device("cpu"), 60.0, server_id, epoch
+        )
+        receiver = WeightReceiver(group, SPECS)
+        while (got := receiver.receive()) is not None:
+            write({"version": got.version, "checksum": weights_checksum(got.weights)})
+            got.release()
+    except Exception as e:  # the test reads how it ended
+        write({"event": "error", "error": repr(e)[:300]})
+        return 3
+    write({"event": "closed"})
+    return 0
+
+
+if __name__ == "__main__":
+    port, server_id, epoch, out = sys.argv[1:]
+    sys.exit(main(int(port), int(server_id), int(epoch), Path(out)))

@@ -1,0 +1,200 @@
+"""Weight-sync membership with real processes and gloo on CPU (`learner.sync_fleet`): the
+learner side (`SyncFleet`) runs here, each rollout server's receiver is a process of its own
+(`sync_peers.py`), and the replay's view of which server epochs are alive is a dict the test
+edits. A dead member (SIGKILL) or a hung one (SIGSTOP) is dropped and the version still reaches
+the other; a restarted server (a new epoch) joins and receives the current version, byte for byte;
+a server listed but never connecting is given up after the join bound. NCCL is not tested (no
+GPU)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from sync_peers import BUCKET_BYTES, SPECS, version_checksum, version_tensors
+
+from asyncrl.metrics import JsonlWriter, read_jsonl
+from asyncrl.transport import free_port
+from learner.sync_fleet import SyncFleet
+
+pytestmark = pytest.mark.integration
+
+ROOT = Path(__file__).resolve().parents[2]
+TIMEOUT_S = 3.0  # launch.server_timeout_s: a member's collective, and a later join
+
+
+class Fleet:
+    """A `SyncFleet` on a free port, its receiver processes and the replay's (fake) list."""
+
+    def __init__(self, tmp: Path, num_servers: int = 2, first_join_s: float = 60.0):
+        self.tmp, self.port = tmp, free_port()
+        self.listed: dict[int, int] = {}
+        self.procs: dict[tuple[int, int], subprocess.Popen] = {}
+        self.fleet = SyncFleet(
+            "127.0.0.1",
+            self.port,
+            num_servers,
+            torch.device("cpu"),
+            BUCKET_BYTES,
+            lambda: dict(self.listed),
+            TIMEOUT_S,
+            first_join_s,
+            JsonlWriter(tmp / "sync_members.jsonl"),
+        )
+
+    def start(self, server: int, epoch: int, listed: bool = True) -> subprocess.Popen:
+        """A receiver process; listed (as the replay lists a server once it heartbeats) once
+        it is up."""
+        out = self.out(server, epoch)
+        env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        script = ROOT / "tests" / "integration" / "sync_peers.py"
+        args = [sys.executable, str(script), str(self.port), str(server), str(epoch), str(out)]
+        proc = self.procs[(server, epoch)] = subprocess.Popen(args, env=env)
+        wait_for(lambda: any(r.get("event") == "started" for r in read_jsonl(out)))
+        if listed:
+            self.listed[server] = epoch
+        return proc
+
+    def out(self, server: int, epoch: int) -> Path:
+        return self.tmp / f"weights_server_{server}_epoch_{epoch}.jsonl"
+
+    def send(self, version: int) -> tuple[dict[int, int], float]:
+        """Broadcast `version`; the members that have it and the seconds it took."""
+        start = time.monotonic()
+        members = self.fleet.broadcast(SPECS, iter(version_tensors(version)), version)
+        return members, time.monotonic() - start
+
+    def received(self, server: int, epoch: int) -> dict[int, str]:
+        """version -> checksum of every version that receiver got."""
+        rows = read_jsonl(self.out(server, epoch))
+        return {r["version"]: r["checksum"] for r in rows if "version" in r}
+
+    def wait_received(self, server: int, epoch: int, versions: list[int]) -> None:
+        """That receiver got exactly `versions`, each with the sender's checksum (it writes a
+        version down just after acknowledging it: waited for)."""
+        want = {v: version_checksum(v) for v in versions}
+        deadline = time.monotonic() + 30
+        while self.received(server, epoch) != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert self.received(server, epoch) == want
+
+    def ended(self, server: int, epoch: int) -> str | None:
+        rows = read_jsonl(self.out(server, epoch))
+        ends = [r for r in rows if r.get("event") in ("closed", "error")]
+        return ends[0].get("error", "closed") if ends else None
+
+    def events(self) -> list[tuple[str, int, int, int]]:
+        """(event, server, epoch, version) of every membership event, sorted (servers that
+        join at once join in the order they come)."""
+        rows = read_jsonl(self.tmp / "sync_members.jsonl")
+        return sorted((r["event"], r["server"], r["epoch"], r["version"]) for r in rows)
+
+    def close(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGCONT)
+                proc.kill()
+            proc.wait(timeout=30)
+
+
+def wait_for(condition, timeout_s: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
+
+
+@pytest.fixture
+def fleet(tmp_path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    yield f
+    f.close()
+
+
+def test_a_killed_member_is_dropped_and_its_restart_joins_at_the_current_version(fleet):
+    """(a) Server 1 is SIGKILLed: the next version reaches server 0 at once (a reset
+    connection, no timeout) and server 1 epoch 0 is dropped. (b) Server 1 restarts as epoch 1
+    and the replay lists it: it joins at the next version and receives it whole, its checksum
+    equal to the sender's, then every later version. Restarted again (epoch 2) before a version
+    noticed the death, the newer epoch replaces the member."""
+    for server in (0, 1):
+        fleet.start(server, 0)
+    assert fleet.send(1)[0] == {0: 0, 1: 0}
+    fleet.wait_received(1, 0, [1])
+    fleet.procs[(1, 0)].kill()
+    fleet.procs[(1, 0)].wait(timeout=30)
+    members, took = fleet.send(2)
+    assert members == {0: 0} and took < TIMEOUT_S
+    fleet.start(1, 1)  # the launcher's restart: epoch 1, listed once up
+    assert fleet.send(3)[0] == {0: 0, 1: 1}
+    assert fleet.send(4)[0] == {0: 0, 1: 1}
+    fleet.wait_received(1, 1, [3, 4])  # the current version, then every later one
+    # restarted again before any version noticed: the newer epoch replaces the member
+    fleet.procs[(1, 1)].kill()
+    fleet.start(1, 2)
+    assert fleet.send(5)[0] == {0: 0, 1: 2}
+    fleet.fleet.shutdown()
+    wait_for(lambda: fleet.ended(1, 2) == "closed" and fleet.ended(0, 0) == "closed")
+    fleet.wait_received(0, 0, [1, 2, 3, 4, 5])
+    fleet.wait_received(1, 2, [5])
+    assert fleet.events() == [
+        ("dropped", 1, 0, 2),
+        ("dropped", 1, 1, 5),
+        ("joined", 0, 0, 1),
+        ("joined", 1, 0, 1),
+        ("joined", 1, 1, 3),
+        ("joined", 1, 2, 5),
+    ]
+    reasons = [r["reason"] for r in read_jsonl(fleet.tmp / "sync_members.jsonl")]
+    assert "epoch 2 replaces it" in reasons
+
+
+def test_a_stopped_member_is_dropped_after_the_timeout_and_fails_when_it_wakes(fleet):
+    """(c) Server 1 is SIGSTOPped: the next version waits for it no longer than the op
+    timeout, reaches server 0 and drops server 1; woken up, server 1 finds its group closed
+    and fails (a real server then exits, and its restart rejoins as in the test above)."""
+    for server in (0, 1):
+        fleet.start(server, 0)
+    assert fleet.send(1)[0] == {0: 0, 1: 0}
+    os.kill(fleet.procs[(1, 0)].pid, signal.SIGSTOP)
+    members, took = fleet.send(2)
+    assert members == {0: 0}
+    assert TIMEOUT_S * 0.9 < took < TIMEOUT_S * 3
+    fleet.wait_received(0, 0, [1, 2])
+    os.kill(fleet.procs[(1, 0)].pid, signal.SIGCONT)
+    assert fleet.procs[(1, 0)].wait(timeout=30) == 3
+    assert fleet.ended(1, 0) not in (None, "closed")  # its group failed (the peer closed it)
+    assert fleet.send(3)[0] == {0: 0}  # dropped for good: the same epoch is not joined again
+    assert fleet.events() == [("dropped", 1, 0, 2), ("joined", 0, 0, 1), ("joined", 1, 0, 1)]
+
+
+def test_a_listed_server_that_never_connects_is_given_up_after_the_join_bound(tmp_path):
+    """(d) Server 1 never starts: the first version waits for it the first-join bound, then goes
+    to server 0 alone; a listed epoch 1 that never connects costs a later version the join
+    bound (the op timeout). A receiver that comes after it was given up fails at once."""
+    fleet = Fleet(tmp_path, first_join_s=2.0)
+    try:
+        fleet.start(0, 0)
+        members, took = fleet.send(1)
+        assert members == {0: 0} and 1.8 < took < 10
+        fleet.listed[1] = 1
+        members, took = fleet.send(2)
+        assert members == {0: 0} and TIMEOUT_S * 0.9 < took < TIMEOUT_S * 3
+        fleet.wait_received(0, 0, [1, 2])
+        late = fleet.start(1, 1, listed=False)
+        assert late.wait(timeout=30) == 3
+        assert "stopped waiting for server_1/epoch_1" in fleet.ended(1, 1)
+        assert fleet.events() == [
+            ("joined", 0, 0, 1),
+            ("not_joined", 1, 0, 1),
+            ("not_joined", 1, 1, 2),
+        ]
+    finally:
+        fleet.close()
