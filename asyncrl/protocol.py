@@ -5,6 +5,7 @@ Who sends what (replies echo the request's `request_id`):
     rollout server -> replay   LeaseRequest   -> LeaseGrant   (prompts to sample; may be empty)
     rollout server -> replay   Trajectory     -> Ack          (accepted/duplicate/late/rejected)
     rollout server -> replay   Trajectories   -> Acks         (several at once: one status each)
+    rollout server -> replay   Heartbeat      -> Ack          (ok; rejected: declared dead)
     learner rank 0 -> replay   BatchRequest   -> Batch        (whole groups; may be empty)
     learner rank 0 -> replay   VersionUpdate  -> Ack
     anyone         -> replay   StatsRequest   -> Stats        (counters for progress and tests)
@@ -358,15 +359,36 @@ class VersionUpdate:
         _check_index(self.version, "version")
 
 
+@message("heartbeat")
+class Heartbeat:
+    request_id: int  # echoed in the Ack
+    server_id: int  # the rollout server that is alive
+    epoch: int  # its restart count (0: first start); a newer epoch replaces the older one
+
+    def validate(self) -> None:
+        for name in ("request_id", "server_id", "epoch"):
+            _check_index(getattr(self, name), name)
+
+
 @message("stats_request")
 class StatsRequest:
     request_id: int  # echoed in the reply
+
+
+@struct
+class ServerHealth:
+    server_id: int  # a rollout server the replay has heard a heartbeat from
+    epoch: int  # the restart count of its latest heartbeat
+    alive: bool  # False: silent for launch.server_timeout_s, declared dead (until a newer epoch)
+    silent_s: float  # seconds since its latest heartbeat
+    in_flight: int  # incomplete training groups leased to it now
 
 
 @message("stats")
 class Stats:
     request_id: int  # the StatsRequest answered
     counters: dict[str, float]  # named counters and gauges of the replay
+    servers: list[ServerHealth] = field(default_factory=list)  # by server id (`replay.health`)
 
 
 @message("eval_submit")

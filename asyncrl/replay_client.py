@@ -27,6 +27,7 @@ from asyncrl.protocol import (
     EvalResults,
     EvalSubmit,
     PromptItem,
+    ServerHealth,
     Stats,
     StatsRequest,
     VersionUpdate,
@@ -98,6 +99,17 @@ class ReplayClient:
 
     def stats(self) -> dict[str, float]:
         return self._request(lambda i: StatsRequest(i), Stats).counters
+
+    def server_health(self) -> list[ServerHealth]:
+        """Every rollout server the replay has heard a heartbeat from: its epoch, whether it
+        is alive, how long it has been silent (`replay.health`)."""
+        return self._request(lambda i: StatsRequest(i), Stats).servers
+
+    def server_epochs(self) -> dict[int, int]:
+        """server id -> the epoch (restart count) of every rollout server alive now; servers
+        declared dead are left out (a restarted one is back with a higher epoch). One round
+        trip (a stats request), cheap enough for every learner step."""
+        return {s.server_id: s.epoch for s in self.server_health() if s.alive}
 
     def close(self) -> None:
         self._sock.close(linger=0)

@@ -18,6 +18,7 @@ from asyncrl.protocol import (
     CheckpointRequest,
     EvalPoll,
     EvalSubmit,
+    Heartbeat,
     LeaseRequest,
     StatsRequest,
     Trajectories,
@@ -29,7 +30,7 @@ PERMISSIONS: dict[str, frozenset[type]] = {
     "learner": frozenset(
         {BatchRequest, VersionUpdate, CheckpointRequest, EvalSubmit, EvalPoll, StatsRequest}
     ),
-    "server": frozenset({LeaseRequest, Trajectory, Trajectories, StatsRequest}),
+    "server": frozenset({LeaseRequest, Trajectory, Trajectories, Heartbeat, StatsRequest}),
     "client": frozenset({EvalSubmit, EvalPoll, StatsRequest}),
 }
 """Message types each role may send; anything else is answered `Error` and counted as

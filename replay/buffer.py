@@ -249,6 +249,15 @@ class GroupBuffer:
             self._remove(g)
         return [g.item for g in old]
 
+    def drop_server(self, server_id: int) -> list[PromptItem]:
+        """Drop the incomplete groups leased to `server_id` (declared dead, or replaced by a
+        newer epoch); returns their prompts, to be re-issued. Its samples that arrive later
+        are answered `late`, never trained."""
+        dropped = [g for g in self._groups.values() if not g.ready and g.server_id == server_id]
+        for g in dropped:
+            self._remove(g)
+        return [g.item for g in dropped]
+
     def _remove(self, group: Group) -> None:
         del self._groups[group.item.group_id]
         if group.ready:

@@ -37,10 +37,16 @@ class FleetStats:
     def forget_silent(self, now: float, silent_s: float) -> None:
         """Drop the servers not heard from for `silent_s` (they no longer count as idle)."""
         for server_id in [s for s, t in self._last_seen.items() if now - t > silent_s]:
-            del self._last_seen[server_id], self._now[server_id]
-            self._at_last_batch.pop(server_id, None)
-            self._idle.pop(server_id, None)
-            self.forgotten += 1
+            self.forget(server_id)
+
+    def forget(self, server_id: int) -> None:
+        """Drop a server's counters (silent, dead, or restarted: a new epoch counts from 0)."""
+        if self._last_seen.pop(server_id, None) is None:
+            return
+        self._now.pop(server_id, None)
+        self._at_last_batch.pop(server_id, None)
+        self._idle.pop(server_id, None)
+        self.forgotten += 1
 
     def for_batch(
         self, latencies: Iterable[float], groups_ready: int, groups_in_flight: int

@@ -4,7 +4,8 @@ A grant is evaluation prompts first (outside admission: they are never trained),
 prompts within `AdmissionController` (staleness, capacity and the server's fair share of the
 window while other servers ask, see `replay.admission`), never more than the server's own quota
 (`rollout.max_concurrent_groups` less the training groups it holds). Training prompts come from
-expired leases first (re-issued under fresh group ids), then from the `PromptSource`.
+expired leases and those of dead servers first (re-issued under fresh group ids), then from
+the `PromptSource`.
 
 The desk also takes and restores the replay's state for a checkpoint (`data_state` / `restore`,
 the format in `replay.checkpoint`), and measures how a batch's groups spread over the servers
@@ -113,6 +114,20 @@ class LeaseDesk:
             self._retry.extend(expired)
             log.warning("%d lease(s) expired after %.0fs; re-issuing", len(expired), timeout)
         return len(expired)
+
+    def reissue_server(self, server_id: int, why: str) -> int:
+        """Take back the incomplete leases of `server_id` (declared dead or replaced by a newer
+        epoch, `replay.health`), to be re-issued first, as expired leases are; returns how
+        many."""
+        dropped = self.buffer.drop_server(server_id)
+        self.counters["dead_server_leases"] += len(dropped)
+        self.admission.on_never_trained(len(dropped))
+        self._retry.extend(dropped)
+        if dropped:
+            log.warning("%s: re-issuing its %d incomplete lease(s)", why, len(dropped))
+        else:
+            log.info("%s (it held no incomplete lease)", why)
+        return len(dropped)
 
     def data_state(self, version: int) -> ReplayState:
         """The replay's whole state at learner version `version`, for a checkpoint: the ready

@@ -17,7 +17,10 @@ Messages (see `asyncrl.protocol`):
   also logged and counted (`untrainable`).
 - BatchRequest -> Batch: exactly `num_groups` whole groups trainable at the request's
   `learner_version` (authoritative), or an empty batch after the wait.
-- VersionUpdate -> Ack(ok); StatsRequest -> Stats; EvalSubmit -> Ack; EvalPoll -> EvalResults;
+- Heartbeat -> Ack(ok | rejected): `replay.health`; a server silent for
+  `launch.server_timeout_s` is declared dead and the incomplete leases of a dead or replaced
+  epoch are re-issued at once.
+- VersionUpdate -> Ack(ok); StatsRequest -> Stats (with every server's health); EvalSubmit -> Ack; EvalPoll -> EvalResults;
   CheckpointRequest -> Ack: the replay's whole state at the request's version, which must be
   the learner version it last heard, written to the file asked for, which must lie inside the
   run directory (`replay.checkpoint`).
@@ -51,6 +54,7 @@ from asyncrl.protocol import (
     CheckpointRequest,
     EvalPoll,
     EvalSubmit,
+    Heartbeat,
     LeaseGrant,
     LeaseRequest,
     Stats,
@@ -73,6 +77,7 @@ from replay.counters import COUNTERS, summarize
 from replay.endpoint import Endpoint
 from replay.eval_jobs import EvalJobs, EvalQuotaExceeded
 from replay.fleet_stats import FleetStats
+from replay.health import FleetHealth
 from replay.leases import LeaseDesk, lease_spread
 from replay.prompts import PromptSource, setup_prompt_source
 
@@ -127,6 +132,7 @@ class ReplayService(Endpoint):
         self.eval_jobs = EvalJobs(forget_after_s=rc.lease_timeout_s)
         self.leases = LeaseDesk(cfg, prompts, self.buffer, self.eval_jobs, self.counters)
         self.admission = self.leases.admission
+        self.health = FleetHealth(cfg.launch.server_timeout_s, self.counters)
         self.learner_version = 0
         self._held_leases: list[_Held] = []
         self._held_batches: list[_Held] = []
@@ -136,6 +142,7 @@ class ReplayService(Endpoint):
             LeaseRequest: self._on_lease_request,
             Trajectory: self._on_trajectory,
             Trajectories: self._on_trajectories,
+            Heartbeat: self._on_heartbeat,
             BatchRequest: self._on_batch_request,
             VersionUpdate: self._on_version_update,
             StatsRequest: self._on_stats_request,
@@ -195,6 +202,7 @@ class ReplayService(Endpoint):
             "learner_version": float(self.learner_version),
             "eval_jobs_freed": float(self.eval_jobs.freed),
             "servers_forgotten": float(self.fleet.forgotten),
+            "servers_alive": float(len(self.health.epochs())),
             "peak_rss_mb": peak_rss_mb(),
         }
 
@@ -318,7 +326,25 @@ class ReplayService(Endpoint):
         self._send(peer, Ack(request_id=msg.request_id, traj_id="", status="ok"))
 
     def _on_stats_request(self, peer: Peer, msg: StatsRequest) -> None:
-        self._send(peer, Stats(request_id=msg.request_id, counters=self.stats()))
+        servers = self.health.report(time.monotonic(), self.buffer.in_flight_of)
+        self._send(peer, Stats(request_id=msg.request_id, counters=self.stats(), servers=servers))
+
+    def _on_heartbeat(self, peer: Peer, msg: Heartbeat) -> None:
+        verdict, why = self.health.observe(msg.server_id, msg.epoch, time.monotonic())
+        if verdict == "refused":  # its sender stops on this answer
+            self._reject(peer, "rejected_invalid", why, reply=False)
+        elif verdict == "replaced":
+            self._take_back(msg.server_id, why)
+        status = "rejected" if verdict == "refused" else "ok"
+        self._send(peer, Ack(request_id=msg.request_id, traj_id="", status=status))
+
+    def _take_back(self, server_id: int, why: str) -> None:
+        """A dead or replaced epoch: its incomplete leases are re-issued, and a lease request
+        of it still held is answered empty."""
+        self.leases.reissue_server(server_id, why)
+        self.fleet.forget(server_id)  # a new epoch's counters start from 0
+        self._held_leases = self._supersede(self._held_leases, Peer(b"", None), server_id)
+        self._changed = True  # admission slots and capacity were freed
 
     def data_state(self, version: int) -> ReplayState:
         """The whole state a resumed replay needs (`replay.checkpoint`, taken by `LeaseDesk`)."""
@@ -344,6 +370,9 @@ class ReplayService(Endpoint):
         timeout = self.cfg.replay.lease_timeout_s
         self._next_expire_at = now + min(1.0, timeout / 4)
         self.fleet.forget_silent(now, timeout)
+        for server_id in self.health.declare_silent(now):
+            silent = self.cfg.launch.server_timeout_s
+            self._take_back(server_id, f"server_{server_id} declared dead (silent > {silent}s)")
         self.eval_jobs.expire(now)
         if self.leases.expire(now):
             self._changed = True  # admission slots and capacity were freed

@@ -5,6 +5,12 @@ duplicate or late all count as acknowledged). Unacknowledged trajectories are se
 the next attempt number after `ack_timeout_s`; the replay drops the duplicates, so a lost
 reply or a restarted replay socket never loses or doubles a trajectory.
 
+Liveness: every `heartbeat_s` the client sends a `Heartbeat` with its server id and epoch (its
+restart count); the replay declares a server silent for `launch.server_timeout_s` dead
+(`replay.health`). When the replay refuses a heartbeat (this epoch was declared dead, or a newer
+one replaced it) the heartbeat task raises, and the server, which watches the client's tasks,
+stops: the launcher restarts it, or has already.
+
 Trajectories put in the same event-loop turn (a group's samples finish together) leave as one
 `Trajectories` message, answered by one `Acks`: one header, signature and reply for the lot
 instead of one each. Resends go one `Trajectory` at a time.
@@ -13,22 +19,26 @@ instead of one each. Resends go one `Trajectory` at a time.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import itertools
 import logging
+import os
 import time
-from collections import Counter
+from collections import Counter, deque
 
 import zmq
 import zmq.asyncio
 
-from asyncrl.auth import AuthError, RoleKey
+from asyncrl.auth import AuthError, RoleKey, server_index
 from asyncrl.codec import ProtocolError
+from asyncrl.config import LaunchConfig
 from asyncrl.protocol import (
     MAX_TRAJECTORIES_PER_MESSAGE,
     Ack,
     Acks,
     Error,
+    Heartbeat,
     LeaseGrant,
     LeaseRequest,
     PromptItem,
@@ -45,6 +55,12 @@ MESSAGE_BYTES = 8 << 20
 and of half the replay's limit (`replay.max_message_mb`) where that is less."""
 
 
+EPOCH_ENV = "ASYNCRL_SERVER_EPOCH"
+"""The server's restart count (0 when unset), set by the launcher on each restart."""
+HEARTBEAT_ENV = "ASYNCRL_HEARTBEAT_S"
+"""launch.heartbeat_s, set by the launcher (its default when unset)."""
+
+
 class AsyncReplayClient:
     def __init__(
         self,
@@ -53,8 +69,21 @@ class AsyncReplayClient:
         ack_timeout_s: float,
         reply_timeout_s: float = 60.0,
         max_message_bytes: int = 64 << 20,
+        server_id: int | None = None,
+        epoch: int | None = None,
+        heartbeat_s: float | None = None,
     ):
+        """`server_id` (default: the index of `auth`'s `server_<i>` role; None for another
+        role: no heartbeats), `epoch` (default: $ASYNCRL_SERVER_EPOCH, else 0) and
+        `heartbeat_s` (default: $ASYNCRL_HEARTBEAT_S, else launch.heartbeat_s's default) are
+        what the heartbeats carry and how often they leave."""
         self.auth = auth
+        self.server_id = server_index(auth.role) if server_id is None else server_id
+        self.epoch = int(os.environ.get(EPOCH_ENV, "0")) if epoch is None else epoch
+        default_s = LaunchConfig.model_fields["heartbeat_s"].default
+        self.heartbeat_s = heartbeat_s or float(os.environ.get(HEARTBEAT_ENV, default_s))
+        self._heartbeat_ids: deque[int] = deque(maxlen=16)  # the latest heartbeats' request ids
+        self._refused = asyncio.Event()  # the replay refused a heartbeat: this epoch is over
         self._ctx = zmq.asyncio.Context()
         self._sock = setup_socket(self._ctx, zmq.DEALER, connect=address)
         self._ids = itertools.count(1)
@@ -63,7 +92,7 @@ class AsyncReplayClient:
         self.ack_timeout_s, self.reply_timeout_s = ack_timeout_s, reply_timeout_s
         # every counter present from the start: a server that never got a lease still reports 0
         self.counters: Counter[str] = Counter(
-            dict.fromkeys(["sent", "acked", "resent", "ack_accepted", "errors"], 0)
+            dict.fromkeys(["sent", "acked", "resent", "ack_accepted", "errors", "heartbeats"], 0)
         )
         self._tasks: list[asyncio.Task] = []
         self._unsent: list[Trajectory] = []  # put in this event-loop turn, not yet sent
@@ -71,12 +100,31 @@ class AsyncReplayClient:
         self._part_bytes = min(MESSAGE_BYTES, max_message_bytes // 2)
 
     def start(self) -> list[asyncio.Task]:
-        """Start the reply reader and the resender; the caller watches these tasks."""
+        """Start the reply reader, the resender and (for a server) the heartbeat; the caller
+        watches these tasks (the heartbeat's raises once the replay refuses it)."""
         self._tasks = [
             asyncio.create_task(self._read_replies(), name="replay-reader"),
             asyncio.create_task(self._resend_unacked(), name="replay-resender"),
         ]
+        if self.server_id is not None:
+            self._tasks.append(asyncio.create_task(self._heartbeat(), name="replay-heartbeat"))
         return self._tasks
+
+    async def _heartbeat(self) -> None:
+        assert self.server_id is not None
+        while not self._refused.is_set():
+            request_id = next(self._ids)
+            self._heartbeat_ids.append(request_id)
+            beat = Heartbeat(request_id, self.server_id, self.epoch)
+            await send_msg(self._sock, beat, auth=self.auth)
+            self.counters["heartbeats"] += 1
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._refused.wait(), self.heartbeat_s)
+        raise RuntimeError(
+            f"the replay refused the heartbeat of server_{self.server_id} epoch {self.epoch}: "
+            "it declared this epoch dead (silent for launch.server_timeout_s) or a newer epoch "
+            "replaced it; stopping"
+        )
 
     async def lease(
         self,
@@ -157,6 +205,9 @@ class AsyncReplayClient:
                 continue
             if isinstance(msg, Ack) and msg.traj_id:
                 self._acknowledged(msg.traj_id, msg.status)
+            elif isinstance(msg, Ack) and msg.request_id in self._heartbeat_ids:
+                if msg.status == "rejected":
+                    self._refused.set()
             elif isinstance(msg, Acks):
                 for traj_id, status in zip(msg.traj_ids, msg.statuses, strict=True):
                     self._acknowledged(traj_id, status)

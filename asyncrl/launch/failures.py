@@ -86,14 +86,18 @@ def death_order(ended: Sequence[M]) -> list[M]:
     return [m for _, m in sorted(enumerate(ended), key=key)]
 
 
-def failure_report(failures: Sequence[EndedMember]) -> str:
+def failure_report(failures: Sequence[EndedMember], earlier: Sequence[str] = ()) -> str:
     """`failures` as `death_order` returns them, as lines: the first (how it ended), the ones
-    seen after it (`then: ...`, with how much later), and the tail of the first one's log."""
+    seen after it (`then: ...`, with how much later), the deaths before it that did not end
+    the run (`earlier: ...`, restarted rollout servers: one may have caused it), and the tail
+    of the first one's log."""
     cause, *followers = failures
     assert cause.ending is not None, f"{cause.name} has not ended"
     lines = [f"{cause.who} {cause.ending.how}"]
     if followers:
         lines.append("then: " + ", ".join(_followed(cause, f) for f in followers))
+    if earlier:
+        lines.append("earlier (not fatal): " + ", ".join(earlier))
     lines.append(cause.last_log_lines())
     return "\n".join(lines)
 

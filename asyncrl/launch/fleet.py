@@ -2,24 +2,28 @@
 the model every fleet loads, each process's environment, and the one watch loop.
 
 A backend (`local.py`, `ray_cluster.py`) starts the processes and returns a `Fleet`; everything
-after that (waiting for the replay, showing progress, naming the first process to die and the
-deaths that followed it, see `failures.py`) is here, so both backends behave the same.
+after that (waiting for the replay, showing progress, restarting dead rollout servers
+(`ServerRestarts`), naming the first process to die and the deaths that followed it, see
+`failures.py`) is here, so both backends behave the same.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
 from asyncrl.auth import RoleKey, auth_env, new_secret, read_secret, role_key, write_secret
-from asyncrl.config import Config, config_to_yaml
+from asyncrl.config import Config, config_to_yaml, load_config
 from asyncrl.data import setup_task
 from asyncrl.launch.failures import EndedMember, failure_report
 from asyncrl.launch.progress import Progress
 from asyncrl.metrics import read_jsonl
+from asyncrl.protocol import ServerHealth
 from asyncrl.replay_client import ReplayClient, ReplayUnavailable
 from asyncrl.run_spec import RunSpec
 
@@ -58,6 +62,21 @@ class Fleet(Protocol):
 
     def stop_all(self) -> None:
         """Stop every member (gracefully, then by force) and release what the run holds."""
+        ...
+
+    def retire(self, name: str) -> None:
+        """Kill what is left of member `name` at once (SIGKILL: a hung or stopped process
+        too) and stop watching it: its end is no failure of the run."""
+        ...
+
+    def start_server(self, index: int, epoch: int) -> None:
+        """Start rollout server `index` again as `epoch` (its restart count), in the place
+        of the one retired."""
+        ...
+
+    def server_health(self) -> list[ServerHealth]:
+        """The replay's view of the rollout servers (`replay_health`), asked from where the
+        replay can be reached; [] when it does not answer in time."""
         ...
 
 
@@ -129,6 +148,12 @@ def process_env(spec: RunSpec, name: str) -> dict[str, str]:
     }
 
 
+def server_env(cfg: Config, epoch: int) -> dict[str, str]:
+    """What a rollout server's replay client reads (`rollout_servers.replay_client`): its
+    epoch (restart count) and how often it sends heartbeats."""
+    return {"ASYNCRL_SERVER_EPOCH": str(epoch), "ASYNCRL_HEARTBEAT_S": str(cfg.launch.heartbeat_s)}
+
+
 def learner_env(
     rank: int, world_size: int, master_addr: str, master_port: int, local_rank: int
 ) -> dict[str, str]:
@@ -154,16 +179,37 @@ def replay_answers(address: str, auth: RoleKey) -> bool:
         client.close()
 
 
-def raise_on_failure(fleet: Fleet, window_s: float = FOLLOWERS_WINDOW_S) -> None:
+def replay_health(address: str, auth: RoleKey, timeout_s: float = 1.0) -> list[ServerHealth]:
+    """Every rollout server the replay at `address` has heard from, with its epoch and whether
+    it is alive; [] when the replay does not answer within `timeout_s` (busy: if it died, its
+    process's end is what the launcher sees)."""
+    client = ReplayClient(address, auth, reply_timeout_s=timeout_s)
+    try:
+        return client.server_health()
+    except ReplayUnavailable:
+        return []
+    finally:
+        client.close()
+
+
+def raise_on_failure(
+    fleet: Fleet,
+    window_s: float = FOLLOWERS_WINDOW_S,
+    restarts: ServerRestarts | None = None,
+) -> None:
     """LaunchError naming the first member to fail and the failures that follow it within
-    `window_s` (waited for here; at once when every member has ended); nothing if none has."""
-    if not fleet.failures():
+    `window_s` (waited for here; at once when every member has ended); nothing if none has.
+    With `restarts`, a server's death is its to handle (unless the run ends anyway: then a
+    server that dies within the window is listed), and the server deaths before the failure
+    are named in its report."""
+    if not (fleet.failures() if restarts is None else restarts.failures(fleet)):
         return
     deadline = time.monotonic() + window_s
     while (left := deadline - time.monotonic()) > 0 and fleet.wait(left):
         fleet.failures()  # stamps what ended, as it ends
     failed = fleet.failures()
-    raise LaunchError(failure_report(failed), [m.name for m in failed])
+    earlier = [] if restarts is None else restarts.earlier()
+    raise LaunchError(failure_report(failed, earlier), [m.name for m in failed])
 
 
 def wait_for_replay(fleet: Fleet, answers: Callable[[], bool], timeout_s: float) -> None:
@@ -176,11 +222,20 @@ def wait_for_replay(fleet: Fleet, answers: Callable[[], bool], timeout_s: float)
     raise LaunchError(f"replay did not start within {timeout_s:.0f}s")
 
 
-def watch(fleet: Fleet, progress: Progress, window_s: float = FOLLOWERS_WINDOW_S) -> None:
-    """Until every learner rank has finished; raise LaunchError if any member dies first."""
+def watch(
+    fleet: Fleet,
+    progress: Progress,
+    window_s: float = FOLLOWERS_WINDOW_S,
+    cfg: Config | None = None,
+) -> None:
+    """Until every learner rank has finished, restarting rollout servers that die
+    (`ServerRestarts`); raise LaunchError if any other member dies first, or no server is
+    left. `cfg`: the run's (default: its run directory's config.yaml)."""
     metrics = Path(fleet.spec.run_dir) / "metrics.jsonl"
+    restarts = setup_restarts(fleet, cfg, progress.note)
     while True:
-        raise_on_failure(fleet, window_s)  # first thing after a wake: exits are stamped early
+        raise_on_failure(fleet, window_s, restarts)  # first after a wake: exits stamped early
+        restarts.check(fleet)
         progress.update(read_jsonl(metrics))
         if fleet.learners_finished():
             progress.update(read_jsonl(metrics), final=True)
@@ -188,8 +243,137 @@ def watch(fleet: Fleet, progress: Progress, window_s: float = FOLLOWERS_WINDOW_S
         fleet.wait(0.25)
 
 
-def watch_serving(fleet: Fleet, window_s: float = FOLLOWERS_WINDOW_S) -> None:
-    """Until a member dies (then LaunchError): a fleet without learners runs until stopped."""
+def watch_serving(
+    fleet: Fleet, window_s: float = FOLLOWERS_WINDOW_S, cfg: Config | None = None
+) -> None:
+    """Until a member other than a restartable server dies, or no server is left (then
+    LaunchError): a fleet without learners runs until stopped."""
+    restarts = setup_restarts(fleet, cfg, print_line)
     while True:
-        raise_on_failure(fleet, window_s)
+        raise_on_failure(fleet, window_s, restarts)
+        restarts.check(fleet)
         fleet.wait(0.5)
+
+
+def print_line(line: str) -> None:
+    print(line, flush=True)
+
+
+def setup_restarts(fleet: Fleet, cfg: Config | None, say: Callable[[str], None]) -> ServerRestarts:
+    """The fleet's `ServerRestarts` (`cfg`: default, the run directory's config.yaml)."""
+    cfg = load_config(fleet.spec.config_path) if cfg is None else cfg
+    return ServerRestarts(cfg, fleet.spec.run_dir, fleet.server_health, say=say)
+
+
+RESTARTS_FILE = "restarts.jsonl"
+HEALTH_POLL_S = 1.0
+"""How often the launcher asks the replay which servers it has declared dead."""
+
+
+@dataclass
+class _Server:
+    epoch: int = 0  # its restarts so far: the epoch it runs as (or will once restarted)
+    restart_at: float | None = None  # clock time of its pending restart
+    why: str = ""  # how its latest epoch ended
+    dropped: bool = False
+
+
+class ServerRestarts:
+    """Restarts rollout servers that die, up to `launch.max_restarts` each.
+
+    A server is dead when its process ends (however: the run needs it to the end) or when the
+    replay declares it dead (no heartbeat for `launch.server_timeout_s`: hung, stopped), which
+    the launcher then kills. Restart k+1 starts `restart_backoff_s * 2**k` after the death it
+    follows, as epoch k+1 (`ASYNCRL_SERVER_EPOCH`). A server whose restarts are used up is
+    dropped and the run goes on with the others; only when none is left does it fail
+    (LaunchError naming the dropped servers). With `max_restarts=0` a server's end fails the
+    run as any member's does (`raise_on_failure`), and a declared death fails it naming that.
+    Each restart and drop is a printed line and a record in run_dir/restarts.jsonl."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: str | Path,
+        health: Callable[[], list[ServerHealth]],
+        clock: Callable[[], float] = time.monotonic,
+        say: Callable[[str], None] = print_line,
+    ) -> None:
+        lc = cfg.launch
+        self.max_restarts, self.backoff_s = lc.max_restarts, lc.restart_backoff_s
+        self.servers = {f"server_{i}": _Server() for i in range(cfg.rollout.num_servers)}
+        self.health, self.clock, self.say = health, clock, say
+        self.path = Path(run_dir) / RESTARTS_FILE
+        self.deaths: list[tuple[float, str]] = []  # (clock time, "server_1 <how>")
+        self.dropped: list[str] = []
+        self._next_poll = 0.0
+
+    def failures(self, fleet: Fleet) -> list[EndedMember]:
+        """`fleet.failures()` less the servers that ended, which are taken here: retired, to
+        be restarted or dropped (unless max_restarts=0)."""
+        failed = fleet.failures()
+        if self.max_restarts == 0:
+            return list(failed)
+        for m in failed:
+            if m.name in self.servers and m.ending is not None:
+                self._died(fleet, m.name, m.ending.how, m.last_log_lines())
+        return [m for m in failed if m.name not in self.servers]
+
+    def check(self, fleet: Fleet) -> None:
+        """Kill and take the servers the replay declared dead, and start the restarts that
+        are due."""
+        now = self.clock()
+        if now >= self._next_poll:
+            self._next_poll = now + HEALTH_POLL_S
+            for report in self.health():
+                self._maybe_declared_dead(fleet, report)
+        for name, server in self.servers.items():
+            if server.restart_at is not None and self.clock() >= server.restart_at:
+                server.restart_at, server.epoch = None, server.epoch + 1
+                fleet.start_server(int(name.rpartition("_")[2]), server.epoch)
+                self._record(name, server.epoch, "restart", server.why)
+
+    def earlier(self) -> list[str]:
+        """The server deaths so far, for the report of a failure that ends the run."""
+        now = self.clock()
+        return [f"{what} ({now - at:.1f} s before)" for at, what in self.deaths]
+
+    def _maybe_declared_dead(self, fleet: Fleet, report: ServerHealth) -> None:
+        name = f"server_{report.server_id}"
+        server = self.servers.get(name)
+        if report.alive or server is None or server.dropped or server.restart_at is not None:
+            return
+        if report.epoch != server.epoch:  # an epoch that was replaced already
+            return
+        how = f"was declared dead by the replay (no heartbeat for {report.silent_s:.1f} s)"
+        if self.max_restarts == 0:
+            log = Path(self.path.parent, "logs", f"{name}.log")
+            raise LaunchError(f"process {name} {how}; its log: {log}", [name])
+        self._died(fleet, name, how, "")
+
+    def _died(self, fleet: Fleet, name: str, how: str, log_lines: str) -> None:
+        fleet.retire(name)
+        how = how.partition("\n")[0]  # a reason Ray gives can run over several lines
+        server = self.servers[name]
+        server.why = how
+        self.deaths.append((self.clock(), f"{name} {how}"))
+        if server.epoch < self.max_restarts:
+            delay = self.backoff_s * 2**server.epoch
+            server.restart_at = self.clock() + delay
+            restart = f"restart {server.epoch + 1}/{self.max_restarts}"
+            self.say(f"asyncrl: {name} {how}; {restart} in {delay:.1f}s")
+            return
+        server.dropped = True
+        self.dropped.append(name)
+        self.say(f"asyncrl: {name} dropped after {server.epoch} restarts: {how}")
+        self._record(name, server.epoch, "dropped", how)
+        if all(s.dropped for s in self.servers.values()):
+            raise LaunchError(
+                f"no rollout server is left: each died {self.max_restarts + 1} times; the last, "
+                f"{name}, {how}\n{log_lines}".rstrip(),
+                self.dropped,
+            )
+
+    def _record(self, name: str, epoch: int, event: str, why: str) -> None:
+        record = {"time": time.time(), "server": name, "epoch": epoch, "event": event, "why": why}
+        with self.path.open("a") as f:
+            f.write(json.dumps(record) + "\n")

@@ -8,6 +8,10 @@ replay that restarts. Children run in their own sessions (so a terminal's Ctrl-C
 only the launcher, which then stops them in order) and die with the launcher even if it is
 killed outright (Linux parent-death signal), so no process outlives a run.
 
+A rollout server that dies is restarted in place (`fleet.ServerRestarts` decides when):
+`LocalFleet.retire` SIGKILLs its process group and forgets it, `start_server` starts it again
+with the same command, its epoch in the environment, appending to the same log.
+
 Every check (`LocalFleet.failures`) polls every child and stamps the ones it sees ended for the
 first time (`failures.Ending`); between checks `LocalFleet.wait` sleeps on a pidfd per running
 child, so the launcher wakes, and stamps an exit, within milliseconds of it while it is idle
@@ -35,9 +39,12 @@ from asyncrl.launch.fleet import (
     log_tail,
     process_env,
     replay_answers,
+    replay_health,
+    server_env,
     threads_per_process,
     wait_for_replay,
 )
+from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
 from asyncrl.transport import free_port, tcp_address
 
@@ -87,10 +94,12 @@ class LocalFleet:
     spec: RunSpec
     procs: list[Proc] = field(default_factory=list)
     checks: int = 0  # how many times every process has been polled
+    commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
         log_path = Path(self.spec.run_dir) / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.commands[name] = (argv, env)
         with log_path.open("ab") as out:
             popen = subprocess.Popen(
                 argv,
@@ -125,6 +134,26 @@ class LocalFleet:
         if all(p.popen.returncode is None for p in unseen):  # none reaped: their pids are theirs
             _wait_any([p.popen.pid for p in unseen], timeout_s)
         return True
+
+    def retire(self, name: str) -> None:
+        """SIGKILL the process group of `name` (stopped or hung included), reap it, and stop
+        watching it."""
+        proc = next(p for p in self.procs if p.name == name)
+        _signal_group(proc.popen, signal.SIGKILL)
+        proc.popen.wait()
+        self.procs.remove(proc)
+
+    def start_server(self, index: int, epoch: int) -> None:
+        """Server `index` again, as `epoch`, with the command it was first started with."""
+        name = f"server_{index}"
+        argv, env = self.commands[name]
+        log_path = Path(self.spec.run_dir) / "logs" / f"{name}.log"
+        with log_path.open("a") as log:
+            log.write(f"---- asyncrl: {name} restarted as epoch {epoch} ----\n")
+        self.start(name, argv, env | {"ASYNCRL_SERVER_EPOCH": str(epoch)})
+
+    def server_health(self) -> list[ServerHealth]:
+        return replay_health(self.spec.replay_address, client_key(self.spec))
 
     def learners_finished(self) -> bool:
         learners = [p for p in self.procs if p.name.startswith("learner_")]
@@ -190,7 +219,7 @@ def start_local_fleets(
         for i in range(cfg.rollout.num_servers):
             name = f"server_{i}"
             argv = [*worker, "server", str(spec_path), "--index", str(i)]
-            fleet.start(name, argv, process_env(spec, name))
+            fleet.start(name, argv, process_env(spec, name) | server_env(cfg, epoch=0))
         world = cfg.learner.world_size
         for rank in range(world if with_learner else 0):
             name = f"learner_{rank}"

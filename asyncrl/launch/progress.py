@@ -66,6 +66,15 @@ class Progress:
         self.stream.flush()
         self._shown_step, self._shown_at = rows[-1]["step"], now
 
+    def note(self, line: str) -> None:
+        """Print an event (a server restarted) on a line of its own, whatever the mode; on a
+        terminal the progress line is drawn again below it at the next update."""
+        if self.mode == "tty":
+            self.stream.write("\r\x1b[2K")
+            self._shown_step = 0
+        self.stream.write(line + "\n")
+        self.stream.flush()
+
     @staticmethod
     def summary(rows: list[dict[str, Any]]) -> str:
         val = [r for r in rows if "val/mean_score" in r]

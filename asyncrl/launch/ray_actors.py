@@ -1,6 +1,7 @@
 """What runs inside the Ray cluster for the Ray launcher (`ray_cluster.py`): one `FleetProcess`
 actor per fleet process, which runs the same role function as a local process, and the small
-zero-CPU tasks the launcher pins next to an actor (signals, a replay probe).
+zero-CPU tasks the launcher pins next to an actor (signals, a replay probe, the replay's view
+of the servers' health).
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from asyncrl.auth import RoleKey
 from asyncrl.config import Config
-from asyncrl.launch.fleet import log_tail, replay_answers
+from asyncrl.launch.fleet import log_tail, replay_answers, replay_health
 from asyncrl.launch.worker import run_process
+from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
 
 
@@ -84,6 +86,11 @@ def signal_processes(pids: list[int], sig: int) -> None:
 @ray.remote(num_cpus=0)
 def replay_answers_on_node(address: str, auth: RoleKey) -> bool:
     return replay_answers(address, auth)
+
+
+@ray.remote(num_cpus=0)
+def replay_health_on_node(address: str, auth: RoleKey) -> list[ServerHealth]:
+    return replay_health(address, auth)
 
 
 def on_node(node_id: str) -> NodeAffinitySchedulingStrategy:

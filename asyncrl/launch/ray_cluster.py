@@ -30,6 +30,10 @@ failed (an actor's death fails its run), and `RayFleet.wait` wakes on the first 
 so deaths whose logs are on this machine are ordered by their logs' last writes (a follower
 writes its traceback after the death that caused it); others in the order Ray reports them.
 
+Restarts (`fleet.ServerRestarts` decides when): `RayFleet.retire` kills a dead or hung server's
+actor (`ray.kill`), which frees its bundle, and `start_server` creates a new actor in that
+bundle and runs the server role in it with its epoch in the environment.
+
 Stopping (at the end, on Ctrl-C, on a failure): SIGTERM to each running actor's process (by a
 zero-CPU task pinned to its node), so roles stop as they do locally and write their stats;
 after a grace period `ray.kill` for every actor (no interpreter teardown, see
@@ -62,6 +66,7 @@ from asyncrl.launch.fleet import (
     learner_env,
     log_tail,
     process_env,
+    server_env,
     wait_for_replay,
 )
 from asyncrl.launch.ray_actors import (
@@ -69,9 +74,11 @@ from asyncrl.launch.ray_actors import (
     Location,
     on_node,
     replay_answers_on_node,
+    replay_health_on_node,
     signal_processes,
 )
 from asyncrl.launch.ray_connect import connect
+from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
 from asyncrl.transport import tcp_address
 
@@ -122,6 +129,7 @@ class RayMember:
     essential_until_end: bool = True  # its end before the learner finishes is a failure
     where: Location | None = None
     running: Any = None  # ObjectRef of the role's run, once started
+    locating: Any = None  # ObjectRef of its `locate` while a restarted actor is not located
     exit_code: int | None = None  # the role's code once it returned
     died: str | None = None  # why the actor or its call failed, if it did
     ending: Ending | None = None  # stamped by the check that saw its run return or fail
@@ -188,18 +196,53 @@ def ray_reason(e: RayError) -> str:
 class RayFleet:
     spec: RunSpec
     owns_connection: bool  # ray.init was ours: shut it down (and a local cluster with it)
+    cfg: Config
     members: list[RayMember] = field(default_factory=list)
     placement_groups: list[PlacementGroup] = field(default_factory=list)
+    slots: dict[str, tuple[PlacementGroup, int]] = field(default_factory=dict)  # by seat name
     stopped: bool = False
     checks: int = 0  # how many times every member's run has been polled
 
     def member(self, name: str) -> RayMember:
         return next(m for m in self.members if m.name == name)
 
+    def retire(self, name: str) -> None:
+        """Kill the actor of `name` (hung or not; its bundle is freed) and stop watching it."""
+        m = self.member(name)
+        with contextlib.suppress(RayError, ValueError):
+            ray.kill(m.actor, no_restart=True)
+        self.members.remove(m)
+
+    def start_server(self, index: int, epoch: int) -> None:
+        """A new actor for server `index` in its bundle, running the server role as `epoch`
+        (located as it starts, without waiting here: `locate` runs before `run`)."""
+        slot = self.slots[f"server_{index}"]
+        seat = next(s for s in plan_seats(self.cfg, False) if s.name == f"server_{index}")
+        create_actor(self, seat, slot, self.cfg)
+        m = self.members[-1]
+        m.locating = m.actor.locate.remote()
+        spec, env = _spec_for(self.spec, self.cfg, seat), server_env(self.cfg, epoch)
+        m.running = m.actor.run.remote("server", spec, self.cfg, index, env)
+
+    def server_health(self) -> list[ServerHealth]:
+        """Asked from the replay's node (the launcher may not reach a loopback address)."""
+        replay = self.member("replay")
+        probe = replay_health_on_node.options(scheduling_strategy=on_node(replay.at.node_id))
+        try:
+            return ray.get(probe.remote(self.spec.replay_address, client_key(self.spec)), timeout=5)
+        except (GetTimeoutError, RayError):
+            return []
+
     def _poll(self) -> None:
-        """One check: stamp every member whose run has returned or failed since the last."""
+        """One check: stamp every member whose run has returned or failed since the last (and
+        locate restarted actors that have started)."""
         self.checks += 1
         now = time.monotonic()
+        for m in [m for m in self.members if m.locating is not None]:
+            if ray.wait([m.locating], timeout=0)[0]:
+                with contextlib.suppress(RayError):
+                    m.where = ray.get(m.locating)
+                m.locating = None
         running = [m for m in self.members if m.running is not None and not m.ended]
         if running:
             refs = [m.running for m in running]
@@ -276,9 +319,9 @@ def start_ray_fleets(
         threads=1,
     )
     owns = connect(cfg.launch.ray, _reserved(seats), loopback=not cfg.launch.allow_remote)
-    fleet = RayFleet(spec, owns_connection=owns)
+    fleet = RayFleet(spec, owns_connection=owns, cfg=cfg)
     try:
-        slots = place(fleet, seats, cfg)
+        slots = fleet.slots = place(fleet, seats, cfg)
         for seat in seats:
             create_actor(fleet, seat, slots[seat.name], cfg)
         locate_actors(fleet, cfg.launch.startup_timeout_s)
@@ -420,4 +463,6 @@ def run_roles(fleet: RayFleet, cfg: Config) -> None:
             # Ray shows each rank only its own GPUs, so its device is always cuda:0
             env = learner_env(seat.index, world, spec.sync_host, spec.learner_master_port, 0)
             m.essential_until_end = False  # learner ranks finishing (code 0) ends the run
+        if seat.role == "server":
+            env = server_env(cfg, epoch=0)
         m.running = m.actor.run.remote(seat.role, _spec_for(spec, cfg, seat), cfg, seat.index, env)

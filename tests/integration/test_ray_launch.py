@@ -1,6 +1,9 @@
 """launch.backend=ray on a local Ray cluster: the embedded default learns as it does under the
-local launcher, and a dead actor stops the run, is named, and leaves no process behind."""
+local launcher; a dead server actor is restarted in its bundle as epoch 1; with restarts off a
+dead actor stops the run, is named, and leaves no process behind."""
 
+import json
+import signal
 import subprocess
 import sys
 import time
@@ -70,10 +73,14 @@ def _fleet_processes(run_dir: Path) -> list[psutil.Process]:
     return found
 
 
-def _start_long_run(tmp_path: Path) -> tuple[subprocess.Popen, Path, list[psutil.Process]]:
+def _start_long_run(
+    tmp_path: Path, *overrides: str
+) -> tuple[subprocess.Popen, Path, list[psutil.Process]]:
     """A run past its first learner step, and every process it owns: the actors (and what
     they started) and the local Ray cluster."""
-    proc, run_dir = _launch(tmp_path, "trainer.total_steps=100000", "trainer.warmstart_steps=10")
+    proc, run_dir = _launch(
+        tmp_path, "trainer.total_steps=100000", "trainer.warmstart_steps=10", *overrides
+    )
     deadline = time.monotonic() + 180
     while not read_jsonl(run_dir / "metrics.jsonl"):
         assert proc.poll() is None, proc.communicate()
@@ -91,7 +98,7 @@ def _assert_all_gone(procs: list[psutil.Process], run_dir: Path) -> None:
 
 
 def test_a_dead_server_actor_stops_the_run_and_is_named(tmp_path):
-    proc, run_dir, owned = _start_long_run(tmp_path)
+    proc, run_dir, owned = _start_long_run(tmp_path, "launch.max_restarts=0")
     server = next(p for p in owned if p.environ().get("ASYNCRL_PROCESS") == "server_0")
     server.kill()
     _, err = proc.communicate(timeout=90)
@@ -111,3 +118,54 @@ def test_sigterm_stops_every_actor_and_the_cluster(tmp_path):
     _assert_all_gone(owned, run_dir)
     for name in ("replay", "server_0"):  # stopped by SIGTERM, not killed
         assert (run_dir / "stats" / f"{name}.json").is_file()
+
+
+def test_a_killed_server_actor_is_restarted_as_epoch_1(tmp_path):
+    """Serving under Ray: server_1's actor process is SIGKILLed; the launcher creates a new
+    actor in its bundle, which heartbeats to the replay as epoch 1."""
+    from asyncrl.auth import read_secret, role_key
+    from asyncrl.replay_client import ReplayClient
+    from asyncrl.run_spec import RunSpec
+
+    run_dir = tmp_path / "run"
+    argv = [
+        *(sys.executable, "-m", "asyncrl.launch.cli", "serve", "launch.backend=ray"),
+        *("rollout.num_servers=2", "trainer.warmstart_steps=10", "launch.restart_backoff_s=0.5"),
+        *(f"trainer.cache_dir={tmp_path / 'cache'}", f"trainer.run_dir={run_dir}"),
+    ]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+    def epochs() -> dict[int, int]:
+        if not (run_dir / "launch.json").is_file():
+            return {}
+        spec = RunSpec.load(run_dir / "launch.json")
+        key = role_key(read_secret(str(run_dir)), "client")
+        client = ReplayClient(spec.replay_address, key, reply_timeout_s=2.0)
+        try:
+            return client.server_epochs()
+        except Exception:  # not answering yet
+            return {}
+        finally:
+            client.close()
+
+    def wait(condition, timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            assert proc.poll() is None, proc.communicate()
+            assert time.monotonic() < deadline, f"{what} within {timeout_s}s"
+            time.sleep(0.2)
+
+    try:
+        wait(lambda: epochs() == {0: 0, 1: 0}, 240, "both servers alive")
+        servers = [
+            p for p in _fleet_processes(run_dir) if p.environ().get("ASYNCRL_PROCESS") == "server_1"
+        ]  # the actor's process and those it started (they inherit its environment)
+        (server,) = [p for p in servers if p.ppid() not in {q.pid for q in servers}]
+        server.kill()
+        wait(lambda: epochs() == {0: 0, 1: 1}, 120, "server_1 back as epoch 1")
+    finally:
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=90)
+    assert "asyncrl: server_1 died: " in out and "; restart 1/3 in 0.5s" in out, (out, err)
+    (record,) = [json.loads(line) for line in (run_dir / "restarts.jsonl").read_text().splitlines()]
+    assert (record["server"], record["epoch"], record["event"]) == ("server_1", 1, "restart")

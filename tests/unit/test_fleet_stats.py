@@ -41,3 +41,14 @@ def test_a_forgotten_server_no_longer_counts():
     fleet.forget_silent(now=6.0, silent_s=3.0)
     assert fleet.forgotten == 1
     assert fleet.for_batch([], 0, 0)["server_idle_ratio"] == pytest.approx(0.0)
+
+
+def test_a_restarted_server_counts_from_its_new_start():
+    """A new epoch's counters start from 0: without `forget`, its uptime (2 s) is below the
+    old epoch's (100 s) and its idle ratio would stay frozen at the old one."""
+    fleet = FleetStats()
+    fleet.report(0, busy_s=10.0, paused_s=0.0, uptime_s=100.0, now=100.0)
+    assert fleet.for_batch([], 0, 0)["server_idle_ratio"] == pytest.approx(0.9)
+    fleet.forget(0)  # the replay declared epoch 0 dead, or epoch 1 replaced it
+    fleet.report(0, busy_s=2.0, paused_s=0.0, uptime_s=2.0, now=104.0)
+    assert fleet.for_batch([], 0, 0)["server_idle_ratio"] == pytest.approx(0.0)

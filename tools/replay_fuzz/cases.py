@@ -40,6 +40,7 @@ ACCEPTED = [
     P.BatchRequest,
     P.VersionUpdate,
     P.StatsRequest,
+    P.Heartbeat,
     P.EvalSubmit,
     P.EvalPoll,
     P.CheckpointRequest,

@@ -1,0 +1,301 @@
+"""Rollout server health: the replay declares a silent server dead after server_timeout_s (not
+before), a newer epoch replaces an older one, an over epoch is refused, and the leases of a
+dead or replaced epoch are re-issued at once (its late samples are never trained); the
+launcher restarts a dead server after the doubling backoff with its next epoch, drops it once
+its restarts are used up, and fails the run only when no server is left."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from asyncrl.config import Config
+from asyncrl.launch.failures import Ending
+from asyncrl.launch.fleet import LaunchError, ServerRestarts, raise_on_failure
+from asyncrl.protocol import LeaseRequest, ServerHealth, Trajectory
+from replay.buffer import GroupBuffer
+from replay.eval_jobs import EvalJobs
+from replay.health import HEALTH_COUNTERS, FleetHealth
+from replay.leases import LeaseDesk
+from replay.prompts import setup_prompt_source
+
+
+# ---- replay side: FleetHealth -----------------------------------------------------------------
+def test_a_silent_server_is_declared_dead_after_the_timeout_and_not_before():
+    counters: Counter[str] = Counter()
+    health = FleetHealth(timeout_s=3.0, counters=counters)
+    assert set(HEALTH_COUNTERS) <= set(counters)  # present from the start
+    assert health.observe(0, 0, now=100.0) == ("alive", "")
+    assert health.observe(1, 0, now=100.0) == ("alive", "")
+    assert health.observe(1, 0, now=102.0)[0] == "alive"
+    assert health.declare_silent(now=103.0) == []  # server 0 silent 3.0 s: not longer
+    assert health.declare_silent(now=103.5) == [0]
+    assert health.declare_silent(now=104.0) == []  # declared once
+    assert health.epochs() == {1: 0}
+    assert health.declare_silent(now=105.1) == [1]
+    assert health.epochs() == {}
+    assert health.report(now=106.0, in_flight={0: 2, 1: 0}.__getitem__) == [
+        ServerHealth(0, 0, False, 6.0, 2),
+        ServerHealth(1, 0, False, 4.0, 0),
+    ]
+    assert (counters["servers_declared_dead"], counters["heartbeats"]) == (2, 3)
+
+
+def test_a_dead_epoch_stays_dead_and_only_a_newer_one_brings_the_server_back():
+    counters: Counter[str] = Counter()
+    health = FleetHealth(timeout_s=3.0, counters=counters)
+    health.observe(2, 0, now=0.0)
+    assert health.declare_silent(now=5.0) == [2]
+    verdict, why = health.observe(2, 0, now=6.0)  # stopped, then continued: still over
+    assert verdict == "refused" and "declared dead" in why
+    assert health.epochs() == {}
+    verdict, why = health.observe(2, 1, now=7.0)
+    assert (verdict, why) == ("replaced", "server_2 epoch 0 was replaced by epoch 1")
+    assert health.epochs() == {2: 1}
+    assert health.observe(2, 0, now=7.5)[0] == "refused"  # the old one, later: refused
+    assert health.observe(2, 1, now=8.0)[0] == "alive"
+    assert counters["server_epochs_replaced"] == 1
+
+
+def test_a_newer_epoch_replaces_a_live_one_without_waiting_for_the_timeout():
+    health = FleetHealth(timeout_s=30.0, counters=Counter())
+    health.observe(0, 0, now=0.0)
+    assert health.observe(0, 3, now=1.0)[0] == "replaced"  # restarted before being missed
+    assert health.epochs() == {0: 3}
+    assert health.observe(0, 2, now=1.5)[0] == "refused"
+
+
+# ---- replay side: leases of a dead server ----------------------------------------------------
+def _desk() -> tuple[LeaseDesk, GroupBuffer, Counter[str]]:
+    cfg = Config.model_validate(
+        {
+            "rollout": {"n": 2, "max_concurrent_groups": 4},
+            "data": {"train_batch_size": 2},
+            "replay": {"max_staleness": 4},
+        }
+    )
+    buffer, counters = GroupBuffer(), Counter()
+    return (
+        LeaseDesk(cfg, setup_prompt_source(cfg), buffer, EvalJobs(60.0), counters),
+        buffer,
+        counters,
+    )
+
+
+def _sample(group_id: str, index: int, server_id: int) -> Trajectory:
+    return Trajectory(
+        traj_id=f"{group_id}/{index}",
+        attempt=0,
+        group_id=group_id,
+        sample_index=index,
+        server_id=server_id,
+        prompt_ids=np.array([1, 2], np.int32),
+        response_ids=np.array([3], np.int32),
+        loss_mask=np.ones(1, np.uint8),
+        behaviour_logprobs=np.full(1, -0.5, np.float32),
+        versions=np.zeros(1, np.int32),
+        reward=1.0,
+        baseline_reward=float("nan"),
+        finish_reason="stop",
+        metrics={},
+    )
+
+
+def test_a_dead_servers_incomplete_leases_are_reissued_first_and_its_late_samples_not_trained():
+    desk, buffer, counters = _desk()
+    dead = desk.grant(LeaseRequest(1, server_id=0, server_version=0, max_groups=3))
+    alive = desk.grant(LeaseRequest(2, server_id=1, server_version=0, max_groups=1))
+    assert (len(dead), len(alive)) == (3, 1)
+    for i in range(2):  # one of the dead server's groups is complete: it stays, to be trained
+        assert buffer.add(_sample(dead[0].group_id, i, 0)) == "accepted"
+    assert buffer.add(_sample(dead[1].group_id, 0, 0)) == "accepted"  # half done: re-issued
+    issued = desk.admission.issued
+
+    assert desk.reissue_server(0, "server_0 declared dead") == 2
+    assert buffer.in_flight_of(0) == 0 and buffer.in_flight_of(1) == 1
+    assert buffer.num_ready == 1
+    assert desk.admission.issued == issued - 2  # their admission slots are free again
+    assert counters["dead_server_leases"] == 2
+
+    # its samples arriving later are answered late: their groups are gone, nothing is trained
+    assert buffer.add(_sample(dead[1].group_id, 1, 0)) == "late"
+    assert buffer.add(_sample(dead[2].group_id, 0, 0)) == "late"
+
+    # the next grant, to any server, leases the same prompts first, under new group ids
+    again = desk.grant(LeaseRequest(3, server_id=1, server_version=0, max_groups=2))
+    assert [p.messages for p in again] == [dead[1].messages, dead[2].messages]
+    assert {p.group_id for p in again}.isdisjoint({p.group_id for p in dead})
+    assert counters["leases_reissued"] == 2
+
+
+# ---- launcher side: ServerRestarts ---------------------------------------------------------
+@dataclass
+class FakeMember:
+    name: str
+    ending: Ending | None = None
+
+    @property
+    def who(self) -> str:
+        return f"process {self.name}"
+
+    def last_log_lines(self) -> str:
+        return f"last lines of {self.name}.log:\nboom"
+
+
+@dataclass
+class FakeFleet:
+    """Members end when a test says so; retire and start_server are recorded."""
+
+    members: list[FakeMember] = field(default_factory=list)
+    retired: list[str] = field(default_factory=list)
+    started: list[tuple[int, int]] = field(default_factory=list)
+    checks: int = 0
+
+    def end(self, name: str, how: str = "was killed by signal SIGKILL") -> None:
+        member = next(m for m in self.members if m.name == name)
+        member.ending = Ending(how, 0.0, self.checks + 1, None)
+
+    def failures(self) -> list[FakeMember]:
+        self.checks += 1
+        return [m for m in self.members if m.ending is not None]
+
+    def wait(self, timeout_s: float) -> bool:
+        return any(m.ending is None for m in self.members)
+
+    def retire(self, name: str) -> None:
+        self.retired.append(name)
+        self.members = [m for m in self.members if m.name != name]
+
+    def start_server(self, index: int, epoch: int) -> None:
+        self.started.append((index, epoch))
+        self.members.append(FakeMember(f"server_{index}"))
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def _restarts(tmp_path, health=(), servers=2, **launch):
+    cfg = Config.model_validate(
+        {"rollout": {"num_servers": servers}, "launch": {"restart_backoff_s": 2.0, **launch}}
+    )
+    clock, said = Clock(), []
+    fleet = FakeFleet([FakeMember("replay"), *(FakeMember(f"server_{i}") for i in range(servers))])
+    restarts = ServerRestarts(cfg, tmp_path, lambda: list(health), clock, said.append)
+    return restarts, fleet, clock, said
+
+
+def _records(tmp_path) -> list[dict]:
+    return [json.loads(line) for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
+
+
+def test_a_dead_server_is_restarted_after_a_doubling_backoff_with_its_next_epoch(tmp_path):
+    restarts, fleet, clock, said = _restarts(tmp_path, max_restarts=3)
+    fleet.end("server_1")
+    assert restarts.failures(fleet) == []  # taken for a restart: not a failure of the run
+    assert fleet.retired == ["server_1"]
+    assert said == ["asyncrl: server_1 was killed by signal SIGKILL; restart 1/3 in 2.0s"]
+    clock.now += 1.9
+    restarts.check(fleet)
+    assert fleet.started == []
+    clock.now += 0.2
+    restarts.check(fleet)
+    assert fleet.started == [(1, 1)]
+    fleet.end("server_1", "exited with code 1")
+    restarts.failures(fleet)
+    assert said[-1] == "asyncrl: server_1 exited with code 1; restart 2/3 in 4.0s"
+    clock.now += 4.1
+    restarts.check(fleet)
+    assert fleet.started == [(1, 1), (1, 2)]
+    records = _records(tmp_path)
+    assert [(r["server"], r["epoch"], r["event"]) for r in records] == [
+        ("server_1", 1, "restart"),
+        ("server_1", 2, "restart"),
+    ]
+    assert records[0]["why"] == "was killed by signal SIGKILL"
+
+
+def test_a_server_out_of_restarts_is_dropped_and_the_run_fails_only_with_none_left(tmp_path):
+    restarts, fleet, clock, said = _restarts(tmp_path, max_restarts=1)
+    fleet.end("server_0")
+    restarts.failures(fleet)
+    clock.now += 2.0
+    restarts.check(fleet)
+    fleet.end("server_0", "exited with code 1")
+    assert restarts.failures(fleet) == []
+    assert said[-1] == "asyncrl: server_0 dropped after 1 restarts: exited with code 1"
+    assert _records(tmp_path)[-1]["event"] == "dropped"
+    clock.now += 100
+    restarts.check(fleet)
+    assert fleet.started == [(0, 1)]  # never again
+    fleet.end("server_1")
+    restarts.failures(fleet)
+    clock.now += 2.0
+    restarts.check(fleet)
+    fleet.end("server_1")
+    with pytest.raises(LaunchError) as e:
+        restarts.failures(fleet)
+    assert str(e.value).startswith("no rollout server is left")
+    assert e.value.failed == ("server_0", "server_1")
+
+
+def test_a_death_of_another_member_still_ends_the_run_naming_the_server_deaths_before_it(
+    tmp_path,
+):
+    restarts, fleet, clock, _ = _restarts(tmp_path, max_restarts=3)
+    fleet.members.append(FakeMember("learner_0"))
+    fleet.end("server_1")
+    fleet.end("learner_0", "exited with code 1")
+    with pytest.raises(LaunchError) as e:
+        raise_on_failure(fleet, window_s=0.0, restarts=restarts)
+    lines = str(e.value).splitlines()
+    assert lines[0] == "process learner_0 exited with code 1"
+    assert lines[1].startswith("earlier (not fatal): server_1 was killed by signal SIGKILL (")
+    assert e.value.failed == ("learner_0",)
+
+
+def test_with_max_restarts_0_a_server_death_ends_the_run_as_before(tmp_path):
+    restarts, fleet, _, said = _restarts(tmp_path, max_restarts=0)
+    fleet.end("server_1")
+    with pytest.raises(LaunchError) as e:
+        raise_on_failure(fleet, window_s=0.0, restarts=restarts)
+    assert str(e.value).splitlines()[0] == "process server_1 was killed by signal SIGKILL"
+    assert e.value.failed == ("server_1",) and fleet.retired == [] and said == []
+
+
+def test_a_server_the_replay_declares_dead_is_killed_and_restarted(tmp_path):
+    health = [ServerHealth(0, 0, True, 0.5, 1), ServerHealth(1, 0, False, 3.2, 2)]
+    restarts, fleet, clock, said = _restarts(tmp_path, health, max_restarts=2)
+    restarts.check(fleet)
+    assert fleet.retired == ["server_1"]  # killed while its process still ran
+    assert said == [
+        "asyncrl: server_1 was declared dead by the replay (no heartbeat for 3.2 s); "
+        "restart 1/2 in 2.0s"
+    ]
+    clock.now += 2.0
+    restarts.check(fleet)  # the report still names epoch 0 dead: that one is gone already
+    assert fleet.started == [(1, 1)] and fleet.retired == ["server_1"]
+    health[1] = ServerHealth(1, 1, False, 3.1, 0)  # the restarted one hung too
+    clock.now += 1.0
+    restarts.check(fleet)
+    assert fleet.retired == ["server_1", "server_1"]
+    assert said[-1].endswith("restart 2/2 in 4.0s")
+
+
+def test_with_max_restarts_0_a_declared_death_ends_the_run_naming_it(tmp_path):
+    health = [ServerHealth(1, 0, False, 31.0, 0)]
+    restarts, fleet, _, _ = _restarts(tmp_path, health, max_restarts=0)
+    with pytest.raises(LaunchError) as e:
+        restarts.check(fleet)
+    assert str(e.value).startswith(
+        "process server_1 was declared dead by the replay (no heartbeat for 31.0 s)"
+    )
+    assert e.value.failed == ("server_1",)
