@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import threading
 import time
 from collections import deque
@@ -26,7 +27,7 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.learner_config import LoraConfig
 from asyncrl.lora import AdapterMerger, adapter_specs
-from asyncrl.weight_sync import SyncGroup, WeightReceiver, specs_of, weights_checksum
+from asyncrl.weight_sync import WeightReceiver, join_sync_group, specs_of, weights_checksum
 from rollout_servers.engines.base import (
     AppliedVersion,
     DeliveryError,
@@ -36,7 +37,7 @@ from rollout_servers.engines.base import (
     SyncTarget,
     check_delivery,
 )
-from rollout_servers.engines.hf_sampling import InflightKV, LiveBatch, Row
+from rollout_servers.engines.hf_sampling import AdmitError, InflightKV, LiveBatch, Row
 
 ATTN_IMPLEMENTATION = "sdpa"
 """Attention kernel of the HF engine; its log-probs match a right-padded sdpa or eager forward
@@ -94,6 +95,17 @@ def _settle(
         future.set_result(out)  # type: ignore[arg-type]
 
 
+def _answer(
+    future: asyncio.Future[GenerationOutput],
+    out: GenerationOutput | None,
+    error: BaseException | None,
+) -> None:
+    """From the sampling thread: settle `future` on its own event loop (a loop that has closed
+    has no one left to answer)."""
+    with contextlib.suppress(RuntimeError):
+        future.get_loop().call_soon_threadsafe(_settle, future, out, error)
+
+
 def _output(row: Row) -> GenerationOutput:
     return GenerationOutput(
         row.tokens, row.logprobs, row.versions[0], row.reason, token_versions=row.versions
@@ -138,6 +150,9 @@ class HFEngine(Engine):
         eos = config.eos_token_id if eos is None else eos
         self._eos_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self._pad_id = config.pad_token_id if config.pad_token_id is not None else 0
+        # prompt and response together fit the positions the model has (the replay refuses
+        # longer trajectories, so a response running past them would be generated for nothing)
+        self._context = getattr(config, "max_position_embeddings", None) or 2**31
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         # held by the sampling loop while it runs, and by whoever applies a version from its
         # copy through its delivery check (re-entrant: update_weights and probe_logprobs take
@@ -166,6 +181,19 @@ class HFEngine(Engine):
     async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
+        room = self._context - len(prompt_ids)
+        if room < 1:
+            raise ValueError(
+                f"a prompt of {len(prompt_ids)} tokens leaves no room to sample in the model's "
+                f"context of {self._context}"
+            )
+        if params.max_new_tokens > room:  # the response ends at the context ("length")
+            params = dataclasses.replace(params, max_new_tokens=room)
+        vocab = self.model.get_input_embeddings().num_embeddings
+        if bad := [t for t in prompt_ids if not 0 <= t < vocab]:
+            raise ValueError(
+                f"prompt token id {bad[0]} is outside the model's vocabulary [0, {vocab})"
+            )
         if self._closed:
             raise RuntimeError("HFEngine is closed")
         loop = asyncio.get_running_loop()
@@ -185,8 +213,18 @@ class HFEngine(Engine):
         """Run the sampling loop while requests wait; exits when none does (generate restarts
         it). The loop returns only with its queue empty, but a request may arrive just after."""
         loop = asyncio.get_running_loop()
+        try:
+            while self._pending:
+                await loop.run_in_executor(self._executor, self._serve, loop)
+        except Exception as e:  # the loop died: its error goes to every queued caller
+            self._fail_pending(e)
+        except BaseException as e:  # cancelled: nobody would answer the queued callers
+            self._fail_pending(RuntimeError(f"the HF sampling loop stopped: {e!r}"))
+            raise
+
+    def _fail_pending(self, error: Exception) -> None:
         while self._pending:
-            await loop.run_in_executor(self._executor, self._serve, loop)
+            _settle(self._pending.popleft().future, None, error)
 
     def _serve(self, loop: asyncio.AbstractEventLoop) -> None:
         """Worker thread: sample until no row is live and nothing can be admitted. A failure
@@ -215,7 +253,7 @@ class HFEngine(Engine):
                     self.busy_s += time.perf_counter() - started
             except Exception as e:  # the callers own the failure: each of them re-raises it
                 for row in batch.rows:
-                    loop.call_soon_threadsafe(_settle, row.owner.future, None, e)
+                    _answer(row.owner.future, None, e)
             finally:
                 self.live_rows = 0
                 self._end_period(period)
@@ -226,7 +264,7 @@ class HFEngine(Engine):
         forward of the new tokens."""
         self.live_rows = len(batch)
         for row in batch.sample(self._version):
-            loop.call_soon_threadsafe(_settle, row.owner.future, _output(row), None)
+            _answer(row.owner.future, _output(row), None)
         batch.remove([r for r in batch.rows if r.owner.future.done()])
         if batch:
             new = self._between_steps()
@@ -249,9 +287,10 @@ class HFEngine(Engine):
                 raise self._broken
             batch.admit([(r.prompt_ids, r.params, r) for r in taken])
         except Exception as e:
+            cause = e.__cause__ if isinstance(e, AdmitError) and e.__cause__ is not None else e
             for r in taken:
-                loop.call_soon_threadsafe(_settle, r.future, None, e)
-            if isinstance(e, DeliveryError):
+                _answer(r.future, None, cause)
+            if isinstance(e, DeliveryError | AdmitError):  # the live rows are untouched
                 return 0
             raise
         return len(taken)
@@ -293,13 +332,15 @@ class HFEngine(Engine):
         return incoming.version
 
     def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
-        group = SyncGroup(
+        group = join_sync_group(
             target.host,
             target.port,
             target.rank,
             target.world_size,
             target.device,
             target.timeout_s,
+            target.server_id,
+            target.epoch,
         )
         specs = specs_of(self.named_weights())
         if self._lora is not None:

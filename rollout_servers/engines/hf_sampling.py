@@ -48,6 +48,11 @@ MAX_COHORTS = 4
 """Cohorts decoded per step at most (each is one forward); beyond it rows join the cheapest."""
 
 
+class AdmitError(RuntimeError):
+    """Rows could not join (their prefill failed); the batch is as it was. The cause is the
+    prefill's error."""
+
+
 class GrowingLayer(DynamicLayer):
     """A full-attention cache layer whose keys and values are views of buffers with room to
     grow: a decode step writes its token in place, where `DynamicLayer` concatenates (a copy of
@@ -284,9 +289,12 @@ class LiveBatch:
             Row(ids, p, (frozenset() if p.ignore_eos else self.eos_ids) | set(p.stop_token_ids), o)
             for ids, p, o in requests
         ]
-        chunks = _prefill(
-            self.model, [r.prompt for r in rows], self.pad_id, self.device, self.merges
-        )
+        try:  # nothing of the batch changes before the prefill succeeds
+            chunks = _prefill(
+                self.model, [r.prompt for r in rows], self.pad_id, self.device, self.merges
+            )
+        except Exception as e:
+            raise AdmitError(f"the prefill of {len(rows)} joining row(s) failed: {e!r}") from e
         for order, prefilled in chunks:
             self._place([rows[i] for i in order], prefilled)
         return rows

@@ -320,3 +320,61 @@ def test_decode_steps_append_to_the_cache_in_place(model_path):
     for row in done:
         expected = unpadded_logprobs(model, prompts[row.owner], row.tokens)
         assert (torch.tensor(row.logprobs) - expected).abs().max().item() < 1e-5
+
+
+async def test_a_prompt_whose_prefill_fails_fails_alone(model_path, monkeypatch):
+    """Rows joining a live batch whose prefill raises fail with that error; the rows already
+    live go on to their ends (the batch is untouched until the prefill succeeds)."""
+    from rollout_servers.engines import hf_sampling
+
+    prefill = hf_sampling._prefill
+
+    def fragile(model, seqs, *args, **kwargs):
+        if any(99 in s for s in seqs):
+            raise RuntimeError("prefill exploded")
+        return prefill(model, seqs, *args, **kwargs)
+
+    monkeypatch.setattr(hf_sampling, "_prefill", fragile)
+    engine = HookedEngine(model_path, seed=0)
+    arrive = Pause(3)
+    engine.pauses = (arrive,)
+    long = asyncio.create_task(engine.generate([5, 6, 7], exact(20)))
+    (bad,) = await join_at(engine, arrive, [([98, 99], exact(3))])
+    with pytest.raises(RuntimeError, match="prefill exploded"):
+        await asyncio.wait_for(bad, DEADLINE_S)
+    assert len((await asyncio.wait_for(long, DEADLINE_S)).token_ids) == 20
+    await engine.close()
+
+
+async def test_out_of_vocabulary_prompt_ids_are_refused_by_name(model_path):
+    engine = HFEngine(model_path)
+    with pytest.raises(ValueError, match="token id 100000 is outside"):
+        await engine.generate([5, 100000], exact(2))
+    await engine.close()
+
+
+async def test_a_sampling_loop_that_dies_fails_the_queued_callers(model_path, monkeypatch):
+    """An error outside the per-row handling stops the loop: every caller queued behind it is
+    failed with it instead of waiting forever."""
+    from rollout_servers.engines import hf
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("no batch today")
+
+    monkeypatch.setattr(hf, "LiveBatch", broken)
+    engine = HFEngine(model_path)
+    calls = [engine.generate([5, 6], exact(2)) for _ in range(3)]
+    results = await asyncio.wait_for(asyncio.gather(*calls, return_exceptions=True), DEADLINE_S)
+    assert all(isinstance(r, RuntimeError) and "no batch today" in str(r) for r in results)
+
+
+async def test_a_response_ends_at_the_model_context(model_path):
+    """Prompt plus response never exceed the model's positions (256 for the tiny model): the
+    response stops there with finish reason 'length'; a prompt filling the context is refused."""
+    engine = HFEngine(model_path)
+    prompt = [5 + k % 40 for k in range(250)]
+    out = await engine.generate(prompt, exact(20))
+    assert len(out.token_ids) == 6 and out.finish_reason == "length"
+    with pytest.raises(ValueError, match="no room to sample in the model's context of 256"):
+        await engine.generate(prompt + [5] * 6, exact(2))
+    await engine.close()
