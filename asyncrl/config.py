@@ -264,7 +264,8 @@ class LaunchConfig(_Section):
     """Restarts per rollout server; one that fails after the last is dropped from the run,
     which goes on with the others (0: a server death ends the run)."""
     restart_backoff_s: float = Field(2.0, ge=0)
-    """Wait before a server's first restart, doubled for each restart after it."""
+    """Wait before a server's first restart (and before an automatic resume,
+    `trainer.auto_resume`), doubled for each one after it."""
 
 
 class Config(_Section):

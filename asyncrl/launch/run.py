@@ -1,8 +1,10 @@
 """`launch` and `serve`: check the run's data, prepare a run, start the fleets with the
 configured backend, watch them, and stop everything at the end, on Ctrl-C, or as soon as any
-process dies (naming the first to die, why, and the deaths that followed it). Both backends
-hand back a `Fleet` (`fleet.py`) and run the same role functions (`worker.run_process`), so the
-data plane (ZeroMQ, torch.distributed) does not depend on the backend.
+process dies (naming the first to die, why, and the deaths that followed it; with
+trainer.auto_resume a learner or replay death restarts the run from its newest checkpoint,
+`resume.py`). Both backends hand back a `Fleet` (`fleet.py`) and run the same role functions
+(`worker.run_process`), so the data plane (ZeroMQ, torch.distributed) does not depend on the
+backend.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from asyncrl.data_check import check_agent_names, check_data, check_files, check
 from asyncrl.launch.fleet import Fleet, LaunchError, prepare_model, prepare_run_dir, watch
 from asyncrl.launch.local import start_local_fleets
 from asyncrl.launch.progress import Progress
+from asyncrl.launch.resume import run_with_resumes
 from asyncrl.metrics import read_jsonl
 
 
@@ -75,27 +78,36 @@ def serve(cfg: Config, command: str = "asyncrl serve") -> tuple[Fleet, Path]:
 
 
 def launch(cfg: Config, command: str = "asyncrl launch") -> Path:
-    """Run one training job end to end; returns the run directory."""
+    """Run one training job end to end; returns the run directory. With trainer.auto_resume,
+    a learner or replay death restarts the run from its newest checkpoint (`resume.py`)."""
     started = time.monotonic()
     check_run_data(cfg)
     run_dir = prepare_run_dir(cfg, command)
     print(f"asyncrl: run directory {run_dir}", flush=True)
     model_path = prepare_model(cfg)
+    progress = Progress(
+        cfg.trainer.total_steps, cfg.replay.max_staleness, cfg.launch.progress, started
+    )
+    run_with_resumes(
+        cfg, run_dir, command, lambda attempt: train(attempt, run_dir, model_path, progress)
+    )
+    summary = progress.summary(read_jsonl(run_dir / "metrics.jsonl"))
+    print(f"asyncrl: done in {time.monotonic() - started:.0f}s. {summary}", flush=True)
+    if cfg.trainer.save_final:
+        print(f"asyncrl: final weights in {run_dir / 'final'}", flush=True)
+    return run_dir
+
+
+def train(cfg: Config, run_dir: Path, model_path: str, progress: Progress) -> None:
+    """One attempt: start the fleets, watch them until the learner ranks finish (LaunchError
+    when a member dies first), and stop them either way."""
     fleet = start_fleets(cfg, run_dir, model_path)
     print(
         f"asyncrl: started replay, {cfg.rollout.num_servers} rollout server(s), "
         f"{cfg.learner.world_size} learner rank(s); logs in {run_dir / 'logs'}",
         flush=True,
     )
-    progress = Progress(
-        cfg.trainer.total_steps, cfg.replay.max_staleness, cfg.launch.progress, started
-    )
     try:
         watch(fleet, progress)
     finally:
         fleet.stop_all()
-    summary = progress.summary(read_jsonl(run_dir / "metrics.jsonl"))
-    print(f"asyncrl: done in {time.monotonic() - started:.0f}s. {summary}", flush=True)
-    if cfg.trainer.save_final:
-        print(f"asyncrl: final weights in {run_dir / 'final'}", flush=True)
-    return run_dir

@@ -1,0 +1,178 @@
+"""`trainer.auto_resume`: a learner SIGKILLed after its step-3 checkpoint is resumed from it by
+the launcher, in the same run directory, and the run completes every step; its records read
+like one run (each step once, no prompt repeated or skipped, the groups ready at the checkpoint
+trained after the resume rather than generated again). Without retries, or once they are spent,
+the same death fails the run naming it."""
+
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+import psutil
+import pytest
+
+from asyncrl.checkpoints import REPLAY_FILE
+from asyncrl.launch.resume import RESUMES_FILE
+from asyncrl.metrics import read_jsonl
+from replay.checkpoint import read_state
+
+pytestmark = pytest.mark.integration
+
+TOTAL_STEPS = 9
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    """One warm-started tiny model for the module's runs."""
+    return tmp_path_factory.mktemp("cache")
+
+
+def _launch(run_dir: Path, cache_dir: Path, retries: int) -> subprocess.Popen:
+    argv = [
+        sys.executable,
+        "-m",
+        "asyncrl.launch.cli",
+        "launch",
+        f"trainer.run_dir={run_dir}",
+        f"trainer.cache_dir={cache_dir}",
+        "trainer.warmstart_steps=10",
+        "data.train_batch_size=4",
+        "rollout.n=4",
+        f"trainer.total_steps={TOTAL_STEPS}",
+        "trainer.save_every=3",
+        "trainer.save_final=false",
+        "trainer.log_samples=true",
+        f"trainer.auto_resume={retries}",
+        "launch.restart_backoff_s=0.2",
+        "launch.progress=none",
+    ]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _learner(launcher: subprocess.Popen) -> psutil.Process | None:
+    """The launcher's learner_0 process now (None between attempts)."""
+    for p in psutil.Process(launcher.pid).children():
+        try:
+            if p.environ().get("ASYNCRL_PROCESS") == "learner_0":
+                return p
+        except psutil.NoSuchProcess:
+            continue
+    return None
+
+
+def _kill_learner_once(
+    launcher: subprocess.Popen, ready: Callable[[psutil.Process], bool], timeout_s: float = 120
+) -> int:
+    """SIGKILL learner_0 as soon as `ready(learner)`; returns its pid."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert launcher.poll() is None, launcher.communicate()
+        learner = _learner(launcher)
+        if learner is not None and ready(learner):
+            learner.kill()
+            return learner.pid
+        time.sleep(0.01)
+    launcher.kill()
+    pytest.fail(f"the learner was not ready within {timeout_s:.0f}s: {launcher.communicate()}")
+
+
+def _steps(path: Path) -> list[int]:
+    return [r["step"] for r in read_jsonl(path)]
+
+
+def _after_step_3(run_dir: Path) -> Callable[[psutil.Process], bool]:
+    """Ready once checkpoint step_3 exists and the learner has recorded a step past it (which
+    the rewind must take back)."""
+    ckpt = run_dir / "checkpoints" / "step_3"
+    return lambda _: ckpt.is_dir() and max(_steps(run_dir / "samples.jsonl"), default=0) >= 4
+
+
+def _rows(samples: list[dict]) -> list[int]:
+    return [int(g.split("-")[0]) for s in samples for g in s["group_ids"]]
+
+
+def test_without_auto_resume_the_same_death_fails_the_run_naming_the_learner(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    launcher = _launch(run_dir, cache_dir, retries=0)
+    _kill_learner_once(launcher, lambda _: (run_dir / "checkpoints" / "step_3").is_dir())
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 1
+    assert "asyncrl: launch failed: process learner_0 was killed by signal SIGKILL" in err
+    assert "resuming" not in out and not (run_dir / RESUMES_FILE).exists()
+
+
+def test_a_killed_learner_is_resumed_and_the_records_read_like_one_run(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    launcher = _launch(run_dir, cache_dir, retries=1)
+    _kill_learner_once(launcher, _after_step_3(run_dir))
+    out, err = launcher.communicate(timeout=150)
+    assert launcher.returncode == 0, err
+    ckpt = run_dir / "checkpoints" / "step_3"
+    assert (
+        f"asyncrl: learner_0 was killed by signal SIGKILL; resuming from {ckpt} (step 3), "
+        "attempt 1/1" in out
+    )
+    [resume] = read_jsonl(run_dir / RESUMES_FILE)
+    assert (resume["failed"], resume["step"], resume["attempt"]) == ("learner_0", 3, 1)
+    assert resume["rewound"]["samples.jsonl"] >= 1, "the dead attempt recorded no step past 3"
+
+    # every step once, in order, as if the run had never died
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    samples = read_jsonl(run_dir / "samples.jsonl")
+    steps = list(range(1, TOTAL_STEPS + 1))
+    assert [r["step"] for r in metrics] == steps
+    assert [r["step"] for r in samples] == steps
+
+    # the groups ready at the checkpoint are trained after the resume, their very samples
+    # (only a group that became too stale meanwhile may be dropped, and is counted)
+    at_3 = read_state(ckpt / REPLAY_FILE)
+    assert at_3.ready, "no group was ready at the checkpoint: the test would prove nothing"
+    trained_after = {t for s in samples[3:] for t in s["traj_ids"]}
+    stale_after = sum(r["stale_dropped"] for r in metrics[3:])
+    kept = [g for g in at_3.ready if {t.traj_id for t in g.samples} <= trained_after]
+    assert kept and len(kept) >= len(at_3.ready) - stale_after
+
+    # no prompt repeated or skipped: the rows trained and those the replay still held at the
+    # end are every row drawn, each once (less the groups dropped as stale, never trained)
+    at_end = read_state(run_dir / "checkpoints" / f"step_{TOTAL_STEPS}" / REPLAY_FILE)
+    held = [int(g.item.group_id.split("-")[0]) for g in at_end.ready]
+    held += [int(p.group_id.split("-")[0]) for p in at_end.reissue]
+    seen = Counter(_rows(samples) + held)
+    assert [r for r, k in seen.items() if k > 1] == [], "a prompt was repeated"
+    drawn = set(range(at_end.rows_drawn))
+    assert set(seen) <= drawn
+    stale = sum(r["stale_dropped"] for r in metrics)
+    assert len(drawn - set(seen)) == stale, "a prompt was skipped"
+
+
+def test_when_the_retries_run_out_the_last_death_is_named(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    launcher = _launch(run_dir, cache_dir, retries=1)
+    first = _kill_learner_once(launcher, lambda _: (run_dir / "checkpoints" / "step_3").is_dir())
+    _kill_learner_once(launcher, lambda learner: learner.pid != first)  # the resumed learner
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 1
+    assert "asyncrl: launch failed: process learner_0 was killed by signal SIGKILL" in err
+    assert out.count("resuming from") == 1 and "attempt 1/1" in out
+    assert len(read_jsonl(run_dir / RESUMES_FILE)) == 1
+
+
+def test_ctrl_c_after_a_resume_stops_everything_without_resuming(tmp_path, cache_dir):
+    run_dir = tmp_path / "run"
+    launcher = _launch(run_dir, cache_dir, retries=2)
+    first = _kill_learner_once(launcher, lambda _: (run_dir / "checkpoints" / "step_3").is_dir())
+    deadline = time.monotonic() + 60
+    while (learner := _learner(launcher)) is None or learner.pid == first:
+        assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
+        time.sleep(0.01)
+    fleet = psutil.Process(launcher.pid).children(recursive=True)
+    launcher.send_signal(signal.SIGINT)
+    out, err = launcher.communicate(timeout=60)
+    assert launcher.returncode == 130 and "interrupted" in err
+    assert out.count("resuming from") == 1
+    _, alive = psutil.wait_procs(fleet, timeout=10)
+    assert not alive, f"orphans left: {[p.pid for p in alive]}"
