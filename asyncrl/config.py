@@ -265,7 +265,7 @@ class LaunchConfig(_Section):
     which goes on with the others (0: a server death ends the run)."""
     restart_backoff_s: float = Field(2.0, ge=0)
     """Wait before a server's first restart (and before an automatic resume,
-    `trainer.auto_resume`), doubled for each one after it."""
+    `trainer.auto_resume`), doubled for each one after it, at most 300 s."""
 
 
 class Config(_Section):

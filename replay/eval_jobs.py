@@ -54,6 +54,7 @@ class EvalJobs:
         # group_id -> (job_id, data_source, n)
         self._group_job: dict[str, tuple[str, str, int]] = {}
         self._leased_to: dict[str, int] = {}  # group_id -> the server it was leased to
+        self._leased: dict[str, PromptItem] = {}  # leased groups not yet complete
         self.forget_after_s = forget_after_s
         self.freed = 0
 
@@ -112,6 +113,7 @@ class EvalJobs:
             del self._jobs[job_id]
         self._group_job = {g: v for g, v in self._group_job.items() if v[0] not in gone}
         self._leased_to = {g: s for g, s in self._leased_to.items() if g in self._group_job}
+        self._leased = {g: p for g, p in self._leased.items() if g in self._group_job}
         self._pending = deque(p for p in self._pending if p.eval_job not in gone)
         self.freed += len(gone)
 
@@ -125,7 +127,18 @@ class EvalJobs:
         taken = [self._pending.popleft() for _ in range(min(k, len(self._pending)))]
         for p in taken:
             self._leased_to[p.group_id] = server_id
+            self._leased[p.group_id] = p
         return taken
+
+    def reissue_server(self, server_id: int) -> int:
+        """A dead (or replaced) server's incomplete groups go back to the front of the queue, for
+        any server to lease again (their filled slots stay filled: a second sample of a slot is
+        a duplicate). Returns how many groups went back."""
+        back = [p for g, p in self._leased.items() if self._leased_to.get(g) == server_id]
+        for p in reversed(back):
+            self._pending.appendleft(p)
+            del self._leased_to[p.group_id], self._leased[p.group_id]
+        return len(back)
 
     def owns(self, group_id: str) -> bool:
         return group_id in self._group_job
@@ -144,6 +157,8 @@ class EvalJobs:
             return "duplicate"
         job.touched = now
         job.seen.add(slot)
+        if all((traj.group_id, i) in job.seen for i in range(n)):
+            self._leased.pop(traj.group_id, None)  # complete: nothing left to re-issue
         sampled = traj.versions[traj.loss_mask == 1]
         job.group_ids.append(traj.group_id)
         job.data_sources.append(source)

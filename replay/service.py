@@ -342,6 +342,7 @@ class ReplayService(Endpoint):
         """A dead or replaced epoch: its incomplete leases are re-issued, and a lease request
         of it still held is answered empty."""
         self.leases.reissue_server(server_id, why)
+        self.eval_jobs.reissue_server(server_id)  # validation prompts too
         self.fleet.forget(server_id)  # a new epoch's counters start from 0
         self._held_leases = self._supersede(self._held_leases, Peer(b"", None), server_id)
         self._changed = True  # admission slots and capacity were freed

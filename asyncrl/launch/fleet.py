@@ -32,6 +32,11 @@ FOLLOWERS_WINDOW_S = 2.0
 (they are listed in the report) before it stops the rest."""
 
 
+MAX_BACKOFF_S = 300.0
+"""The longest wait before a restart or a resume, however many came before (the doubling would
+otherwise reach hours after a dozen)."""
+
+
 class LaunchError(RuntimeError):
     """A fleet failed; the message names the process and why, `failed` the members that
     failed (first death first; empty when no member died, e.g. a start that timed out)."""
@@ -138,14 +143,28 @@ def process_env(spec: RunSpec, name: str) -> dict[str, str]:
     """What every fleet process has in its environment, whichever backend starts it: its
     thread counts, its name and run (so `ps e` or a test can tell whose process it is), and
     its key (`asyncrl.auth.auth_env`: the run secret for the replay, a role key for others)."""
-    return auth_env(read_secret(spec.run_dir), name) | {
-        "OMP_NUM_THREADS": str(spec.threads),
-        "MKL_NUM_THREADS": str(spec.threads),
-        "TOKENIZERS_PARALLELISM": "false",
-        "PYTHONUNBUFFERED": "1",
-        "ASYNCRL_PROCESS": name,
-        "ASYNCRL_RUN_DIR": spec.run_dir,
-    }
+    return (
+        auth_env(read_secret(spec.run_dir), name)
+        | {
+            "OMP_NUM_THREADS": str(spec.threads),
+            "MKL_NUM_THREADS": str(spec.threads),
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            "ASYNCRL_PROCESS": name,
+            "ASYNCRL_RUN_DIR": spec.run_dir,
+        }
+        | nccl_env()
+    )
+
+
+def nccl_env() -> dict[str, str]:
+    """NCCL's error handling, unless the user set it: 2 (CleanUpOnly) aborts a failed or
+    timed-out communicator and raises in the waiting thread, so the learner can drop one
+    server's weight-sync group (`learner/sync_fleet.py`); torch's default (3) ends the whole
+    process from NCCL's watchdog. Untested here: no GPU on the reference machine."""
+    if "TORCH_NCCL_ASYNC_ERROR_HANDLING" in os.environ:
+        return {}
+    return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
 
 
 def server_env(cfg: Config, epoch: int) -> dict[str, str]:
@@ -357,7 +376,7 @@ class ServerRestarts:
         server.why = how
         self.deaths.append((self.clock(), f"{name} {how}"))
         if server.epoch < self.max_restarts:
-            delay = self.backoff_s * 2**server.epoch
+            delay = min(MAX_BACKOFF_S, self.backoff_s * 2**server.epoch)
             server.restart_at = self.clock() + delay
             restart = f"restart {server.epoch + 1}/{self.max_restarts}"
             self.say(f"asyncrl: {name} {how}; {restart} in {delay:.1f}s")

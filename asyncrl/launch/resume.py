@@ -39,7 +39,7 @@ from typing import Any
 
 from asyncrl.checkpoints import TRAINER_FILE, latest_checkpoint, missing_parts
 from asyncrl.config import Config
-from asyncrl.launch.fleet import LaunchError, prepare_run_dir
+from asyncrl.launch.fleet import MAX_BACKOFF_S, LaunchError, prepare_run_dir
 from asyncrl.metrics import JsonlWriter
 
 RESUMES_FILE = "resumes.jsonl"
@@ -152,8 +152,9 @@ def resumed_command(command: str, resumed: Config) -> str:
 
 
 def backoff_s(cfg: Config, attempt: int) -> float:
-    """The wait before resume `attempt` (1-based): launch.restart_backoff_s, doubled each time."""
-    return cfg.launch.restart_backoff_s * 2 ** (attempt - 1)
+    """The wait before resume `attempt` (1-based): launch.restart_backoff_s, doubled each time,
+    at most MAX_BACKOFF_S."""
+    return min(MAX_BACKOFF_S, cfg.launch.restart_backoff_s * 2 ** (attempt - 1))
 
 
 def describe(err: LaunchError) -> str:

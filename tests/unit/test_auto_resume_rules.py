@@ -251,3 +251,12 @@ def test_the_rewind_keeps_records_without_a_step_and_is_idempotent(tmp_path):
         ["metrics.jsonl", "samples.jsonl", "weights_learner.jsonl"], 0
     )
     assert [r.get("step") for r in read_jsonl(tmp_path / "metrics.jsonl")] == [0, 1, 2, None]
+
+
+def test_the_backoff_is_capped():
+    from asyncrl.launch.fleet import MAX_BACKOFF_S
+    from asyncrl.launch.resume import backoff_s
+
+    cfg = Config.model_validate({"launch": {"restart_backoff_s": 2.0}})
+    assert [backoff_s(cfg, a) for a in (1, 2, 3)] == [2.0, 4.0, 8.0]
+    assert backoff_s(cfg, 30) == MAX_BACKOFF_S  # not 2 * 2**29 s

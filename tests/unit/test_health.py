@@ -299,3 +299,40 @@ def test_with_max_restarts_0_a_declared_death_ends_the_run_naming_it(tmp_path):
         "process server_1 was declared dead by the replay (no heartbeat for 31.0 s)"
     )
     assert e.value.failed == ("server_1",)
+
+
+def test_a_dead_servers_validation_prompts_are_leased_again():
+    """Validation groups leased to a server that dies go back to the front of the queue (they
+    would otherwise wait for it forever and the learner's validation would time out); slots it
+    already filled stay filled, and its late samples are refused."""
+    from asyncrl.protocol import ChatMessage, PromptItem
+    from replay.buffer import MalformedTrajectory
+
+    jobs = EvalJobs(60.0)
+    prompts = [
+        PromptItem(g, 2, "src", [ChatMessage("user", "q")], "a", {}, eval_job="job")
+        for g in ("e0", "e1", "e2")
+    ]
+    jobs.submit("job", prompts, now=0.0)
+    assert [p.group_id for p in jobs.take(2, server_id=1)] == ["e0", "e1"]
+    assert jobs.add(_sample("e0", 0, 1), now=1.0) == "accepted"
+    assert jobs.reissue_server(1) == 2
+    assert jobs.reissue_server(1) == 0
+    assert [p.group_id for p in jobs.take(3, server_id=0)] == ["e0", "e1", "e2"]
+    with pytest.raises(MalformedTrajectory, match="not leased to it"):
+        jobs.add(_sample("e1", 0, 1), now=2.0)  # the dead server's late sample
+    assert jobs.add(_sample("e0", 0, 0), now=2.0) == "duplicate"  # filled before the death
+    for g, i in (("e0", 1), ("e1", 0), ("e1", 1), ("e2", 0), ("e2", 1)):
+        assert jobs.add(_sample(g, i, 0), now=3.0) == "accepted"
+    assert jobs.reissue_server(0) == 0  # every group complete: nothing left to re-issue
+
+
+def test_the_restart_backoff_is_capped(tmp_path):
+    restarts, fleet, clock, said = _restarts(tmp_path, max_restarts=3, restart_backoff_s=200.0)
+    fleet.end("server_1")
+    restarts.failures(fleet)
+    clock.now += 201
+    restarts.check(fleet)
+    fleet.end("server_1", "exited with code 1")
+    restarts.failures(fleet)
+    assert said[-1] == "asyncrl: server_1 exited with code 1; restart 2/3 in 300.0s"  # not 400
