@@ -198,9 +198,12 @@ TRAIN = [
 
 
 def test_a_killed_server_is_restarted_as_epoch_1_and_the_run_completes(tmp_path):
-    proc, run_dir = _start(tmp_path, "launch", *TRAIN, f"trainer.total_steps={STEPS}")
+    proc, run_dir = _start(
+        tmp_path, "launch", *TRAIN, f"trainer.total_steps={STEPS}", "learner.weight_checksum=true"
+    )
     _wait(proc, lambda: _holds_leases(run_dir, 1), 180, "server_1 holding leases")
     _member(proc.pid, "server_1").kill()
+    killed_at = _steps(run_dir)
     _wait(proc, lambda: _epochs(run_dir).get(1) == 1, 60, "server_1 back as epoch 1")
     back_at = _steps(run_dir)
     out, err = proc.communicate(timeout=180)
@@ -214,6 +217,24 @@ def test_a_killed_server_is_restarted_as_epoch_1_and_the_run_completes(tmp_path)
     assert stats["dead_server_leases"] >= 1
     assert stats["leases_reissued"] >= stats["dead_server_leases"]
     _no_sample_trained_twice(run_dir)
+    _rejoined_with_the_learners_weights(run_dir, server=1, epoch=1, not_before=killed_at)
+
+
+def _rejoined_with_the_learners_weights(run_dir, server: int, epoch: int, not_before: int):
+    """The restarted epoch joined the weight sync at a version no older than the learner's when
+    it died, and at that version and every later one holds exactly the learner's weights."""
+    learner = {r["version"]: r["checksum"] for r in read_jsonl(run_dir / "weights_learner.jsonl")}
+    records = read_jsonl(run_dir / f"weights_server_{server}.jsonl")
+    synced = [r for r in records if r["epoch"] == epoch and r["version"] > 0]
+    assert synced, f"epoch {epoch} of server_{server} never received a version"
+    assert synced[0]["version"] >= not_before
+    assert all(r["checksum"] == learner[r["version"]] for r in synced), synced
+    joins = [
+        r
+        for r in read_jsonl(run_dir / "sync_members.jsonl")
+        if r["event"] == "joined" and (r["server"], r["epoch"]) == (server, epoch)
+    ]
+    assert [r["version"] for r in joins] == [synced[0]["version"]]
 
 
 def test_a_stopped_server_is_declared_dead_within_the_timeout_killed_and_restarted(tmp_path):
