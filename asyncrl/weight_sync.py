@@ -180,6 +180,13 @@ class SyncGroup:
         (on CUDA too: with a timeout, NCCL's wait blocks the calling thread)."""
         work.wait(self.timeout)
 
+    def set_op_timeout(self, timeout_s: float) -> None:
+        """From now on collectives may take `timeout_s` (the group was built with a shorter
+        bound for connecting)."""
+        self.timeout = datetime.timedelta(seconds=timeout_s)
+        with contextlib.suppress(AttributeError, RuntimeError):  # a backend without it
+            self._pg._set_default_timeout(self.timeout)
+
     def abort(self) -> None:
         """Close the group's connections: its collectives in flight fail, here and at the peer."""
         with contextlib.suppress(Exception):  # best effort: the group is being given up

@@ -162,10 +162,13 @@ class SyncFleet:
     def _join(self, server: int, epoch: int, store: dist.Store, version: int) -> None:
         store.set("answer", JOIN)
         try:
-            group = SyncGroup(self.host, 0, 0, 2, self.device, self.op_timeout_s, store=store)
+            # connecting is bounded by the join bound: a server that died between `ready` and
+            # the rendezvous must not hold the learner for the long op bound
+            group = SyncGroup(self.host, 0, 0, 2, self.device, self.timeout_s, store=store)
         except Exception as e:  # it left between `ready` and the rendezvous: its own failure
             self._event("not_joined", server, epoch, version, _reason(e, self.timeout_s))
             return
+        group.set_op_timeout(self.op_timeout_s)
         self.broadcaster.members[(server, epoch)] = group
         self._event("joined", server, epoch, version)
 

@@ -198,3 +198,28 @@ def test_a_listed_server_that_never_connects_is_given_up_after_the_join_bound(tm
         ]
     finally:
         fleet.close()
+
+
+def test_a_server_gone_between_ready_and_connecting_costs_the_join_bound_not_the_op_bound(
+    tmp_path,
+):
+    """A server epoch that said `ready` and died before its group connected: the learner gives
+    it up after the join bound (`server_timeout_s`), not after the long bound its collectives
+    get (`startup_timeout_s`: a draining server may take that long to take a version)."""
+    import torch.distributed as dist
+
+    from asyncrl.weight_sync import sync_prefix
+
+    f = Fleet(tmp_path)
+    f.fleet.op_timeout_s = 120.0
+    try:
+        f.start(0, 0)
+        f.listed[1] = 0
+        dist.PrefixStore(sync_prefix(1, 0), f.fleet.store).set("ready", "1")  # then it died
+        members, took = f.send(1)
+        assert members == {0: 0} and took < 4 * TIMEOUT_S
+        assert ("not_joined", 1, 0, 1) in f.events()
+        assert f.fleet.members == {0: 0}
+        f.wait_received(0, 0, [1])
+    finally:
+        f.close()
