@@ -253,10 +253,11 @@ async def test_inflight_versions_land_mid_request_and_every_token_is_its_version
             models[-1].load_state_dict(models[-2].state_dict())
             perturbed(models[-1], seed=version)
             named = list(models[-1].state_dict().items())
-            running = [asyncio.ensure_future(engine.generate(PROMPT, params)) for _ in range(8)]
+            # 32 requests of 240 tokens take vLLM about a second here: the version lands mid-way
+            running = [asyncio.ensure_future(engine.generate(PROMPT, params)) for _ in range(32)]
             while engine._inflight < len(running):  # all admitted under the old version
                 await asyncio.sleep(0.005)
-            await asyncio.sleep(0.5)  # some tokens sampled (240 take seconds here)
+            await asyncio.sleep(0.05)  # some tokens sampled, far from all
             tensors = iter(t for _, t in named)
             await asyncio.to_thread(broadcaster.broadcast, specs_of(named), tensors, version)
             outs += await asyncio.gather(*running)

@@ -70,3 +70,12 @@ def test_lora_is_configured_under_learner_for_either_engine():
     assert load_config(None, ["learner.lora.rank=8", "rollout.engine=vllm"]).learner.lora.rank
     with pytest.raises(ConfigError, match="lora.rank"):
         load_config(None, ["learner.lora.rank=-1"])
+
+
+def test_a_temperature_vllm_refuses_is_refused_before_the_run():
+    """vLLM fails every request above temperature 2; the config says so up front instead of a
+    run whose every group fails."""
+    with pytest.raises(ConfigError, match=r"rollout.temperature=3.0 with rollout.engine=vllm"):
+        load_config(None, ["rollout.engine=vllm", "rollout.temperature=3.0"])
+    assert load_config(None, ["rollout.engine=vllm", "rollout.temperature=2.0"]).rollout
+    assert load_config(None, ["rollout.temperature=3.0"]).rollout.temperature == 3.0  # hf
