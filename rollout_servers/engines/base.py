@@ -4,8 +4,10 @@ An `Engine` turns prompt token ids into sampled token ids with the behaviour log
 and policy version of every sampled token, and follows the learner's weight versions. Agent
 loops only ever `await engine.generate(...)`; the server's weight-receiver thread only iterates
 `engine.follow_learner(...)`, which joins the learner's weight-sync group and applies each
-version as it comes. Engines: `HFEngine` (`hf.py`, transformers, in-process) and `VLLMEngine`
-(`vllm.py`, vLLM's async engine; its worker process joins the sync group itself, `vllm_worker.py`).
+version as it comes. Engines: `HFEngine` (`hf.py`, transformers, in-process), `VLLMEngine`
+(`vllm.py`, vLLM's async engine; its worker process joins the sync group itself, `vllm_worker.py`)
+and `SGLangEngine` (`sglang.py`, SGLang's offline engine; this process receives each version and
+hands it to SGLang's `update_weights_from_tensor`).
 
 Invariants every engine keeps:
 - The behaviour log-prob of a sampled token is log_softmax(logits / T)[token] (T = 1 when

@@ -1,0 +1,374 @@
+"""`rollout.engine=sglang`: SGLang's offline engine inside the rollout server, behind `Engine`.
+
+Components:
+- an `sglang.Engine` (its scheduler and model run in processes of their own; its tokenizer
+  manager runs here) built on and driven from a private event loop on a thread of this engine,
+  so the server's event loop only awaits futures; token ids in and out (`skip_tokenizer_init`);
+- a gate in front of it: `generate` enters only while no weight version is being applied, and
+  counts requests in flight;
+- the weight receiver, in this process: `follow_learner` joins the learner's weight-sync group
+  with asyncrl's own `join_sync_group` / `WeightReceiver` (the one protocol every engine
+  speaks: header, buckets, delivery probe, ack; per-server groups and epochs), stages each
+  whole version, and applies it through the gate with SGLang's `begin_weight_update`,
+  `update_weights_from_tensor`, `end_weight_update` and `flush_cache`.
+
+Invariants (those of `Engine`, and how they are kept here):
+- Behaviour log-probs are log_softmax(logits / T) of the sampled token: SGLang's sampler
+  returns log(softmax(logits / T)) taken before top-k/top-p filtering, and for greedy requests
+  (T = 0, which SGLang runs as top_k = 1 at T = 1) the T = 1 softmax. Options that would change
+  the distribution it is taken from (top_p < 1) are refused, here and in the config.
+- A version is applied atomically: the gate closes, requests in flight finish on the old
+  version, the whole staged version is loaded in one `update_weights_from_tensor` between
+  `begin_weight_update` and `end_weight_update`, the radix cache is flushed, the delivery probe
+  is scored (SGLang's prompt log-probs against the learner's, `check_delivery`), then the
+  version number moves and the gate opens. Every output carries the version it was admitted
+  under, which is the version of every one of its tokens. If a load or the delivery check
+  fails the gate stays closed: no token is ever sampled from half-applied or undelivered
+  weights.
+- In-flight mode (`rollout.weight_update_mode=inflight`): instead of waiting for the requests
+  in flight, the gate closes and aborts them (SGLang's `abort_request`); each keeps the tokens
+  it has (all sampled by the old version) and, once the gate reopens on the new version, is
+  resubmitted with those tokens appended to its prompt. SGLang prefills the prefix under the
+  new weights (the cache was flushed), so every later token's log-prob is exactly the new
+  version's: `inflight_kv=recompute`, as the vLLM engine does. Every token carries the version
+  it was sampled under (`token_versions`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import threading
+import time
+import uuid
+from collections.abc import Coroutine, Iterator
+from dataclasses import replace
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import torch
+
+from asyncrl.config import SGLangConfig
+from asyncrl.weight_sync import ReceivedVersion, WeightReceiver, join_sync_group
+from rollout_servers.engines.base import (
+    AppliedVersion,
+    Engine,
+    GenerationOutput,
+    SamplingParams,
+    SyncTarget,
+    check_delivery,
+)
+from rollout_servers.engines.vllm import eos_ids, learner_weight_specs
+
+T = TypeVar("T")
+
+
+def engine_kwargs(
+    model_path: str, options: SGLangConfig, device: str, seed: int, dtype: str = "float32"
+) -> dict[str, Any]:
+    """`sglang.Engine`'s arguments as this engine uses them (tools/bench_engines.py drives bare
+    SGLang with the same ones)."""
+    return dict(
+        model_path=model_path,
+        device=device,
+        dtype=dtype,
+        random_seed=seed,
+        skip_tokenizer_init=True,  # token ids in, token ids out
+        mem_fraction_static=options.mem_fraction_static,
+        max_total_tokens=options.max_total_tokens,
+        max_running_requests=options.max_running_requests,
+        context_length=options.context_length or None,
+        disable_radix_cache=options.disable_radix_cache,
+        disable_cuda_graph=device == "cpu",
+        log_level="error",
+    )
+
+
+def setup_sglang(kwargs: dict[str, Any]) -> Any:
+    """An `sglang.Engine` (on CPU with SGLang's CPU engine, set before sglang is imported).
+    Call it on the event loop that will drive it: SGLang binds its tokenizer manager there."""
+    if kwargs["device"] == "cpu":
+        os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    import sglang
+
+    return sglang.Engine(**kwargs)
+
+
+def request_params(params: SamplingParams, eos_ids: frozenset[int]) -> dict[str, Any]:
+    """asyncrl's sampling parameters as SGLang's."""
+    if params.top_p < 1:
+        raise ValueError(
+            f"top_p={params.top_p} with the SGLang engine: its log-probs would not be those of "
+            "the untruncated softmax the learner recomputes; use top_p=1"
+        )
+    return {
+        "temperature": params.temperature,
+        "max_new_tokens": params.max_new_tokens,
+        "stop_token_ids": sorted(
+            (set() if params.ignore_eos else eos_ids) | set(params.stop_token_ids)
+        ),
+        "ignore_eos": params.ignore_eos,
+    }
+
+
+def parse_output(out: dict[str, Any]) -> tuple[list[int], list[float], str]:
+    """(token ids, their log-probs, finish reason) of one `async_generate` result."""
+    meta = out["meta_info"]
+    tokens = list(out["output_ids"])
+    logprobs = [float(lp) for lp, _, *_ in meta["output_token_logprobs"]]
+    if [t for _, t, *_ in meta["output_token_logprobs"]] != tokens:
+        raise RuntimeError("SGLang's log-probs do not line up with its output ids")
+    finish = meta.get("finish_reason") or {}
+    return tokens, logprobs, finish.get("type", "") if isinstance(finish, dict) else str(finish)
+
+
+class SGLangEngine(Engine):
+    """SGLang's offline engine with asyncrl's version gate and weight sync."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        options: SGLangConfig,
+        device: str = "cpu",
+        seed: int = 0,
+        version: int = 0,
+        dtype: str = "float32",
+        weight_update_mode: Literal["drain", "inflight"] = "drain",
+    ):
+        self.weight_update_mode = weight_update_mode
+        self.model_path = str(model_path)
+        self._specs = learner_weight_specs(model_path, dtype)
+        from transformers import AutoConfig
+
+        self._vocab = AutoConfig.from_pretrained(model_path).vocab_size
+        self._eos_ids = eos_ids(model_path)
+        self._version = version
+        self._broken: BaseException | None = None  # a version failed: every request fails
+        self._live: set[str] = set()  # SGLang request ids in flight
+        self._aborts = 0  # versions that aborted requests in flight (inflight mode)
+        self._inflight = 0
+        self._busy_since = 0.0
+        self._busy_done = 0.0  # seconds of busy periods that ended
+        self._period_requests = 0
+        self._closed = False
+
+        kwargs = engine_kwargs(self.model_path, options, device, seed, dtype)
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(
+            target=self._loop.run_forever, daemon=True, name="sglang-engine-loop"
+        )
+        self._thread.start()
+
+        async def build() -> Any:
+            self._open = asyncio.Event()
+            self._open.set()
+            self._drained = asyncio.Event()
+            self._drained.set()
+            return setup_sglang(kwargs)
+
+        self.llm = self._call(build())
+
+    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run `coro` on the engine's loop from any other thread and wait for its result."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def busy_s(self) -> float:
+        """Busy seconds so far, the busy period under way included."""
+        current = time.time() - self._busy_since if self._inflight else 0.0
+        return self._busy_done + current
+
+    # ---- generation -------------------------------------------------------------------------
+    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        if not prompt_ids:
+            raise ValueError("prompt_ids must not be empty")
+        request_params(params, self._eos_ids)  # refused here, not on the engine loop
+        future = asyncio.run_coroutine_threadsafe(
+            self._generate(list(prompt_ids), params), self._loop
+        )
+        return await asyncio.wrap_future(future)
+
+    async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
+        """On the engine loop: pass the gate, run the request in SGLang. In inflight mode a
+        request aborted for a new version comes back here with its tokens so far and goes on
+        under the new version, its tokens appended to the prompt."""
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        versions: list[int] = []
+        while True:
+            while not self._open.is_set():
+                await self._open.wait()
+            if self._broken is not None:  # weights that failed to load or their check
+                raise self._broken
+            version, aborts = self._version, self._aborts
+            left = replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
+            new, new_logprobs, reason = await self._run(prompt_ids + tokens, left, version)
+            tokens += new
+            logprobs += new_logprobs
+            versions += [version] * len(new)
+            if reason == "abort" and self._aborts != aborts:  # aborted for a new version
+                if len(tokens) < params.max_new_tokens:
+                    continue
+                reason = "length"
+            if reason not in ("stop", "length"):
+                raise RuntimeError(f"SGLang finished a request with reason {reason!r}")
+            first = versions[0] if versions else version
+            mixed = versions if len(set(versions)) > 1 else None
+            return GenerationOutput(tokens, logprobs, first, reason, token_versions=mixed)
+
+    async def _run(
+        self, prompt_ids: list[int], params: SamplingParams, version: int
+    ) -> tuple[list[int], list[float], str]:
+        """One SGLang request, counted in flight under `version`."""
+        rid = uuid.uuid4().hex
+        self._enter()
+        self._live.add(rid)
+        try:
+            out = await self.llm.async_generate(
+                input_ids=prompt_ids,
+                sampling_params=request_params(params, self._eos_ids),
+                return_logprob=True,
+                rid=rid,
+            )
+        finally:
+            self._live.discard(rid)
+            self._leave(version)
+        return parse_output(out)
+
+    def _enter(self) -> None:
+        if self._inflight == 0:
+            self._busy_since = time.time()
+            self._period_requests = 0
+            self._drained.clear()
+        self._inflight += 1
+        self._period_requests += 1
+
+    def _leave(self, version: int) -> None:
+        """A busy period (from the first request in flight to none) is this engine's "batch":
+        SGLang batches continuously, so busy time and trace spans are measured per period."""
+        if self._inflight == 1:  # ends the period: counted before busy_s stops adding it
+            took = time.time() - self._busy_since
+            self._busy_done += took
+        self._inflight -= 1
+        if self._inflight == 0:
+            if self.on_batch is not None:
+                self.on_batch(self._busy_since, took, self._period_requests, version)
+            self._drained.set()
+
+    # ---- weights ----------------------------------------------------------------------------
+    def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
+        """Joins in this process (module docstring); the learner's next version waits in its
+        broadcast until this one is applied and `receive` is called again."""
+        args = (target.host, target.port, target.rank, target.world_size, target.device)
+        group = join_sync_group(*args, target.timeout_s, target.server_id, target.epoch)
+        receiver = WeightReceiver(group, self._specs)
+        while not self._closed:
+            got = receiver.receive()
+            if got is None:
+                return
+            yield AppliedVersion(got.version, self._apply(got))
+
+    def _apply(self, got: ReceivedVersion) -> float:
+        """Close the gate, drain, load, flush the cache, check delivery, reopen; seconds taken.
+        When loading or the delivery check fails the gate stays closed: no token is sampled
+        from weights that are not the version's."""
+        from sglang.srt.utils.common import MultiprocessingSerializer
+
+        start = time.perf_counter()
+        try:
+            payload = MultiprocessingSerializer.serialize(got.weights)  # shared, not copied
+            self._call(self._load(got.version, payload))
+            check_delivery(self, got.version, got.probe, self._vocab)
+        except BaseException as e:  # waiting callers and later ones fail with it, not hang
+            self._call(self._fail(e))
+            raise
+        finally:
+            got.release()  # loaded (or failed): the staging memory may take the next version
+        self._call(self._reopen(got.version))
+        return time.perf_counter() - start
+
+    async def _fail(self, error: BaseException) -> None:
+        """On the engine loop: the gate opens onto `error` (it never reopens onto weights)."""
+        self._broken = error
+        self._open.set()
+
+    async def _load(self, version: int, payload: bytes) -> None:
+        """On the engine loop: close the gate, drain (inflight mode: abort the requests in
+        flight, which resume under the new version), load the version in one weight-update
+        session, flush the cache."""
+        from sglang.srt.managers.io_struct import (
+            BeginWeightUpdateReqInput,
+            EndWeightUpdateReqInput,
+            UpdateWeightsFromTensorReqInput,
+        )
+
+        self._open.clear()
+        manager = self.llm.tokenizer_manager
+        if self.weight_update_mode == "inflight" and self._live:
+            self._aborts += 1  # before the abort: each request sees it when its output returns
+            for rid in list(self._live):
+                manager.abort_request(rid)
+        await self._drained.wait()
+        steps = [
+            ("begin_weight_update", BeginWeightUpdateReqInput()),
+            (
+                "update_weights_from_tensor",
+                UpdateWeightsFromTensorReqInput(
+                    serialized_named_tensors=[payload], flush_cache=False
+                ),
+            ),
+            ("end_weight_update", EndWeightUpdateReqInput()),
+        ]
+        for name, request in steps:
+            ok, message = await getattr(manager, name)(request, None)
+            if not ok:
+                raise RuntimeError(f"SGLang's {name} failed at version {version}: {message}")
+        flushed = await manager.flush_cache()
+        if not flushed.success:
+            raise RuntimeError(f"SGLang could not flush its cache after version {version}")
+
+    async def _reopen(self, version: int) -> None:
+        self._version = version
+        self._open.set()
+
+    def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
+        """See `Engine.probe_logprobs`: SGLang's prompt log-probs of `ids` (T = 1), scored past
+        the gate, so also while it is closed for a version being checked."""
+        return self._call(self._prompt_logprobs(ids))
+
+    async def _prompt_logprobs(self, ids: list[int]) -> torch.Tensor:
+        out = await self.llm.async_generate(
+            input_ids=list(ids),
+            sampling_params={"temperature": 1.0, "max_new_tokens": 1},
+            return_logprob=True,
+            logprob_start_len=0,
+            rid=uuid.uuid4().hex,
+        )
+        steps = out["meta_info"]["input_token_logprobs"][1:]  # the first token has none
+        if [t for _, t, *_ in steps] != list(ids[1:]):
+            raise RuntimeError("SGLang's prompt log-probs do not line up with the probe ids")
+        return torch.tensor([float(lp) for lp, _, *_ in steps])
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def close(self) -> None:
+        """Shuts SGLang down: its shutdown ends every child process of this one (the server
+        closes its reward workers and sandbox first)."""
+        if self._closed:
+            return
+        self._closed = True
+        self.llm.shutdown()
+        self._call(_cancel_tasks())  # SGLang's own loop tasks (its output handler)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+
+
+async def _cancel_tasks() -> None:
+    """Cancel every other task of the running loop and let them finish."""
+    tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)

@@ -1,0 +1,58 @@
+"""`rollout.engine=sglang` and `rollout.sglang.*`: what the config accepts and what it refuses
+(options that would break the behaviour log-prob invariant or are not built for SGLang yet),
+without sglang installed."""
+
+from __future__ import annotations
+
+import pytest
+
+from asyncrl.config import ConfigError, load_config
+from learner.delivery import wants_probe
+
+
+def test_sglang_engine_and_its_options_load():
+    cfg = load_config(
+        None,
+        [
+            "rollout.engine=sglang",
+            "rollout.sglang.max_total_tokens=4096",
+            "rollout.sglang.max_running_requests=32",
+            "rollout.sglang.mem_fraction_static=0.7",
+            "rollout.sglang.disable_radix_cache=true",
+        ],
+    )
+    options = cfg.rollout.sglang
+    assert cfg.rollout.engine == "sglang" and cfg.rollout.dtype == "float32"
+    assert (options.max_total_tokens, options.max_running_requests) == (4096, 32)
+    assert options.mem_fraction_static == 0.7 and options.disable_radix_cache
+    assert wants_probe(cfg)  # the SGLang engine checks the delivery probe
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("rollout.sglang.mem_fraction_static=1.5", "rollout.sglang.mem_fraction_static"),
+        ("rollout.sglang.max_total_tokens=0", "rollout.sglang.max_total_tokens"),
+        ("rollout.sglang.max_running_requests=0", "rollout.sglang.max_running_requests"),
+        ("rollout.sglang.top_k=5", "unknown key"),
+        ("rollout.engine=sglng", "rollout.engine"),
+    ],
+)
+def test_bad_sglang_options_name_the_key(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, ["rollout.engine=sglang", override])
+
+
+def test_top_p_is_refused_with_sglang():
+    with pytest.raises(ConfigError, match=r"rollout.top_p=0.9 with rollout.engine=sglang"):
+        load_config(None, ["rollout.engine=sglang", "rollout.top_p=0.9"])
+    assert load_config(None, ["rollout.engine=hf", "rollout.top_p=0.9"]).rollout.top_p == 0.9
+
+
+def test_what_sglang_does_not_do_is_refused():
+    inflight = ["rollout.engine=sglang", "rollout.weight_update_mode=inflight"]
+    assert load_config(None, inflight).rollout.inflight_kv == "recompute"
+    with pytest.raises(ConfigError, match="inflight_kv=keep with rollout.engine=sglang"):
+        load_config(None, [*inflight, "rollout.inflight_kv=keep"])
+    with pytest.raises(ConfigError, match="learner.lora.rank=8 with rollout.engine=sglang"):
+        load_config(None, ["rollout.engine=sglang", "learner.lora.rank=8"])
