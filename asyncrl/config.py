@@ -268,17 +268,21 @@ class LaunchConfig(_Section):
     threads_per_process: int = Field(0, ge=0)
     """Torch intra-op threads per compute process; 0 splits the cores between them."""
     startup_timeout_s: float = Field(300.0, gt=0)
-    """A fleet that is not up by then fails the launch."""
+    """A fleet that is not up by then fails the launch; a rollout server (each restart too)
+    that has sent no heartbeat by then after its start is killed and restarted."""
     progress: Literal["auto", "line", "none"] = "auto"
     """Live progress display: `auto` (a refreshing line on a terminal), `line`, `none`."""
     heartbeat_s: float = Field(2.0, gt=0)
     """How often each rollout server tells the replay it is alive."""
     server_timeout_s: float = Field(30.0, gt=0)
-    """A server silent this long (dead, hung, SIGSTOPped) is declared dead: its leases are
-    re-issued at once and the launcher kills and restarts it."""
+    """A server silent this long (no heartbeat, lease request or sample: dead, hung,
+    SIGSTOPped) is declared dead: its leases are re-issued at once and the launcher kills and
+    restarts it."""
     max_restarts: int = Field(3, ge=0)
-    """Restarts per rollout server; one that fails after the last is dropped from the run,
-    which goes on with the others (0: a server death ends the run)."""
+    """Restarts per rollout server in a row; one that fails after the last is dropped from the
+    run, which goes on with the others (0: a server death ends the run). A server alive for
+    10 x server_timeout_s in a row (`fleet.HEALTHY_RESET_TIMEOUTS`) gets them all back, and its
+    backoff starts over."""
     restart_backoff_s: float = Field(2.0, ge=0)
     """Wait before a server's first restart (and before an automatic resume,
     `trainer.auto_resume`), doubled for each one after it, at most 300 s."""
@@ -295,7 +299,9 @@ class Config(_Section):
     launch: LaunchConfig = LaunchConfig()
 
     @pydantic.model_validator(mode="after")
-    def _check_sglang_options(self) -> Config:
+    def _check_engine_options(self) -> Config:
+        if self.rollout.engine == "vllm":
+            _check_vllm(self)
         if self.rollout.engine == "sglang":
             _check_sglang(self)
         return self
@@ -336,23 +342,6 @@ class Config(_Section):
                     f"launch.ray.{who}_num_cpus and launch.ray.{who}_num_gpus are both 0: a "
                     "placement-group bundle must reserve something"
                 )
-        if self.rollout.engine == "vllm" and self.rollout.top_p < 1:
-            raise ValueError(
-                f"rollout.top_p={self.rollout.top_p} with rollout.engine=vllm: vLLM returns "
-                "log-probs of the top-p-truncated distribution, the learner recomputes them "
-                "without truncation; use top_p=1 (or rollout.engine=hf)"
-            )
-        if self.rollout.engine == "vllm" and self.rollout.temperature > 2:
-            raise ValueError(
-                f"rollout.temperature={self.rollout.temperature} with rollout.engine=vllm: vLLM "
-                "accepts temperatures up to 2 and would fail every request"
-            )
-        inflight = self.rollout.weight_update_mode == "inflight"
-        if inflight and self.rollout.engine == "vllm" and self.rollout.inflight_kv == "keep":
-            raise ValueError(
-                "rollout.inflight_kv=keep with rollout.engine=vllm: vLLM's pause that keeps its "
-                "cache cannot tell which tokens the old version sampled; use recompute (exact)"
-            )
         custom = self.reward.custom.path
         if custom is not None and not Path(custom).is_file():
             raise ValueError(f"reward.custom.path={custom!r} is not a file")
@@ -386,6 +375,27 @@ class Config(_Section):
                 f"data.train_batch_size={self.data.train_batch_size}"
             )
         return self
+
+
+def _check_vllm(cfg: Config) -> None:
+    """What `rollout.engine=vllm` cannot do without breaking an invariant or every request."""
+    rc = cfg.rollout
+    if rc.top_p < 1:
+        raise ValueError(
+            f"rollout.top_p={rc.top_p} with rollout.engine=vllm: vLLM returns log-probs of the "
+            "top-p-truncated distribution, the learner recomputes them without truncation; use "
+            "top_p=1 (or rollout.engine=hf)"
+        )
+    if rc.temperature > 2:
+        raise ValueError(
+            f"rollout.temperature={rc.temperature} with rollout.engine=vllm: vLLM accepts "
+            "temperatures up to 2 and would fail every request"
+        )
+    if rc.weight_update_mode == "inflight" and rc.inflight_kv == "keep":
+        raise ValueError(
+            "rollout.inflight_kv=keep with rollout.engine=vllm: vLLM's pause that keeps its "
+            "cache cannot tell which tokens the old version sampled; use recompute (exact)"
+        )
 
 
 def _check_sglang(cfg: Config) -> None:

@@ -9,15 +9,21 @@ latest epoch heard from and when, and says what each heartbeat means:
     refused    an older epoch, or one already declared dead: a process that the launcher has
                replaced or is about to kill; it is told so (`Ack(rejected)`) and stops
 
-A server silent for `launch.server_timeout_s` (dead, hung, stopped) is declared dead by
-`declare_silent`; only a newer epoch of it is alive again. Whoever drives this (`ReplayService`)
-re-issues the incomplete leases of a dead or replaced epoch at once (`LeaseDesk.reissue_server`);
-its samples that arrive later are answered `late` and never trained, because their groups are
-gone and the re-issued prompts get new group ids.
+Every other message a server sends (lease requests, samples: `touch`) counts as a sign of life
+too, so a server whose heartbeats are delayed but which keeps working is not declared dead.
+Those messages carry its server id (its own, `replay.access`) but no epoch, so they refresh
+only the epoch the replay believes alive: never a declared-dead one, and never one not heard
+from yet (only a heartbeat tells its epoch). A server silent for `launch.server_timeout_s`
+(dead, hung, stopped) is declared dead by `declare_silent`; only a newer epoch of it is alive
+again. Whoever drives this (`ReplayService`) re-issues the incomplete leases of a dead or
+replaced epoch at once (`LeaseDesk.reissue_server`); its samples that arrive later are answered
+`late` and never trained, because their groups are gone and the re-issued prompts get new group
+ids.
 
-Only servers heard from are tracked: one that dies before its first heartbeat (while it loads its
-model) is seen by the launcher, whose child ends. The state is bounded by the number of servers
-(a heartbeat's server_id must be its sender's own, `replay.access`).
+Only servers heard from are tracked: one that dies or hangs before its first heartbeat (while it
+loads its model) is the launcher's to notice, by its child's end or by its epoch missing from
+`report` for `launch.startup_timeout_s` (`asyncrl.launch.fleet.ServerRestarts`). The state is
+bounded by the number of servers (a heartbeat's server_id must be its sender's own).
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ Verdict = Literal["alive", "replaced", "refused"]
 @dataclass
 class _Seen:
     epoch: int
-    last_at: float  # monotonic time of its latest heartbeat
+    last_at: float  # monotonic time of its latest heartbeat or other message
     alive: bool = True
 
 
@@ -73,6 +79,14 @@ class FleetHealth:
         self.counters["server_epochs_replaced"] += 1
         return "replaced", f"{name} epoch {seen.epoch} was replaced by epoch {epoch}"
 
+    def touch(self, server_id: int, now: float) -> None:
+        """Another message of `server_id` (a lease request, samples) at `now`: a sign of life of
+        the epoch believed alive, if any (the message carries no epoch; see the module
+        docstring). Counts nothing and creates no entry."""
+        seen = self._servers.get(server_id)
+        if seen is not None and seen.alive:
+            seen.last_at = max(seen.last_at, now)
+
     def declare_silent(self, now: float) -> list[int]:
         """Declare dead every alive server silent for longer than `timeout_s`; their ids."""
         dead = [
@@ -91,7 +105,7 @@ class FleetHealth:
 
     def report(self, now: float, in_flight: Callable[[int], int]) -> list[ServerHealth]:
         """Every server heard from, by id, with its incomplete leases (`in_flight(id)`): the
-        `Stats` reply's `servers`."""
+        `Stats` reply's `servers` (`silent_s`: since its latest heartbeat or other message)."""
         return [
             ServerHealth(sid, seen.epoch, seen.alive, round(now - seen.last_at, 3), in_flight(sid))
             for sid, seen in sorted(self._servers.items())

@@ -18,8 +18,8 @@ Messages (see `asyncrl.protocol`):
 - BatchRequest -> Batch: exactly `num_groups` whole groups trainable at the request's
   `learner_version` (authoritative), or an empty batch after the wait.
 - Heartbeat -> Ack(ok | rejected): `replay.health`; a server silent for
-  `launch.server_timeout_s` is declared dead and the incomplete leases of a dead or replaced
-  epoch are re-issued at once.
+  `launch.server_timeout_s` (no heartbeat, lease request or sample: each is a sign of life) is
+  declared dead and the incomplete leases of a dead or replaced epoch are re-issued at once.
 - VersionUpdate -> Ack(ok); StatsRequest -> Stats (with every server's health); EvalSubmit -> Ack; EvalPoll -> EvalResults;
   CheckpointRequest -> Ack: the replay's whole state at the request's version, which must be
   the learner version it last heard, written to the file asked for, which must lie inside the
@@ -217,6 +217,7 @@ class ReplayService(Endpoint):
     # ---- one message ------------------------------------------------------------------------
     def _on_lease_request(self, peer: Peer, req: LeaseRequest) -> None:
         self.counters["lease_requests"] += 1
+        self.health.touch(req.server_id, time.monotonic())
         self.fleet.report(
             req.server_id, req.engine_busy_s, req.weight_apply_s, req.uptime_s, time.monotonic()
         )
@@ -229,6 +230,7 @@ class ReplayService(Endpoint):
             self._hold(self._held_leases, peer, req)
 
     def _on_trajectory(self, peer: Peer, traj: Trajectory) -> None:
+        self.health.touch(traj.server_id, time.monotonic())
         status, why = self._take(traj)
         if why:  # an untrainable sample alone is its message's outcome too
             self._reject(peer, "rejected_invalid", why, reply=False)
@@ -236,6 +238,7 @@ class ReplayService(Endpoint):
 
     def _on_trajectories(self, peer: Peer, msg: Trajectories) -> None:
         """Each sample as if it came alone; the message itself is `handled`."""
+        self.health.touch(msg.server_id, time.monotonic())
         taken = [self._take(traj, alone=False) for traj in msg.unpack()]
         for why in [why for _, why in taken if why][:3]:
             log.warning("rejected sample: %s", why)

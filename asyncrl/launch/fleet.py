@@ -79,9 +79,9 @@ class Fleet(Protocol):
         of the one retired."""
         ...
 
-    def server_health(self) -> list[ServerHealth]:
+    def server_health(self) -> list[ServerHealth] | None:
         """The replay's view of the rollout servers (`replay_health`), asked from where the
-        replay can be reached; [] when it does not answer in time."""
+        replay can be reached; None when it does not answer in time."""
         ...
 
 
@@ -198,15 +198,16 @@ def replay_answers(address: str, auth: RoleKey) -> bool:
         client.close()
 
 
-def replay_health(address: str, auth: RoleKey, timeout_s: float = 1.0) -> list[ServerHealth]:
+def replay_health(address: str, auth: RoleKey, timeout_s: float = 1.0) -> list[ServerHealth] | None:
     """Every rollout server the replay at `address` has heard from, with its epoch and whether
-    it is alive; [] when the replay does not answer within `timeout_s` (busy: if it died, its
-    process's end is what the launcher sees)."""
+    it is alive; None when the replay does not answer within `timeout_s` (busy: if it died, its
+    process's end is what the launcher sees), which is no news of any server ([] is: none
+    heard from yet)."""
     client = ReplayClient(address, auth, reply_timeout_s=timeout_s)
     try:
         return client.server_health()
     except ReplayUnavailable:
-        return []
+        return None
     finally:
         client.close()
 
@@ -286,13 +287,22 @@ def setup_restarts(fleet: Fleet, cfg: Config | None, say: Callable[[str], None])
 
 RESTARTS_FILE = "restarts.jsonl"
 HEALTH_POLL_S = 1.0
-"""How often the launcher asks the replay which servers it has declared dead."""
+"""How often the launcher asks the replay which servers it has heard from and declared dead."""
+
+HEALTHY_RESET_TIMEOUTS = 10
+"""A server whose current epoch the replay has reported alive for this many
+`launch.server_timeout_s` in a row (5 minutes by default) has its restart budget
+(`launch.max_restarts`) and backoff reset: rare deaths spread over a long run never drop it."""
 
 
 @dataclass
 class _Server:
-    epoch: int = 0  # its restarts so far: the epoch it runs as (or will once restarted)
+    started_at: float  # clock time its current epoch was started (epoch 0: the watch began)
+    epoch: int = 0  # its starts after the first: the epoch it runs as (or will once restarted)
+    restarts: int = 0  # restarts counted against max_restarts (since the budget was last reset)
     restart_at: float | None = None  # clock time of its pending restart
+    heard: bool = False  # the replay has reported its current epoch (it sent a heartbeat)
+    healthy_since: float | None = None  # first of the polls in a row that found it alive
     why: str = ""  # how its latest epoch ended
     dropped: bool = False
 
@@ -300,27 +310,35 @@ class _Server:
 class ServerRestarts:
     """Restarts rollout servers that die, up to `launch.max_restarts` each.
 
-    A server is dead when its process ends (however: the run needs it to the end) or when the
-    replay declares it dead (no heartbeat for `launch.server_timeout_s`: hung, stopped), which
-    the launcher then kills. Restart k+1 starts `restart_backoff_s * 2**k` after the death it
-    follows, as epoch k+1 (`ASYNCRL_SERVER_EPOCH`). A server whose restarts are used up is
-    dropped and the run goes on with the others; only when none is left does it fail
-    (LaunchError naming the dropped servers). With `max_restarts=0` a server's end fails the
-    run as any member's does (`raise_on_failure`), and a declared death fails it naming that.
-    Each restart and drop is a printed line and a record in run_dir/restarts.jsonl."""
+    A server is dead when its process ends (however: the run needs it to the end), when the
+    replay declares it dead (no message for `launch.server_timeout_s`: hung, stopped), or when
+    the replay has not heard from its current epoch within `launch.startup_timeout_s` of that
+    epoch's start (hung before its first heartbeat, e.g. while loading its model; judged only
+    on the replay's answers: a replay that does not answer is no news). The launcher kills the
+    last two. Restart k+1 starts `restart_backoff_s * 2**k` after the death it follows, as the
+    next epoch (`ASYNCRL_SERVER_EPOCH`, which only goes up). A server reported alive for
+    `HEALTHY_RESET_TIMEOUTS * launch.server_timeout_s` in a row gets its budget back (k from 0
+    again). A server whose restarts are used up is dropped and the run goes on with the others;
+    only when none is left does it fail (LaunchError naming the dropped servers). With
+    `max_restarts=0` a server's end fails the run as any member's does (`raise_on_failure`),
+    and a declared or startup death fails it naming that. Each restart and drop is a printed
+    line and a record in run_dir/restarts.jsonl; a budget reset is a printed line."""
 
     def __init__(
         self,
         cfg: Config,
         run_dir: str | Path,
-        health: Callable[[], list[ServerHealth]],
+        health: Callable[[], list[ServerHealth] | None],
         clock: Callable[[], float] = time.monotonic,
         say: Callable[[str], None] = print_line,
     ) -> None:
         lc = cfg.launch
         self.max_restarts, self.backoff_s = lc.max_restarts, lc.restart_backoff_s
-        self.servers = {f"server_{i}": _Server() for i in range(cfg.rollout.num_servers)}
+        self.startup_timeout_s = lc.startup_timeout_s
+        self.healthy_reset_s = HEALTHY_RESET_TIMEOUTS * lc.server_timeout_s
         self.health, self.clock, self.say = health, clock, say
+        now = clock()
+        self.servers = {f"server_{i}": _Server(now) for i in range(cfg.rollout.num_servers)}
         self.path = Path(run_dir) / RESTARTS_FILE
         self.deaths: list[tuple[float, str]] = []  # (clock time, "server_1 <how>")
         self.dropped: list[str] = []
@@ -338,16 +356,19 @@ class ServerRestarts:
         return [m for m in failed if m.name not in self.servers]
 
     def check(self, fleet: Fleet) -> None:
-        """Kill and take the servers the replay declared dead, and start the restarts that
-        are due."""
+        """Judge the servers by the replay's report (declared dead, not heard from in time,
+        healthy long enough for a budget reset), and start the restarts that are due."""
         now = self.clock()
         if now >= self._next_poll:
             self._next_poll = now + HEALTH_POLL_S
-            for report in self.health():
-                self._maybe_declared_dead(fleet, report)
+            reports = self.health()
+            if reports is not None:
+                self._judge(fleet, {r.server_id: r for r in reports}, now)
         for name, server in self.servers.items():
             if server.restart_at is not None and self.clock() >= server.restart_at:
                 server.restart_at, server.epoch = None, server.epoch + 1
+                server.restarts += 1
+                server.started_at, server.heard, server.healthy_since = self.clock(), False, None
                 fleet.start_server(int(name.rpartition("_")[2]), server.epoch)
                 self._record(name, server.epoch, "restart", server.why)
 
@@ -356,14 +377,36 @@ class ServerRestarts:
         now = self.clock()
         return [f"{what} ({now - at:.1f} s before)" for at, what in self.deaths]
 
-    def _maybe_declared_dead(self, fleet: Fleet, report: ServerHealth) -> None:
-        name = f"server_{report.server_id}"
-        server = self.servers.get(name)
-        if report.alive or server is None or server.dropped or server.restart_at is not None:
-            return
-        if report.epoch != server.epoch:  # an epoch that was replaced already
-            return
-        how = f"was declared dead by the replay (no heartbeat for {report.silent_s:.1f} s)"
+    def _judge(self, fleet: Fleet, reports: dict[int, ServerHealth], now: float) -> None:
+        """Each running server against the replay's report of it (one that answered)."""
+        for name, server in self.servers.items():
+            if server.dropped or server.restart_at is not None:
+                continue
+            report = reports.get(int(name.rpartition("_")[2]))
+            if report is not None and report.epoch == server.epoch:
+                server.heard = True
+                if report.alive:
+                    self._maybe_reset(name, server, now)
+                    continue
+                how = f"was declared dead by the replay (no heartbeat for {report.silent_s:.1f} s)"
+                self._kill(fleet, name, how)
+            elif not server.heard and now - server.started_at > self.startup_timeout_s:
+                limit = f"startup_timeout_s={self.startup_timeout_s:g}"
+                self._kill(fleet, name, f"sent no heartbeat within {limit} s of its start")
+
+    def _maybe_reset(self, name: str, server: _Server, now: float) -> None:
+        """Alive at this poll: once alive for healthy_reset_s in a row, the budget is back."""
+        if server.healthy_since is None:
+            server.healthy_since = now
+        elif server.restarts and now - server.healthy_since >= self.healthy_reset_s:
+            self.say(
+                f"asyncrl: {name} healthy for {now - server.healthy_since:.0f} s: its restart "
+                f"budget is reset ({self.max_restarts} left)"
+            )
+            server.restarts = 0
+
+    def _kill(self, fleet: Fleet, name: str, how: str) -> None:
+        """A server that is dead though its process may run: kill it and take it."""
         if self.max_restarts == 0:
             log = Path(self.path.parent, "logs", f"{name}.log")
             raise LaunchError(f"process {name} {how}; its log: {log}", [name])
@@ -373,22 +416,22 @@ class ServerRestarts:
         fleet.retire(name)
         how = how.partition("\n")[0]  # a reason Ray gives can run over several lines
         server = self.servers[name]
-        server.why = how
+        server.why, server.healthy_since = how, None
         self.deaths.append((self.clock(), f"{name} {how}"))
-        if server.epoch < self.max_restarts:
-            delay = min(MAX_BACKOFF_S, self.backoff_s * 2**server.epoch)
+        if server.restarts < self.max_restarts:
+            delay = min(MAX_BACKOFF_S, self.backoff_s * 2**server.restarts)
             server.restart_at = self.clock() + delay
-            restart = f"restart {server.epoch + 1}/{self.max_restarts}"
+            restart = f"restart {server.restarts + 1}/{self.max_restarts}"
             self.say(f"asyncrl: {name} {how}; {restart} in {delay:.1f}s")
             return
         server.dropped = True
         self.dropped.append(name)
-        self.say(f"asyncrl: {name} dropped after {server.epoch} restarts: {how}")
+        self.say(f"asyncrl: {name} dropped after {server.restarts} restarts: {how}")
         self._record(name, server.epoch, "dropped", how)
         if all(s.dropped for s in self.servers.values()):
             raise LaunchError(
-                f"no rollout server is left: each died {self.max_restarts + 1} times; the last, "
-                f"{name}, {how}\n{log_lines}".rstrip(),
+                f"no rollout server is left: each used up its {self.max_restarts} restarts; the "
+                f"last, {name}, {how}\n{log_lines}".rstrip(),
                 self.dropped,
             )
 

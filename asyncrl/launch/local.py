@@ -152,7 +152,7 @@ class LocalFleet:
             log.write(f"---- asyncrl: {name} restarted as epoch {epoch} ----\n")
         self.start(name, argv, env | {"ASYNCRL_SERVER_EPOCH": str(epoch)})
 
-    def server_health(self) -> list[ServerHealth]:
+    def server_health(self) -> list[ServerHealth] | None:
         return replay_health(self.spec.replay_address, client_key(self.spec))
 
     def learners_finished(self) -> bool:

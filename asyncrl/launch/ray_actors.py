@@ -89,7 +89,7 @@ def replay_answers_on_node(address: str, auth: RoleKey) -> bool:
 
 
 @ray.remote(num_cpus=0)
-def replay_health_on_node(address: str, auth: RoleKey) -> list[ServerHealth]:
+def replay_health_on_node(address: str, auth: RoleKey) -> list[ServerHealth] | None:
     return replay_health(address, auth)
 
 

@@ -224,14 +224,15 @@ class RayFleet:
         spec, env = _spec_for(self.spec, self.cfg, seat), server_env(self.cfg, epoch)
         m.running = m.actor.run.remote("server", spec, self.cfg, index, env)
 
-    def server_health(self) -> list[ServerHealth]:
-        """Asked from the replay's node (the launcher may not reach a loopback address)."""
+    def server_health(self) -> list[ServerHealth] | None:
+        """Asked from the replay's node (the launcher may not reach a loopback address); None
+        when no answer comes back."""
         replay = self.member("replay")
         probe = replay_health_on_node.options(scheduling_strategy=on_node(replay.at.node_id))
         try:
             return ray.get(probe.remote(self.spec.replay_address, client_key(self.spec)), timeout=5)
         except (GetTimeoutError, RayError):
-            return []
+            return None
 
     def _poll(self) -> None:
         """One check: stamp every member whose run has returned or failed since the last (and

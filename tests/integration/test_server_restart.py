@@ -169,6 +169,22 @@ def _holds_leases(run_dir: Path, server: int) -> bool:
         client.close()
 
 
+def _kill_holding_leases(proc, run_dir: Path, server: int) -> None:
+    """SIGKILL the server while it holds incomplete leases: frozen first (SIGSTOP), so that its
+    groups cannot complete between the replay's answer and the kill; let go and tried again
+    when the frozen server turns out to hold none."""
+    for _ in range(20):
+        _wait(proc, lambda: _holds_leases(run_dir, server), 180, f"server_{server} holding leases")
+        member = _member(proc.pid, f"server_{server}")
+        member.suspend()
+        time.sleep(0.3)  # what it had already sent reaches the replay
+        if _holds_leases(run_dir, server):
+            member.kill()
+            return
+        member.resume()
+    raise AssertionError(f"server_{server} never held a lease while frozen")
+
+
 def _steps(run_dir: Path) -> int:
     return len([r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward_mean" in r])
 
@@ -201,8 +217,7 @@ def test_a_killed_server_is_restarted_as_epoch_1_and_the_run_completes(tmp_path)
     proc, run_dir = _start(
         tmp_path, "launch", *TRAIN, f"trainer.total_steps={STEPS}", "learner.weight_checksum=true"
     )
-    _wait(proc, lambda: _holds_leases(run_dir, 1), 180, "server_1 holding leases")
-    _member(proc.pid, "server_1").kill()
+    _kill_holding_leases(proc, run_dir, server=1)
     killed_at = _steps(run_dir)
     _wait(proc, lambda: _epochs(run_dir).get(1) == 1, 60, "server_1 back as epoch 1")
     back_at = _steps(run_dir)

@@ -69,6 +69,75 @@ def test_a_newer_epoch_replaces_a_live_one_without_waiting_for_the_timeout():
     assert health.observe(0, 2, now=1.5)[0] == "refused"
 
 
+def test_any_message_of_the_epoch_believed_alive_is_a_sign_of_life():
+    health = FleetHealth(timeout_s=3.0, counters=Counter())
+    health.touch(0, now=1.0)  # never heard from: no entry (its epoch is unknown)
+    assert health.report(now=1.0, in_flight=lambda sid: 0) == []
+    health.observe(0, 2, now=10.0)
+    health.observe(1, 0, now=10.0)
+    health.touch(0, now=12.5)  # heartbeats delayed, samples and lease requests still come
+    health.touch(0, now=12.0)  # out of order: never moves the time back
+    assert health.declare_silent(now=15.0) == [1]
+    assert health.report(now=15.0, in_flight=lambda sid: 0)[0] == ServerHealth(0, 2, True, 2.5, 0)
+    health.touch(1, now=15.2)  # a declared-dead epoch's straggler brings nothing back
+    assert health.declare_silent(now=15.4) == [] and health.epochs() == {0: 2}
+    assert health.declare_silent(now=16.0) == [0]  # 3.5 s after its latest message
+
+
+class FakeTime:
+    """What `replay.service` reads of `time`: a clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+def test_the_replay_refreshes_a_server_on_its_lease_requests_and_samples(monkeypatch):
+    """Wired in `ReplayService`: a server whose heartbeats stop but whose lease requests and
+    samples keep coming is not declared dead; once everything stops, it is."""
+    import replay.service
+    from asyncrl.auth import new_secret
+    from asyncrl.protocol import Heartbeat, Trajectories
+    from replay.access import Peer
+
+    clock = FakeTime()
+    monkeypatch.setattr(replay.service, "time", clock)
+    cfg = Config.model_validate(
+        {
+            "rollout": {"n": 2, "num_servers": 2},
+            "data": {"train_batch_size": 2},
+            "launch": {"heartbeat_s": 1.0, "server_timeout_s": 3.0},
+        }
+    )
+    service = replay.service.ReplayService(
+        cfg, "inproc://test-health-refresh", setup_prompt_source(cfg), new_secret()
+    )
+    try:
+        peers = [Peer(f"s{i}".encode(), f"server_{i}") for i in range(2)]
+        for i, peer in enumerate(peers):
+            service._on_heartbeat(peer, Heartbeat(1, i, 0))
+        messages = [  # no heartbeat from here on; server 0 keeps working, 2.5 s apart
+            lambda: service._on_lease_request(peers[0], LeaseRequest(2, 0, 0, 1)),
+            lambda: service._on_trajectory(peers[0], _sample("g", 0, 0)),
+            lambda: service._on_trajectories(
+                peers[0], Trajectories.pack([_sample("g", i, 0) for i in (0, 1)])
+            ),
+        ]
+        clock.now += 2.5
+        for send in messages:
+            send()
+            clock.now += 2.5  # 5 s after the message before it: this one kept server 0 alive
+            service._maybe_expire(clock.now)
+            assert service.health.epochs() == {0: 0}  # server 1, silent all along, is dead
+        clock.now += 1.0  # 3.5 s after the last message: server 0 is silent too
+        service._maybe_expire(clock.now)
+        assert service.health.epochs() == {}
+    finally:
+        service.close()
+
+
 # ---- replay side: leases of a dead server ----------------------------------------------------
 def _desk() -> tuple[LeaseDesk, GroupBuffer, Counter[str]]:
     cfg = Config.model_validate(
