@@ -38,13 +38,10 @@ from __future__ import annotations
 
 import asyncio
 import os
-import threading
-import time
 import uuid
-from collections.abc import Coroutine, Iterator
-from dataclasses import replace
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 
@@ -52,15 +49,11 @@ from asyncrl.config import SGLangConfig
 from asyncrl.weight_sync import ReceivedVersion, WeightReceiver, join_sync_group
 from rollout_servers.engines.base import (
     AppliedVersion,
-    Engine,
-    GenerationOutput,
     SamplingParams,
     SyncTarget,
-    check_delivery,
 )
+from rollout_servers.engines.gated import GatedEngine
 from rollout_servers.engines.vllm import eos_ids, learner_weight_specs
-
-T = TypeVar("T")
 
 
 def engine_kwargs(
@@ -122,8 +115,10 @@ def parse_output(out: dict[str, Any]) -> tuple[list[int], list[float], str]:
     return tokens, logprobs, finish.get("type", "") if isinstance(finish, dict) else str(finish)
 
 
-class SGLangEngine(Engine):
-    """SGLang's offline engine with asyncrl's version gate and weight sync."""
+class SGLangEngine(GatedEngine):
+    """SGLang's offline engine with asyncrl's version gate and weight sync (`gated.GatedEngine`)."""
+
+    name = "SGLang"
 
     def __init__(
         self,
@@ -135,97 +130,24 @@ class SGLangEngine(Engine):
         dtype: str = "float32",
         weight_update_mode: Literal["drain", "inflight"] = "drain",
     ):
-        self.weight_update_mode = weight_update_mode
         self.model_path = str(model_path)
         self._specs = learner_weight_specs(model_path, dtype)
         from transformers import AutoConfig
 
         self._vocab = AutoConfig.from_pretrained(model_path).vocab_size
         self._eos_ids = eos_ids(model_path)
-        self._version = version
-        self._broken: BaseException | None = None  # a version failed: every request fails
-        self._live: set[str] = set()  # SGLang request ids in flight
-        self._aborts = 0  # versions that aborted requests in flight (inflight mode)
-        self._inflight = 0
-        self._busy_since = 0.0
-        self._busy_done = 0.0  # seconds of busy periods that ended
-        self._period_requests = 0
-        self._closed = False
-
+        self._init_gate(version, weight_update_mode)
         kwargs = engine_kwargs(self.model_path, options, device, seed, dtype)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, daemon=True, name="sglang-engine-loop"
-        )
-        self._thread.start()
-
-        async def build() -> Any:
-            self._open = asyncio.Event()
-            self._open.set()
-            self._drained = asyncio.Event()
-            self._drained.set()
-            return setup_sglang(kwargs)
-
-        self.llm = self._call(build())
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run `coro` on the engine's loop from any other thread and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def busy_s(self) -> float:
-        """Busy seconds so far, the busy period under way included."""
-        current = time.time() - self._busy_since if self._inflight else 0.0
-        return self._busy_done + current
+        self.llm = self._start_loop("sglang-engine-loop", lambda: setup_sglang(kwargs))
 
     # ---- generation -------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
+    def _check_params(self, params: SamplingParams) -> None:
         request_params(params, self._eos_ids)  # refused here, not on the engine loop
-        future = asyncio.run_coroutine_threadsafe(
-            self._generate(list(prompt_ids), params), self._loop
-        )
-        return await asyncio.wrap_future(future)
-
-    async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
-        """On the engine loop: pass the gate, run the request in SGLang. In inflight mode a
-        request aborted for a new version comes back here with its tokens so far and goes on
-        under the new version, its tokens appended to the prompt."""
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        while True:
-            while not self._open.is_set():
-                await self._open.wait()
-            if self._broken is not None:  # weights that failed to load or their check
-                raise self._broken
-            version, aborts = self._version, self._aborts
-            left = replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
-            new, new_logprobs, reason = await self._run(prompt_ids + tokens, left, version)
-            tokens += new
-            logprobs += new_logprobs
-            versions += [version] * len(new)
-            if reason == "abort" and self._aborts != aborts:  # aborted for a new version
-                if len(tokens) < params.max_new_tokens:
-                    continue
-                reason = "length"
-            if reason not in ("stop", "length"):
-                raise RuntimeError(f"SGLang finished a request with reason {reason!r}")
-            first = versions[0] if versions else version
-            mixed = versions if len(set(versions)) > 1 else None
-            return GenerationOutput(tokens, logprobs, first, reason, token_versions=mixed)
 
     async def _run(
-        self, prompt_ids: list[int], params: SamplingParams, version: int
+        self, prompt_ids: list[int], params: SamplingParams
     ) -> tuple[list[int], list[float], str]:
-        """One SGLang request, counted in flight under `version`."""
         rid = uuid.uuid4().hex
-        self._enter()
         self._live.add(rid)
         try:
             out = await self.llm.async_generate(
@@ -236,28 +158,11 @@ class SGLangEngine(Engine):
             )
         finally:
             self._live.discard(rid)
-            self._leave(version)
         return parse_output(out)
 
-    def _enter(self) -> None:
-        if self._inflight == 0:
-            self._busy_since = time.time()
-            self._period_requests = 0
-            self._drained.clear()
-        self._inflight += 1
-        self._period_requests += 1
-
-    def _leave(self, version: int) -> None:
-        """A busy period (from the first request in flight to none) is this engine's "batch":
-        SGLang batches continuously, so busy time and trace spans are measured per period."""
-        if self._inflight == 1:  # ends the period: counted before busy_s stops adding it
-            took = time.time() - self._busy_since
-            self._busy_done += took
-        self._inflight -= 1
-        if self._inflight == 0:
-            if self.on_batch is not None:
-                self.on_batch(self._busy_since, took, self._period_requests, version)
-            self._drained.set()
+    async def _abort(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
+            self.llm.tokenizer_manager.abort_request(rid)
 
     # ---- weights ----------------------------------------------------------------------------
     def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
@@ -273,46 +178,27 @@ class SGLangEngine(Engine):
             yield AppliedVersion(got.version, self._apply(got))
 
     def _apply(self, got: ReceivedVersion) -> float:
-        """Close the gate, drain, load, flush the cache, check delivery, reopen; seconds taken.
-        When loading or the delivery check fails the gate stays closed: no token is sampled
-        from weights that are not the version's."""
-        from sglang.srt.utils.common import MultiprocessingSerializer
-
-        start = time.perf_counter()
+        """Close the gate, drain, load, flush the cache, check delivery, reopen
+        (`GatedEngine._apply_version`); seconds taken. The staging memory is released either
+        way: it may take the next version."""
         try:
-            payload = MultiprocessingSerializer.serialize(got.weights)  # shared, not copied
-            self._call(self._load(got.version, payload))
-            check_delivery(self, got.version, got.probe, self._vocab)
-        except BaseException as e:  # waiting callers and later ones fail with it, not hang
-            self._call(self._fail(e))
-            raise
+            return self._apply_version(got.version, self._load(got), got.probe)
         finally:
-            got.release()  # loaded (or failed): the staging memory may take the next version
-        self._call(self._reopen(got.version))
-        return time.perf_counter() - start
+            got.release()
 
-    async def _fail(self, error: BaseException) -> None:
-        """On the engine loop: the gate opens onto `error` (it never reopens onto weights)."""
-        self._broken = error
-        self._open.set()
-
-    async def _load(self, version: int, payload: bytes) -> None:
-        """On the engine loop: close the gate, drain (inflight mode: abort the requests in
-        flight, which resume under the new version), load the version in one weight-update
+    async def _load(self, got: ReceivedVersion) -> None:
+        """On the engine loop: close the gate and drain, load the version in one weight-update
         session, flush the cache."""
         from sglang.srt.managers.io_struct import (
             BeginWeightUpdateReqInput,
             EndWeightUpdateReqInput,
             UpdateWeightsFromTensorReqInput,
         )
+        from sglang.srt.utils.common import MultiprocessingSerializer
 
-        self._open.clear()
-        manager = self.llm.tokenizer_manager
-        if self.weight_update_mode == "inflight" and self._live:
-            self._aborts += 1  # before the abort: each request sees it when its output returns
-            for rid in list(self._live):
-                manager.abort_request(rid)
-        await self._drained.wait()
+        payload = MultiprocessingSerializer.serialize(got.weights)  # shared, not copied
+        await self._close_and_drain()
+        version, manager = got.version, self.llm.tokenizer_manager
         steps = [
             ("begin_weight_update", BeginWeightUpdateReqInput()),
             (
@@ -330,10 +216,6 @@ class SGLangEngine(Engine):
         flushed = await manager.flush_cache()
         if not flushed.success:
             raise RuntimeError(f"SGLang could not flush its cache after version {version}")
-
-    async def _reopen(self, version: int) -> None:
-        self._version = version
-        self._open.set()
 
     def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
         """See `Engine.probe_logprobs`: SGLang's prompt log-probs of `ids` (T = 1), scored past

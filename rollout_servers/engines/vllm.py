@@ -36,17 +36,13 @@ Invariants (those of `Engine`, and how they are kept here):
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import tempfile
-import threading
-import time
 import uuid
-from collections.abc import Coroutine, Iterator
-from dataclasses import replace
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal
 
 import torch
 import zmq
@@ -60,16 +56,13 @@ from asyncrl.transport import decode_frames
 from asyncrl.weight_sync import ParamSpec, specs_of
 from rollout_servers.engines.base import (
     AppliedVersion,
-    Engine,
-    GenerationOutput,
     SamplingParams,
     SyncTarget,
-    check_delivery,
 )
+from rollout_servers.engines.gated import GatedEngine
 from rollout_servers.engines.vllm_lora import check_targets
 
 WORKER_EXTENSION = "rollout_servers.engines.vllm_worker.WeightSyncExtension"
-T = TypeVar("T")
 
 
 def meta_model(model_path: str | Path, dtype: str = "float32") -> torch.nn.Module:
@@ -133,8 +126,10 @@ def request_params(params: SamplingParams, eos_ids: frozenset[int]) -> Any:
     )
 
 
-class VLLMEngine(Engine):
-    """vLLM's AsyncLLM with asyncrl's version gate and weight sync."""
+class VLLMEngine(GatedEngine):
+    """vLLM's AsyncLLM with asyncrl's version gate and weight sync (`gated.GatedEngine`)."""
+
+    name = "vLLM"
 
     def __init__(
         self,
@@ -163,93 +158,17 @@ class VLLMEngine(Engine):
             self._lora = dict(model_path=self.model_path, targets=targets, scale=lora.scale)
             self._lora["dtype"] = dtype
         self._eos_ids = eos_ids(model_path)
-        self._version = version
-        self.weight_update_mode = weight_update_mode
-        self._live: set[str] = set()  # vLLM request ids in flight
-        self._aborts = 0  # versions that aborted requests in flight (inflight mode)
-        self._broken: BaseException | None = None  # a version failed: every request fails
-        self._inflight = 0
-        self._busy_since = 0.0
-        self._busy_done = 0.0  # seconds of busy periods that ended
-        self._period_requests = 0
-        self._closed = False
-
+        self._init_gate(version, weight_update_mode)
         args = engine_args(self.model_path, options, seed, dtype)
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, daemon=True, name="vllm-engine-loop"
-        )
-        self._thread.start()
-
-        async def build() -> Any:
-            self._open = asyncio.Event()
-            self._open.set()
-            self._drained = asyncio.Event()
-            self._drained.set()
-            return AsyncLLM.from_engine_args(args)
-
-        self.llm = self._call(build())
-
-    def _call(self, coro: Coroutine[Any, Any, T]) -> T:
-        """Run `coro` on the engine's loop from any other thread and wait for its result."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()
-
-    @property
-    def version(self) -> int:
-        return self._version
-
-    @property
-    def busy_s(self) -> float:
-        """Busy seconds so far, the busy period under way included (a server that never goes
-        idle is not reported idle)."""
-        current = time.time() - self._busy_since if self._inflight else 0.0
-        return self._busy_done + current
+        self.llm = self._start_loop("vllm-engine-loop", lambda: AsyncLLM.from_engine_args(args))
 
     # ---- generation -------------------------------------------------------------------------
-    async def generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
-        if not prompt_ids:
-            raise ValueError("prompt_ids must not be empty")
-        future = asyncio.run_coroutine_threadsafe(
-            self._generate(list(prompt_ids), params), self._loop
-        )
-        return await asyncio.wrap_future(future)
-
-    async def _generate(self, prompt_ids: list[int], params: SamplingParams) -> GenerationOutput:
-        """On the engine loop: pass the gate, run the request in vLLM. In inflight mode a
-        request aborted for a new version comes back here with its tokens so far and goes on
-        under the new version, its tokens appended to the prompt."""
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        versions: list[int] = []
-        while True:
-            while not self._open.is_set():
-                await self._open.wait()
-            if self._broken is not None:  # weights that failed to load or their check
-                raise self._broken
-            version, aborts = self._version, self._aborts
-            left = replace(params, max_new_tokens=params.max_new_tokens - len(tokens))
-            sample = await self._run(prompt_ids + tokens, left, version)
-            new = list(sample.token_ids)
-            tokens += new
-            logprobs += [step[t].logprob for step, t in zip(sample.logprobs, new, strict=True)]
-            versions += [version] * len(new)
-            reason = sample.finish_reason
-            if reason == "abort" and self._aborts != aborts:  # aborted for a new version
-                if len(tokens) < params.max_new_tokens:
-                    continue
-                reason = "length"
-            if reason not in ("stop", "length"):
-                raise RuntimeError(f"vLLM finished a request with reason {reason!r}")
-            first = versions[0] if versions else version
-            mixed = versions if len(set(versions)) > 1 else None
-            return GenerationOutput(tokens, logprobs, first, reason, token_versions=mixed)
-
-    async def _run(self, prompt_ids: list[int], params: SamplingParams, version: int) -> Any:
-        """One vLLM request, counted in flight under `version`; its final sample."""
+    async def _run(
+        self, prompt_ids: list[int], params: SamplingParams
+    ) -> tuple[list[int], list[float], str]:
         from vllm import TokensPrompt
 
         request_id = uuid.uuid4().hex
-        self._enter()
         self._live.add(request_id)
         try:
             final = None
@@ -261,30 +180,15 @@ class VLLMEngine(Engine):
                 final = out
         finally:
             self._live.discard(request_id)
-            self._leave(version)
         if final is None:
             raise RuntimeError("vLLM returned no output")
-        return final.outputs[0]
+        sample = final.outputs[0]
+        new = list(sample.token_ids)
+        logprobs = [step[t].logprob for step, t in zip(sample.logprobs, new, strict=True)]
+        return new, logprobs, sample.finish_reason
 
-    def _enter(self) -> None:
-        if self._inflight == 0:
-            self._busy_since = time.time()
-            self._period_requests = 0
-            self._drained.clear()
-        self._inflight += 1
-        self._period_requests += 1
-
-    def _leave(self, version: int) -> None:
-        """A busy period (from the first request in flight to none) is this engine's "batch":
-        vLLM batches continuously, so busy time and trace spans are measured per period."""
-        if self._inflight == 1:  # ends the period: counted before busy_s stops adding it
-            took = time.time() - self._busy_since
-            self._busy_done += took
-        self._inflight -= 1
-        if self._inflight == 0:
-            if self.on_batch is not None:
-                self.on_batch(self._busy_since, took, self._period_requests, version)
-            self._drained.set()
+    async def _abort(self, request_ids: list[str]) -> None:
+        await self.llm.abort(request_ids)
 
     # ---- weights ----------------------------------------------------------------------------
     def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
@@ -331,40 +235,18 @@ class VLLMEngine(Engine):
                 private.rmdir()
 
     def _apply(self, notice: WeightsStaged) -> float:
-        """Close the gate, drain, load, reset the prefix cache, check delivery, reopen; seconds
-        taken. When loading or the delivery check fails the gate stays closed: no token is
-        sampled from weights that are not the version's."""
-        start = time.perf_counter()
-        try:
-            self._call(self._load(notice.version))
-            probe = torch.tensor(notice.probe) if notice.probe else None
-            check_delivery(self, notice.version, probe, self._vocab)
-        except BaseException as e:  # waiting callers and later ones fail with it, not hang
-            self._call(self._fail(e))
-            raise
-        self._call(self._reopen(notice.version))
-        return time.perf_counter() - start
-
-    async def _fail(self, error: BaseException) -> None:
-        """On the engine loop: the gate opens onto `error` (it never reopens onto weights)."""
-        self._broken = error
-        self._open.set()
+        """Close the gate, drain, load, reset the prefix cache, check delivery, reopen
+        (`GatedEngine._apply_version`); seconds taken."""
+        probe = torch.tensor(notice.probe) if notice.probe else None
+        return self._apply_version(notice.version, self._load(notice.version), probe)
 
     async def _load(self, version: int) -> None:
-        """On the engine loop: close the gate, drain (inflight mode: abort the requests in
-        flight, which resume under the new version), load the staged version, reset the cache."""
-        self._open.clear()
-        if self.weight_update_mode == "inflight" and self._live:
-            self._aborts += 1  # before the abort: each request sees it when its output returns
-            await self.llm.abort(list(self._live))
-        await self._drained.wait()
+        """On the engine loop: close the gate and drain, load the staged version in the worker,
+        reset the prefix cache."""
+        await self._close_and_drain()
         await self.llm.collective_rpc("asyncrl_apply", args=(version,))
         if not await self.llm.reset_prefix_cache():  # False: blocks still in use
             raise RuntimeError(f"vLLM could not reset its prefix cache after version {version}")
-
-    async def _reopen(self, version: int) -> None:
-        self._version = version
-        self._open.set()
 
     def probe_logprobs(self, ids: list[int]) -> torch.Tensor:
         """See `Engine.probe_logprobs`: vLLM's prompt log-probs of `ids` (raw logits, T = 1),
