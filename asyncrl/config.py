@@ -300,10 +300,8 @@ class Config(_Section):
 
     @pydantic.model_validator(mode="after")
     def _check_engine_options(self) -> Config:
-        if self.rollout.engine == "vllm":
-            _check_vllm(self)
-        if self.rollout.engine == "sglang":
-            _check_sglang(self)
+        if self.rollout.engine in ("vllm", "sglang"):
+            _check_engine(self)
         return self
 
     @pydantic.model_validator(mode="after")
@@ -377,42 +375,29 @@ class Config(_Section):
         return self
 
 
-def _check_vllm(cfg: Config) -> None:
-    """What `rollout.engine=vllm` cannot do without breaking an invariant or every request."""
-    rc = cfg.rollout
+def _check_engine(cfg: Config) -> None:
+    """What `rollout.engine=vllm` or `sglang` cannot do without breaking an invariant (or, for
+    vLLM, every request). Both return the sampled token's log-prob of the distribution they
+    sample from, and both resume an interrupted request by recomputing its prefix."""
+    rc, engine = cfg.rollout, cfg.rollout.engine
     if rc.top_p < 1:
         raise ValueError(
-            f"rollout.top_p={rc.top_p} with rollout.engine=vllm: vLLM returns log-probs of the "
-            "top-p-truncated distribution, the learner recomputes them without truncation; use "
-            "top_p=1 (or rollout.engine=hf)"
+            f"rollout.top_p={rc.top_p} with rollout.engine={engine}: its sampled-token log-probs "
+            "would be those of the top-p-truncated distribution, the learner recomputes them "
+            "without truncation; use top_p=1 (or rollout.engine=hf)"
         )
-    if rc.temperature > 2:
+    if rc.weight_update_mode == "inflight" and rc.inflight_kv == "keep":
+        raise ValueError(
+            f"rollout.inflight_kv=keep with rollout.engine={engine}: the engine aborts the "
+            "requests in flight and recomputes their prefix under the new version (a cache kept "
+            "across the pause could not tell which tokens the old version sampled); use recompute"
+        )
+    if engine == "vllm" and rc.temperature > 2:
         raise ValueError(
             f"rollout.temperature={rc.temperature} with rollout.engine=vllm: vLLM accepts "
             "temperatures up to 2 and would fail every request"
         )
-    if rc.weight_update_mode == "inflight" and rc.inflight_kv == "keep":
-        raise ValueError(
-            "rollout.inflight_kv=keep with rollout.engine=vllm: vLLM's pause that keeps its "
-            "cache cannot tell which tokens the old version sampled; use recompute (exact)"
-        )
-
-
-def _check_sglang(cfg: Config) -> None:
-    """What `rollout.engine=sglang` cannot do (or not yet) without breaking an invariant."""
-    rc = cfg.rollout
-    if rc.top_p < 1:
-        raise ValueError(
-            f"rollout.top_p={rc.top_p} with rollout.engine=sglang: SGLang's sampled-token "
-            "log-probs would no longer be those of the untruncated softmax the learner "
-            "recomputes; use top_p=1 (or rollout.engine=hf)"
-        )
-    if rc.weight_update_mode == "inflight" and rc.inflight_kv == "keep":
-        raise ValueError(
-            "rollout.inflight_kv=keep with rollout.engine=sglang: the SGLang engine aborts the "
-            "requests in flight and recomputes their prefix under the new version; use recompute"
-        )
-    if cfg.learner.lora.rank > 0:
+    if engine == "sglang" and cfg.learner.lora.rank > 0:
         raise ValueError(
             f"learner.lora.rank={cfg.learner.lora.rank} with rollout.engine=sglang: adapter-only "
             "versions are not merged by the SGLang engine yet; use rollout.engine=hf or vllm"

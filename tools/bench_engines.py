@@ -56,6 +56,15 @@ def load_prompts(tokenizer, count: int) -> list[tuple[list[int], dict]]:
     return [(render_prompt_ids(tokenizer, row["prompt"]), row) for row in rows]
 
 
+async def all_at_once(one, prompts, n: int, warmup: bool = False) -> int:
+    """Tokens from `one(ids)` over every prompt `n` times, all submitted at once (a warm-up:
+    the first prompt once)."""
+    work = prompts[:1] if warmup else prompts
+    return sum(
+        await asyncio.gather(*(one(ids) for ids, _ in work for _ in range(1 if warmup else n)))
+    )
+
+
 async def timed(run_once, rounds: int) -> tuple[float, int]:
     """Best (seconds, tokens) of `rounds` timed rounds after a warm-up (a one-request round)."""
     await run_once(warmup=True)
@@ -70,12 +79,11 @@ async def timed(run_once, rounds: int) -> tuple[float, int]:
 
 
 async def bench_engine(engine, prompts, params, n: int, rounds: int) -> tuple[float, int]:
+    async def one(ids: list[int]) -> int:
+        return len((await engine.generate(ids, params)).token_ids)
+
     async def once(warmup: bool = False) -> int:
-        work = prompts[:1] if warmup else prompts
-        outs = await asyncio.gather(
-            *(engine.generate(ids, params) for ids, _ in work for _ in range(1 if warmup else n))
-        )
-        return sum(len(o.token_ids) for o in outs)
+        return await all_at_once(one, prompts, n, warmup)
 
     return await timed(once, rounds)
 
@@ -102,10 +110,7 @@ async def bench_bare_vllm(model: str, prompts, params, n: int, rounds: int, seed
         return len(final.outputs[0].token_ids)
 
     async def once(warmup: bool = False) -> int:
-        work = prompts[:1] if warmup else prompts
-        return sum(
-            await asyncio.gather(*(one(ids) for ids, _ in work for _ in range(1 if warmup else n)))
-        )
+        return await all_at_once(one, prompts, n, warmup)
 
     try:
         return await timed(once, rounds)
@@ -136,10 +141,7 @@ async def bench_bare_sglang(model: str, prompts, params, n: int, rounds: int, se
         return len(parse_output(out)[0])
 
     async def once(warmup: bool = False) -> int:
-        work = prompts[:1] if warmup else prompts
-        return sum(
-            await asyncio.gather(*(one(ids) for ids, _ in work for _ in range(1 if warmup else n)))
-        )
+        return await all_at_once(one, prompts, n, warmup)
 
     try:
         return await timed(once, rounds)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from abc import abstractmethod
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
@@ -130,12 +131,12 @@ class GatedEngine(Engine):
             mixed = versions if len(set(versions)) > 1 else None
             return GenerationOutput(tokens, logprobs, first, reason, token_versions=mixed)
 
+    @abstractmethod
     async def _run(
         self, prompt_ids: list[int], params: SamplingParams
     ) -> tuple[list[int], list[float], str]:
         """On the engine loop: one request, its id in `self._live` while it runs; (token ids,
         their log-probs, finish reason: stop, length or abort)."""
-        raise NotImplementedError
 
     def _enter(self) -> None:
         if self._inflight == 0:
@@ -182,9 +183,9 @@ class GatedEngine(Engine):
             await self._abort(list(self._live))
         await self._drained.wait()
 
+    @abstractmethod
     async def _abort(self, request_ids: list[str]) -> None:
         """On the engine loop: abort these requests; each returns what it has, reason abort."""
-        raise NotImplementedError
 
     async def _fail(self, error: BaseException) -> None:
         self._broken = error
