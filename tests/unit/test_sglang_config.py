@@ -56,3 +56,19 @@ def test_what_sglang_does_not_do_is_refused():
         load_config(None, [*inflight, "rollout.inflight_kv=keep"])
     with pytest.raises(ConfigError, match="learner.lora.rank=8 with rollout.engine=sglang"):
         load_config(None, ["rollout.engine=sglang", "learner.lora.rank=8"])
+
+
+def test_the_cpu_install_script_without_its_kernel_folder_fails_naming_where_it_looked(tmp_path):
+    """tools/install_sglang_cpu.sh stops before installing anything when the folder it is
+    pointed at lacks the kernel wheel, and says where it looked."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[2] / "tools" / "install_sglang_cpu.sh"
+    env = {**os.environ, "ASYNCRL_SGLANG_CPU_DIR": str(tmp_path), "PYTHON": "false"}
+    done = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True)
+    assert done.returncode == 2, done.stderr
+    for place in (str(tmp_path), "../shared/sglang-cpu", "/work/shared/sglang-cpu"):
+        assert place in done.stderr
+    assert "sglang_kernel_cpu-0.4.6.post1" in done.stderr
