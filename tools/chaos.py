@@ -259,7 +259,10 @@ def _inject(proc: subprocess.Popen, injector: Injector, plan: Plan) -> None:
             else:
                 injector.kill("learner_0" if what == "learner" else "replay")
         time.sleep(0.2)
-    injector.thaw()
+    while injector.frozen and proc.poll() is None:  # a freeze lasts its whole stop_s
+        injector.thaw(time.monotonic())
+        time.sleep(0.2)
+    injector.thaw()  # the launcher ended: nothing left to hold frozen
 
 
 def run_once(args: argparse.Namespace, run_dir: Path, faults: bool) -> dict[str, Any]:
