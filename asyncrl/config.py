@@ -278,6 +278,10 @@ class LaunchConfig(_Section):
     """A server silent this long (no heartbeat, lease request or sample: dead, hung,
     SIGSTOPped) is declared dead: its leases are re-issued at once and the launcher kills and
     restarts it."""
+    sync_give_up_s: float = Field(10.0, gt=0)
+    """Learner rank 0, waiting on a server in a weight sync, gives up on it once the replay has
+    not heard from it this long (capped at server_timeout_s) and has it declared dead, so a
+    frozen server holds training for this long, not server_timeout_s."""
     max_restarts: int = Field(3, ge=0)
     """Restarts per rollout server in a row; one that fails after the last is dropped from the
     run, which goes on with the others (0: a server death ends the run). A server alive for
@@ -329,6 +333,12 @@ class Config(_Section):
             raise ValueError(
                 f"launch.server_timeout_s={self.launch.server_timeout_s} must be longer than "
                 f"launch.heartbeat_s={self.launch.heartbeat_s}: every server would be declared dead"
+            )
+        if self.launch.sync_give_up_s <= self.launch.heartbeat_s:
+            raise ValueError(
+                f"launch.sync_give_up_s={self.launch.sync_give_up_s} must be longer than "
+                f"launch.heartbeat_s={self.launch.heartbeat_s}: a weight sync would give up on "
+                "healthy servers"
             )
         ray = self.launch.ray
         for who, cpus, gpus in (

@@ -12,9 +12,10 @@ Who sends what (replies echo the request's `request_id`):
     evaluator      -> replay   EvalSubmit     -> Ack          (prompts leased before training ones)
     evaluator      -> replay   EvalPoll       -> EvalResults  (scores so far; done when complete)
     learner rank 0 -> replay   CheckpointRequest -> Ack       (replay saves its data position)
+    learner rank 0 -> replay   DeclareDead    -> Ack          (a server dropped from the weight sync)
     replay         -> anyone   Error                          (a message it could not decode)
-    vLLM worker    -> its rollout server   WeightsStaged | WeightReceiverClosed |
-                                           WeightReceiverFailed   (one-way notices, PUSH/PULL)
+
+(The vLLM worker's notices to its rollout server: `rollout_servers.engines.vllm_notices`.)
 
 Token ids, masks, log-probs and versions always travel as raw array frames (see `codec`).
 Every message's `validate()` bounds its fields (the codec runs it on every decode); whether a
@@ -370,6 +371,21 @@ class Heartbeat:
             _check_index(getattr(self, name), name)
 
 
+@message("declare_dead")
+class DeclareDead:
+    """Learner rank 0 stopped waiting for this server epoch in a weight sync (`replay.health`)."""
+
+    request_id: int  # echoed in the Ack
+    server_id: int
+    epoch: int  # only this epoch: a newer one of the same server is left alone
+    reason: str  # why, for the replay's log (at most 500 characters)
+
+    def validate(self) -> None:
+        for name in ("request_id", "server_id", "epoch"):
+            _check_index(getattr(self, name), name)
+        check(len(self.reason) <= 500, "DeclareDead: reason longer than 500 characters")
+
+
 @message("stats_request")
 class StatsRequest:
     request_id: int  # echoed in the reply
@@ -379,7 +395,7 @@ class StatsRequest:
 class ServerHealth:
     server_id: int  # a rollout server the replay has heard a heartbeat from
     epoch: int  # the restart count of its latest heartbeat
-    alive: bool  # False: silent for launch.server_timeout_s, declared dead (until a newer epoch)
+    alive: bool  # False: declared dead (silent for launch.server_timeout_s, or DeclareDead)
     silent_s: float  # seconds since its latest heartbeat
     in_flight: int  # incomplete training groups leased to it now
 
@@ -448,23 +464,6 @@ class CheckpointRequest:
 @message("error")
 class Error:
     reason: str  # why the last message was rejected
-
-
-@message("weights_staged")
-class WeightsStaged:
-    version: int  # the policy version now staged in the vLLM worker, ready to apply
-    receive_s: float  # seconds the broadcast of this version took
-    probe: list[float]  # the version's delivery probe (log-probs, then tolerance); [] if none
-
-
-@message("weight_receiver_closed")
-class WeightReceiverClosed:
-    version: int  # the last version the worker staged (-1: none); the learner closed the group
-
-
-@message("weight_receiver_failed")
-class WeightReceiverFailed:
-    error: str  # the exception and traceback that stopped the worker's weight receiver
 
 
 def _check_offsets(offsets: np.ndarray, b: int, total: int, name: str) -> None:

@@ -22,6 +22,7 @@ from asyncrl.protocol import (
     Batch,
     BatchRequest,
     CheckpointRequest,
+    DeclareDead,
     Error,
     EvalPoll,
     EvalResults,
@@ -96,6 +97,11 @@ class ReplayClient:
         """Ask the replay to save its whole state at `version` (the version last published)
         to `path`, for a learner checkpoint (`replay.checkpoint`); returns once it is written."""
         self._request(lambda i: CheckpointRequest(i, path, version), Ack)
+
+    def declare_dead(self, server_id: int, epoch: int, reason: str) -> None:
+        """Tell the replay that `epoch` of `server_id` is dead (learner rank 0, once it gave up
+        on it in a weight sync): its leases are re-issued and the launcher restarts it."""
+        self._request(lambda i: DeclareDead(i, server_id, epoch, reason[:500]), Ack)
 
     def stats(self) -> dict[str, float]:
         return self._request(lambda i: StatsRequest(i), Stats).counters

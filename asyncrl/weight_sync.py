@@ -45,6 +45,7 @@ import contextlib
 import datetime
 import hashlib
 import logging
+import time
 import zlib
 from collections.abc import Callable, Hashable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -58,6 +59,8 @@ log = logging.getLogger("asyncrl.weight_sync")
 
 SHUTDOWN = -1
 PROBE_LEN = 16
+GIVE_UP_POLL_S = 1.0
+"""How often a waiting broadcast asks its owner which members to give up (`_Fanout`)."""
 JOIN, ABANDON = b"join", b"abandon"
 """The learner's answer to a server epoch's `ready` (module docstring, joining)."""
 
@@ -132,6 +135,10 @@ def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
         h.update(name.encode())
         h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+class GaveUp(RuntimeError):
+    """The broadcaster's owner gave up on a member it was waiting for (`_Fanout`)."""
 
 
 class SyncGroup:
@@ -226,10 +233,22 @@ def join_sync_group(
 @dataclass
 class _Fanout:
     """One version's collectives on every member's group at once. A member whose collective
-    fails or times out is aborted and left out of the rest of the version (`failed`)."""
+    fails or times out is aborted and left out of the rest of the version (`failed`).
+
+    With `give_up` (member -> reason, of the members to stop waiting for: asked at most every
+    `GIVE_UP_POLL_S`, and only while a wait lasts that long), a wait polls its collective
+    instead of blocking, so that a member the owner knows to be frozen stops holding the
+    version at once rather than at the op timeout. Its collectives are still pending then, and
+    a gloo group destroyed with pending collectives blocks until they end; so the group and
+    its collectives go to `abandoned`, to be let go once they have ended (they fail when the
+    peer dies, or at their timeout)."""
 
     live: dict[Hashable, SyncGroup]
+    give_up: Callable[[], dict[Hashable, str]] | None = None
     failed: dict[Hashable, BaseException] = field(default_factory=dict)
+    abandoned: list[tuple[SyncGroup, list[dist.Work]]] = field(default_factory=list)
+    _works: dict[Hashable, list[dist.Work]] = field(default_factory=dict)
+    _given_up: dict[Hashable, str] = field(default_factory=dict)
 
     def start(self, op: Callable[[SyncGroup], dist.Work]) -> list[tuple[Hashable, dist.Work]]:
         started = []
@@ -238,6 +257,9 @@ class _Fanout:
                 started.append((key, op(group)))
             except Exception as e:  # a member's failure is its own (module docstring)
                 self._fail(key, e)
+                continue
+            if self.give_up is not None:
+                self._works.setdefault(key, []).append(started[-1][1])
         return started
 
     def finish(self, started: list[tuple[Hashable, dist.Work]]) -> None:
@@ -245,12 +267,34 @@ class _Fanout:
             if key not in self.live:
                 continue
             try:
-                self.live[key].wait(work)
+                self._wait(key, work)
+            except GaveUp as e:
+                self.abandoned.append((self.live[key], self._works.pop(key, [])))
+                self.failed[key] = e
+                del self.live[key]  # not aborted: its collectives are pending (class docstring)
             except Exception as e:  # a member's failure is its own (module docstring)
                 self._fail(key, e)
 
     def run(self, op: Callable[[SyncGroup], dist.Work]) -> None:
         self.finish(self.start(op))
+
+    def _wait(self, key: Hashable, work: dist.Work) -> None:
+        group = self.live[key]
+        if self.give_up is None:
+            return group.wait(work)
+        start = time.monotonic()
+        deadline, ask_at, nap = start + group.timeout.total_seconds(), start + GIVE_UP_POLL_S, 1e-4
+        while not work.is_completed():
+            now = time.monotonic()
+            if now >= deadline:
+                break  # the collective's own timeout ends it (`group.wait` raises)
+            if now >= ask_at:
+                ask_at, self._given_up = now + GIVE_UP_POLL_S, self.give_up()
+            if key in self._given_up:
+                raise GaveUp(self._given_up[key])
+            time.sleep(nap)
+            nap = min(2 * nap, 0.002)
+        return group.wait(work)  # raises if it failed
 
     def _fail(self, key: Hashable, error: BaseException) -> None:
         self.failed[key] = error
@@ -278,6 +322,10 @@ class WeightBroadcaster:
         self.bucket_bytes = bucket_bytes
         self.device = device or next(iter(self.members.values())).device
         self._staging: dict[torch.dtype, list[torch.Tensor]] = {}
+        self.give_up: Callable[[], dict[Hashable, str]] | None = None
+        """Asked while a wait lasts, which members to stop waiting for (`_Fanout`); None: a
+        member is waited for up to its group's timeout."""
+        self._abandoned: list[tuple[SyncGroup, list[dist.Work]]] = []
 
     def _buffers(self, buckets: list[Bucket]) -> dict[torch.dtype, list[torch.Tensor]]:
         for dtype in {b.dtype for b in buckets}:
@@ -301,7 +349,8 @@ class WeightBroadcaster:
         consumed whole even with no member left); a floating-point tensor is cast to its spec's
         dtype as it is packed (the engine's dtype, one pass). `probe`: the delivery probe
         (module docstring), sent after the weights."""
-        fan = _Fanout(dict(self.members))
+        self._abandoned = [(g, w) for g, w in self._abandoned if not all_ended(w)]
+        fan = _Fanout(dict(self.members), self.give_up)
         header = torch.tensor(
             [version, len(specs), layout_hash(specs), self.bucket_bytes, probe is not None],
             dtype=torch.int64,
@@ -334,6 +383,7 @@ class WeightBroadcaster:
         fan.run(lambda g: g.ack_async())
         for key in fan.failed:
             self.members.pop(key, None)
+        self._abandoned += fan.abandoned
         return fan.failed
 
     def shutdown(self) -> dict[Hashable, BaseException]:
@@ -343,6 +393,11 @@ class WeightBroadcaster:
         header = torch.tensor([SHUTDOWN, 0, 0, 0, 0], dtype=torch.int64).to(self.device)
         fan.run(lambda g: g.broadcast_async(header))
         return fan.failed
+
+
+def all_ended(works: list[dist.Work]) -> bool:
+    """Whether every one of `works` has ended (completed or failed)."""
+    return all(w.is_completed() for w in works)
 
 
 def _checked(spec: ParamSpec, t: torch.Tensor) -> torch.Tensor:

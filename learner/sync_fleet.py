@@ -17,13 +17,17 @@ receives that version in full (every version is the full weights), so a restarte
 brought to the current weights, then gets every later version.
 
 A member whose collective fails (its process died: noticed at once) or does not complete
-within `launch.startup_timeout_s` is dropped for good. A hung or SIGSTOPped server is normally
-dropped much sooner: the replay declares it dead after `launch.server_timeout_s` without a
-heartbeat, the launcher kills it, and its closed connection fails the collective at once. The
-op bound is long on purpose: in drain mode a healthy server takes the next version only once
-its responses in flight end, which can take longer than `server_timeout_s`. The version still
-reaches the other members and training goes on. A newer epoch of
-the same server replaces it. Each join and drop is a line in the learner's log and a record of
+within `launch.startup_timeout_s` is dropped for good. A hung or SIGSTOPped server is dropped
+much sooner: while a wait on it lasts, the broadcast asks the replay every second how long it
+has been silent (`server_health`), and gives up on it once that reaches `launch.sync_give_up_s`
+(10 s, capped at `server_timeout_s`; a healthy server's event loop heartbeats every 2 s even
+while it drains or receives), or once the replay has declared it dead. The op bound is long on
+purpose: in drain mode a healthy server takes the next version only once its responses in
+flight end, which can take longer than `server_timeout_s`; silence, not slowness, is what
+gives a member up. The version still reaches the other members and training goes on. Every
+dropped member is declared dead at the replay (`declare_dead`), so its leases are re-issued and
+the launcher restarts it at once (a frozen one would otherwise hold them until
+`server_timeout_s`). A newer epoch of the same server replaces it. Each join and drop is a line in the learner's log and a record of
 `run_dir/sync_members.jsonl`: {time, event (joined | dropped | not_joined), server, epoch,
 version, reason}.
 """
@@ -43,6 +47,7 @@ import torch.distributed as dist
 from asyncrl.binds import bind_collectives_to, setup_store
 from asyncrl.config import Config
 from asyncrl.metrics import JsonlWriter
+from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
 from asyncrl.weight_sync import (
     ABANDON,
@@ -77,18 +82,27 @@ class SyncFleet:
         first_join_s: float,
         events: JsonlWriter | None = None,
         op_timeout_s: float | None = None,
+        health: Callable[[], list[ServerHealth]] | None = None,
+        give_up_s: float = float("inf"),
+        declare_dead: Callable[[int, int, str], None] | None = None,
     ):
         """`server_epochs`: server id -> epoch of each server alive now (the replay's view).
         `timeout_s`: a later join waits this long; `first_join_s`: the first version's join;
-        `op_timeout_s`: a member's collective (default `timeout_s`)."""
+        `op_timeout_s`: a member's collective (default `timeout_s`). `health`: the replay's
+        report of every server (`ReplayClient.server_health`), asked while a wait lasts; a
+        member silent for `give_up_s` is given up. `declare_dead(server, epoch, reason)`: told
+        of every member dropped."""
         self.host, self.num_servers, self.device = host, num_servers, device
         self.server_epochs, self.events = server_epochs, events
+        self.health, self.give_up_s, self.declare_dead = health, give_up_s, declare_dead
         self.timeout_s, self.first_join_s = timeout_s, first_join_s
         self.op_timeout_s = op_timeout_s or timeout_s
         bind_collectives_to(host)
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = setup_store(host, port, None, True, timeout)
         self.broadcaster = WeightBroadcaster({}, bucket_bytes, device)
+        if health is not None:
+            self.broadcaster.give_up = self._silent_members
         self._tried: dict[int, int] = {}  # server id -> newest epoch asked to join
         self._first = True
 
@@ -109,8 +123,38 @@ class SyncFleet:
         self.maybe_join(version)
         failed = self.broadcaster.broadcast(specs, tensors, version, probe)
         for (server, epoch), error in failed.items():
-            self._event("dropped", server, epoch, version, _reason(error, self.op_timeout_s))
+            reason = _reason(error, self.op_timeout_s)
+            self._event("dropped", server, epoch, version, reason)
+            if self.declare_dead is not None:
+                try:
+                    self.declare_dead(server, epoch, f"dropped from the weight sync: {reason}")
+                except Exception as e:  # the replay's own silence rule still applies
+                    log.warning("could not declare server %d epoch %d dead: %s", server, epoch, e)
         return self.members
+
+    def _silent_members(self) -> dict[tuple[int, int], str]:
+        """The members to stop waiting for, with why: silent for `give_up_s`, declared dead or
+        replaced, in the replay's report. A member whose epoch the replay has not heard from
+        yet is no news (nor is a replay that does not answer: the op timeout still bounds it)."""
+        assert self.health is not None
+        try:
+            report = {s.server_id: s for s in self.health()}
+        except Exception as e:
+            log.warning("weight sync: could not ask the replay which servers are silent: %s", e)
+            return {}
+        out = {}
+        for server, epoch in self.broadcaster.members:
+            seen = report.get(server)
+            if seen is None or seen.epoch < epoch:
+                continue
+            if seen.epoch > epoch:
+                out[(server, epoch)] = f"epoch {seen.epoch} replaces it"
+            elif not seen.alive:
+                out[(server, epoch)] = "the replay declared it dead"
+            elif seen.silent_s >= self.give_up_s:
+                why = f"silent for {seen.silent_s:.1f} s (launch.sync_give_up_s {self.give_up_s:g})"
+                out[(server, epoch)] = why
+        return out
 
     def maybe_join(self, version: int) -> None:
         """Join every server epoch newer than the one held, each waited for up to the bound
@@ -218,6 +262,9 @@ def setup_sync_fleet(cfg: Config, spec: RunSpec, device: torch.device, replay) -
         cfg.launch.startup_timeout_s,
         JsonlWriter(Path(spec.run_dir) / "sync_members.jsonl"),
         op_timeout_s=max(cfg.launch.server_timeout_s, cfg.launch.startup_timeout_s),
+        health=replay.server_health,
+        give_up_s=min(cfg.launch.sync_give_up_s, cfg.launch.server_timeout_s),
+        declare_dead=replay.declare_dead,
     )
 
 

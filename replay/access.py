@@ -16,6 +16,7 @@ from pathlib import Path
 from asyncrl.protocol import (
     BatchRequest,
     CheckpointRequest,
+    DeclareDead,
     EvalPoll,
     EvalSubmit,
     Heartbeat,
@@ -28,7 +29,15 @@ from asyncrl.protocol import (
 
 PERMISSIONS: dict[str, frozenset[type]] = {
     "learner": frozenset(
-        {BatchRequest, VersionUpdate, CheckpointRequest, EvalSubmit, EvalPoll, StatsRequest}
+        {
+            BatchRequest,
+            VersionUpdate,
+            CheckpointRequest,
+            DeclareDead,
+            EvalSubmit,
+            EvalPoll,
+            StatsRequest,
+        }
     ),
     "server": frozenset({LeaseRequest, Trajectory, Trajectories, Heartbeat, StatsRequest}),
     "client": frozenset({EvalSubmit, EvalPoll, StatsRequest}),

@@ -15,7 +15,9 @@ Those messages carry its server id (its own, `replay.access`) but no epoch, so t
 only the epoch the replay believes alive: never a declared-dead one, and never one not heard
 from yet (only a heartbeat tells its epoch). A server silent for `launch.server_timeout_s`
 (dead, hung, stopped) is declared dead by `declare_silent`; only a newer epoch of it is alive
-again. Whoever drives this (`ReplayService`) re-issues the incomplete leases of a dead or
+again. Learner rank 0 declares an epoch dead sooner (`declare`, on its `DeclareDead`) when it
+stopped waiting for it in a weight sync: the server had been silent for
+`launch.sync_give_up_s` while the whole learner waited on it (`learner.sync_fleet`). Whoever drives this (`ReplayService`) re-issues the incomplete leases of a dead or
 replaced epoch at once (`LeaseDesk.reissue_server`); its samples that arrive later are answered
 `late` and never trained, because their groups are gone and the re-issued prompts get new group
 ids.
@@ -38,6 +40,7 @@ from asyncrl.protocol import ServerHealth
 HEALTH_COUNTERS = (
     "heartbeats",  # heartbeats taken (refused ones are `rejected_invalid`)
     "servers_declared_dead",  # epochs declared dead after server_timeout_s of silence
+    "servers_declared_dead_by_learner",  # epochs the learner gave up on in a weight sync
     "server_epochs_replaced",  # epochs replaced by a newer one (the server restarted)
     "dead_server_leases",  # incomplete leases taken back from dead or replaced epochs
 )
@@ -98,6 +101,16 @@ class FleetHealth:
             self._servers[sid].alive = False
             self.counters["servers_declared_dead"] += 1
         return dead
+
+    def declare(self, server_id: int, epoch: int) -> bool:
+        """Declare `epoch` of `server_id` dead now (the learner's `DeclareDead`); whether it was
+        the epoch alive (an epoch already dead or replaced, or not heard from, is left alone)."""
+        seen = self._servers.get(server_id)
+        if seen is None or seen.epoch != epoch or not seen.alive:
+            return False
+        seen.alive = False
+        self.counters["servers_declared_dead_by_learner"] += 1
+        return True
 
     def epochs(self) -> dict[int, int]:
         """server id -> epoch, of the servers alive now (declared-dead ones left out)."""

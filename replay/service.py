@@ -52,6 +52,7 @@ from asyncrl.protocol import (
     Acks,
     BatchRequest,
     CheckpointRequest,
+    DeclareDead,
     EvalPoll,
     EvalSubmit,
     Heartbeat,
@@ -143,6 +144,7 @@ class ReplayService(Endpoint):
             Trajectory: self._on_trajectory,
             Trajectories: self._on_trajectories,
             Heartbeat: self._on_heartbeat,
+            DeclareDead: self._on_declare_dead,
             BatchRequest: self._on_batch_request,
             VersionUpdate: self._on_version_update,
             StatsRequest: self._on_stats_request,
@@ -340,6 +342,13 @@ class ReplayService(Endpoint):
             self._take_back(msg.server_id, why)
         status = "rejected" if verdict == "refused" else "ok"
         self._send(peer, Ack(request_id=msg.request_id, traj_id="", status=status))
+
+    def _on_declare_dead(self, peer: Peer, msg: DeclareDead) -> None:
+        if self.health.declare(msg.server_id, msg.epoch):
+            why = f"server_{msg.server_id} epoch {msg.epoch} declared dead by the learner"
+            log.warning("%s: %s", why, msg.reason)
+            self._take_back(msg.server_id, why)
+        self._send(peer, Ack(request_id=msg.request_id, traj_id="", status="ok"))
 
     def _take_back(self, server_id: int, why: str) -> None:
         """A dead or replaced epoch: its incomplete leases are re-issued, and a lease request

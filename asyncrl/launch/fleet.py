@@ -388,7 +388,7 @@ class ServerRestarts:
                 if report.alive:
                     self._maybe_reset(name, server, now)
                     continue
-                how = f"was declared dead by the replay (no heartbeat for {report.silent_s:.1f} s)"
+                how = f"was declared dead by the replay (silent for {report.silent_s:.1f} s)"
                 self._kill(fleet, name, how)
             elif not server.heard and now - server.started_at > self.startup_timeout_s:
                 limit = f"startup_timeout_s={self.startup_timeout_s:g}"

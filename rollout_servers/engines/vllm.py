@@ -51,7 +51,6 @@ from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 from asyncrl.config import VLLMConfig
 from asyncrl.learner_config import LoraConfig
 from asyncrl.lora import adapter_specs, adapter_targets
-from asyncrl.protocol import WeightReceiverClosed, WeightReceiverFailed, WeightsStaged
 from asyncrl.transport import decode_frames
 from asyncrl.weight_sync import ParamSpec, specs_of
 from rollout_servers.engines.base import (
@@ -61,6 +60,11 @@ from rollout_servers.engines.base import (
 )
 from rollout_servers.engines.gated import GatedEngine
 from rollout_servers.engines.vllm_lora import check_targets
+from rollout_servers.engines.vllm_notices import (
+    WeightReceiverClosed,
+    WeightReceiverFailed,
+    WeightsStaged,
+)
 
 WORKER_EXTENSION = "rollout_servers.engines.vllm_worker.WeightSyncExtension"
 

@@ -33,10 +33,14 @@ from collections.abc import Iterator
 import torch
 import zmq
 
-from asyncrl.protocol import WeightReceiverClosed, WeightReceiverFailed, WeightsStaged
 from asyncrl.transport import send_msg
 from asyncrl.weight_sync import ParamSpec, ReceivedVersion, WeightReceiver, join_sync_group
 from rollout_servers.engines.vllm_lora import MergedVersions
+from rollout_servers.engines.vllm_notices import (
+    WeightReceiverClosed,
+    WeightReceiverFailed,
+    WeightsStaged,
+)
 
 
 @contextlib.contextmanager

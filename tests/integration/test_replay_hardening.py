@@ -21,6 +21,7 @@ from asyncrl.protocol import (
     BatchRequest,
     ChatMessage,
     CheckpointRequest,
+    DeclareDead,
     Error,
     EvalPoll,
     EvalResults,
@@ -154,6 +155,7 @@ _EVERY_REQUEST = [
     EvalSubmit(1, "job", []),
     EvalPoll(1, "job"),
     CheckpointRequest(1, "replay.json", 0),
+    DeclareDead(1, 0, 0, "chaos"),
 ]
 
 
@@ -184,9 +186,9 @@ def test_a_peer_without_the_secret_can_neither_read_nor_change_anything(sock):
     "role, forbidden",
     [
         ("server_0", [BatchRequest(1, 0, B), VersionUpdate(1, 5), CheckpointRequest(1, "r", 0)]),
-        ("server_1", [EvalSubmit(1, "job", []), EvalPoll(1, "job")]),
+        ("server_1", [EvalSubmit(1, "job", []), EvalPoll(1, "job"), DeclareDead(1, 0, 0, "x")]),
         ("client", [LeaseRequest(1, 0, 0, 4), _traj("g", 0), BatchRequest(1, 0, B)]),
-        ("client", [VersionUpdate(1, 5), CheckpointRequest(1, "r", 0)]),
+        ("client", [VersionUpdate(1, 5), CheckpointRequest(1, "r", 0), DeclareDead(1, 1, 0, "")]),
         ("learner", [LeaseRequest(1, 0, 0, 4), _traj("g", 0)]),
     ],
 )

@@ -235,6 +235,42 @@ def test_a_killed_server_is_restarted_as_epoch_1_and_the_run_completes(tmp_path)
     _rejoined_with_the_learners_weights(run_dir, server=1, epoch=1, not_before=killed_at)
 
 
+def test_a_frozen_server_holds_training_for_the_give_up_bound_not_the_server_timeout(tmp_path):
+    """A server SIGSTOPped while training: the learner's next weight sync waits for it only
+    until the replay has not heard from it for launch.sync_give_up_s (2 s here, against a
+    server_timeout_s of 60 s), then goes on with the other server and has it declared dead;
+    the launcher restarts it, it rejoins with the learner's weights, the run completes."""
+    proc, run_dir = _start(
+        tmp_path,
+        "launch",
+        *TRAIN,
+        f"trainer.total_steps={STEPS}",
+        "learner.weight_checksum=true",
+        "launch.server_timeout_s=60",
+        "launch.sync_give_up_s=2",
+    )
+    _wait(proc, lambda: _holds_leases(run_dir, 1), 180, "server_1 holding leases")
+    _member(proc.pid, "server_1").suspend()
+    frozen_at, t0 = _steps(run_dir), time.monotonic()
+    _wait(proc, lambda: bool(_restarts(run_dir)), 60, "a restart")
+    # silent 2 s, seen by the learner's next poll (1 s) once a sync waits on it, the launcher's
+    # next poll (1 s), the backoff (0.5 s): far inside the 60 s of server_timeout_s
+    assert time.monotonic() - t0 < 15
+    (record,) = read_jsonl(run_dir / "restarts.jsonl")
+    assert (record["server"], record["epoch"]) == ("server_1", 1)
+    assert record["why"].startswith("was declared dead by the replay (silent for ")
+    out, err = proc.communicate(timeout=240)
+    assert proc.returncode == 0, err
+    (drop,) = [r for r in read_jsonl(run_dir / "sync_members.jsonl") if r["event"] == "dropped"]
+    assert (drop["server"], drop["epoch"]) == (1, 0) and "sync_give_up_s 2" in drop["reason"]
+    stats = json.loads((run_dir / "stats" / "replay.json").read_text())
+    assert stats["servers_declared_dead_by_learner"] == 1
+    assert stats["servers_declared_dead"] == 0  # not by the replay's own 60 s rule
+    assert _steps(run_dir) == STEPS
+    _no_sample_trained_twice(run_dir)
+    _rejoined_with_the_learners_weights(run_dir, server=1, epoch=1, not_before=frozen_at)
+
+
 def _rejoined_with_the_learners_weights(run_dir, server: int, epoch: int, not_before: int):
     """The restarted epoch joined the weight sync at a version no older than the learner's when
     it died, and at that version and every later one holds exactly the learner's weights."""
@@ -268,12 +304,12 @@ def test_a_stopped_server_is_declared_dead_within_the_timeout_killed_and_restart
         assert not stopped.is_running() or stopped.status() == psutil.STATUS_ZOMBIE
         (record,) = read_jsonl(run_dir / "restarts.jsonl")
         assert (record["server"], record["epoch"]) == ("server_1", 1)
-        assert record["why"].startswith("was declared dead by the replay (no heartbeat for ")
+        assert record["why"].startswith("was declared dead by the replay (silent for ")
         _wait(proc, lambda: _epochs(run_dir) == {0: 0, 1: 1}, 60, "server_1 back as epoch 1")
     finally:
         proc.send_signal(signal.SIGINT)
         out, _ = proc.communicate(timeout=60)
-    assert "asyncrl: server_1 was declared dead by the replay (no heartbeat for " in out
+    assert "asyncrl: server_1 was declared dead by the replay (silent for " in out
 
 
 def test_a_server_out_of_restarts_is_dropped_and_training_goes_on_with_the_other(tmp_path):

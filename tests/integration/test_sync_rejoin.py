@@ -223,3 +223,45 @@ def test_a_server_gone_between_ready_and_connecting_costs_the_join_bound_not_the
         f.wait_received(0, 0, [1])
     finally:
         f.close()
+
+
+def test_a_silent_member_is_given_up_at_the_give_up_bound_not_the_op_timeout(tmp_path):
+    """(e) With the replay's report (`health`), as a launched run has it: server 1 is
+    SIGSTOPped. While the report still has it heard from (a server draining its responses is),
+    the version waits for it; once it has been silent for the give-up bound, the wait ends
+    within a poll, far inside the op timeout. Server 0 has the version byte for byte, server 1
+    is declared dead at the replay, and once it is killed the group left pending is let go."""
+    import threading
+
+    from asyncrl.protocol import ServerHealth
+
+    f = Fleet(tmp_path)
+    silent, declared = {0: 0.0, 1: 0.0}, []
+    f.fleet.op_timeout_s = 120.0
+    f.fleet.health = lambda: [ServerHealth(s, 0, True, silent[s], 0) for s in (0, 1)]
+    f.fleet.give_up_s = 5.0
+    f.fleet.declare_dead = lambda *args: declared.append(args)
+    f.fleet.broadcaster.give_up = f.fleet._silent_members
+    try:
+        for server in (0, 1):
+            f.start(server, 0)
+        assert f.send(1)[0] == {0: 0, 1: 0}
+        os.kill(f.procs[(1, 0)].pid, signal.SIGSTOP)
+        threading.Timer(2.5, lambda: silent.update({1: 6.0})).start()
+        members, took = f.send(2)
+        assert members == {0: 0}
+        assert 2.4 < took < 2.5 + 2.5  # waited while heard from; given up within a poll after
+        f.wait_received(0, 0, [1, 2])
+        why = "dropped from the weight sync: silent for 6.0 s (launch.sync_give_up_s 5)"
+        assert declared == [(1, 0, why)]
+        assert ("dropped", 1, 0, 2) in f.events()
+        assert len(f.fleet.broadcaster._abandoned) == 1  # its collectives are still pending
+        f.procs[(1, 0)].kill()  # as the launcher does once the replay has declared it dead
+        f.procs[(1, 0)].wait(timeout=30)
+        time.sleep(1.0)  # gloo fails the pending collectives once the connection closes
+        members, took = f.send(3)
+        assert members == {0: 0} and took < 2.0
+        assert f.fleet.broadcaster._abandoned == []  # ended, let go
+        f.wait_received(0, 0, [1, 2, 3])
+    finally:
+        f.close()

@@ -196,6 +196,6 @@ def test_deaths_closer_together_than_the_healthy_stretch_use_the_budget_up(tmp_p
         _advance(restarts, fleet, clock, 1.0)
     assert said[-1] == (
         "asyncrl: server_0 dropped after 2 restarts: was declared dead by the replay "
-        "(no heartbeat for 31.0 s)"
+        "(silent for 31.0 s)"
     )
     assert restarts.dropped == ["server_0"]
