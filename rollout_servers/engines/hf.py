@@ -427,8 +427,10 @@ class HFEngine(Engine):
         self, weights: Iterable[tuple[str, torch.Tensor]], version: int, subset: bool = False
     ) -> None:
         """Apply a whole weight version (thread-safe); raises ValueError and applies nothing
-        when a name, shape or dtype does not match the model. `subset`: the weights not given
-        stay as they are (LoRA: only the adapted layers change)."""
+        when a name, shape or dtype does not match the model. A copy that fails after those
+        checks may leave some tensors changed: DeliveryError, and every later request fails
+        with it. `subset`: the weights not given stay as they are (LoRA: only the adapted layers
+        change)."""
         staged = list(weights)
         seen: set[str] = set()
         for name, tensor in staged:
@@ -450,7 +452,14 @@ class HFEngine(Engine):
             )
         with self._lock, torch.no_grad():
             for name, tensor in staged:
-                self._params[name].copy_(tensor)
+                try:
+                    self._params[name].copy_(tensor)
+                except Exception as e:  # checked above, so unexpected (a device fault)
+                    self._broken = DeliveryError(
+                        f"version {version} was applied only in part (copying {name!r} failed: "
+                        f"{e!r}); the weights are neither version, so this engine samples no more"
+                    )
+                    raise self._broken from e
             self._version = version
 
     def named_weights(self) -> Iterator[tuple[str, torch.Tensor]]:

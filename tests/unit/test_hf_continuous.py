@@ -251,6 +251,25 @@ async def test_generate_after_close_raises(model_path):
         await asyncio.wait_for(engine.generate([5, 6], SamplingParams(max_new_tokens=2)), 10)
 
 
+async def test_a_version_whose_copy_fails_midway_fails_every_later_request(model_path):
+    """A copy that fails after the checks passed (a device fault; a meta tensor here: same
+    shape and dtype, no data) leaves the first tensors of the new version in the model: the
+    engine must not sample from that mix, now or later."""
+    from rollout_servers.engines.base import DeliveryError
+
+    engine = HFEngine(model_path)
+    try:
+        weights = [(n, t.clone() + 1) for n, t in engine.named_weights()]
+        weights[1] = (weights[1][0], torch.empty_like(weights[1][1], device="meta"))
+        with pytest.raises(DeliveryError, match="version 1 was applied only in part"):
+            engine.update_weights(weights, version=1)
+        for _ in range(2):
+            with pytest.raises(DeliveryError, match="applied only in part"):
+                await asyncio.wait_for(engine.generate([5, 6], exact(2)), DEADLINE_S)
+    finally:
+        await engine.close()
+
+
 def test_short_rows_joining_a_long_one_get_a_cohort_of_their_own(model_path):
     """Short rows joining a batch that holds one long row would each attend over its padding at
     every step: they form a cohort of their own (one forward each per step), and every row's
