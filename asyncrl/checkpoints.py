@@ -13,6 +13,10 @@ named `step_<v>` is complete by construction, and a crash at any point before th
 the previous checkpoint the newest one (`latest_checkpoint`); a `.partial` directory is never
 resumed from. `check_complete` still checks every part, so a directory someone assembled or
 damaged by hand is refused with the name of what is missing.
+
+Pruning (`trainer.keep_checkpoints=K`): once a checkpoint is published, `prune` deletes all but
+the newest K complete ones. Each is first renamed out of the `step_<v>` pattern, then removed,
+so one half-deleted by a crash is never taken for a checkpoint.
 """
 
 from __future__ import annotations
@@ -71,15 +75,33 @@ def publish(partial: Path) -> Path:
     return final
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The complete checkpoint of the highest version under `run_dir/checkpoints`, or None.
-    `.partial` directories and incomplete ones are passed over."""
+def complete_checkpoints(run_dir: str | Path) -> list[Path]:
+    """The complete checkpoints under `run_dir/checkpoints`, oldest version first. `.partial`
+    directories and incomplete ones are passed over."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
-        return None
+        return []
     found = [
         (int(m.group(1)), p)
         for p in root.iterdir()
         if (m := _STEP.fullmatch(p.name)) and p.is_dir() and not missing_parts(p)
     ]
-    return max(found)[1] if found else None
+    return [p for _, p in sorted(found)]
+
+
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The complete checkpoint of the highest version under `run_dir/checkpoints`, or None."""
+    found = complete_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
+def prune(run_dir: str | Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` (>= 1) complete checkpoints; returns those deleted."""
+    if keep < 1:
+        raise ValueError(f"prune keeps at least one checkpoint, got keep={keep}")
+    old = complete_checkpoints(run_dir)[:-keep]
+    for path in old:
+        doomed = path.with_name(path.name + ".deleting")  # no longer a checkpoint's name
+        path.rename(doomed)
+        shutil.rmtree(doomed)
+    return old

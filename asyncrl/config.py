@@ -214,6 +214,9 @@ class TrainerConfig(_Section):
     save_every: int = Field(0, ge=0)
     """Checkpoint (learner weights and optimizer, the replay's state) every this many steps
     (0: never); see `asyncrl.checkpoints`."""
+    keep_checkpoints: int = Field(0, ge=0)
+    """Keep only the newest this many checkpoints, deleting older ones as each new one is
+    written (0: keep all; `tools/chaos.py` audits every one)."""
     resume_from: str | None = None
     """A complete checkpoint directory (run_dir/checkpoints/step_N) to continue training from."""
     auto_resume: int = Field(0, ge=0)

@@ -27,6 +27,7 @@ from asyncrl.checkpoints import (
     check_complete,
     checkpoint_dir,
     partial_dir,
+    prune,
     publish,
 )
 from asyncrl.metrics import write_json_atomic
@@ -43,11 +44,12 @@ def save_checkpoint(
     modules: tuple,
     replay: ReplayClient | None,
     trainer_state: dict[str, Any],
+    keep: int = 0,
 ) -> Path:
     """All ranks: write the checkpoint of `version` (a collective). `modules`: (model,
     optimizer, critic, critic optimizer), the critic's None without one; `replay` and
-    `trainer_state` (written as trainer.json, with the version) are rank 0's. Returns the
-    checkpoint's directory."""
+    `trainer_state` (written as trainer.json, with the version) are rank 0's; `keep` > 0: rank
+    0 then deletes all but the newest `keep` checkpoints. Returns the checkpoint's directory."""
     partial = partial_dir(run_dir, version)
     if rank == 0 and partial.exists():  # left by an attempt that died before its rename
         shutil.rmtree(partial)
@@ -60,6 +62,9 @@ def save_checkpoint(
         write_json_atomic(partial / TRAINER_FILE, {"version": version, **trainer_state})
         final = publish(partial)
         log.info("checkpoint at version %d written to %s", version, final)
+        if keep > 0:
+            for path in prune(run_dir, keep):
+                log.info("deleted checkpoint %s (trainer.keep_checkpoints=%d)", path.name, keep)
     return checkpoint_dir(run_dir, version)
 
 

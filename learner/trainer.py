@@ -310,6 +310,7 @@ class Learner:
             (self.model, self.optimizer, self.critic, self.critic_optimizer),
             self.replay,
             {"kl_coef": self.kl_ctrl.value},
+            self.cfg.trainer.keep_checkpoints,
         )
 
     def load_checkpoint(self, path: Path) -> int:

@@ -26,8 +26,9 @@ checkpoint, so the audit's exact accounting (every checkpoint) reaches the end o
 it sends the launcher SIGTERM, which stops the fleets in order (the replay writes its stats).
 
 Unless given, the run gets the settings chaos needs: trainer.log_samples and
-learner.weight_checksum on (the audit's records), trainer.save_every=20, trainer.auto_resume=100
-and launch.max_restarts=100 (so learner, replay and server deaths are survived).
+learner.weight_checksum on (the audit's records), trainer.save_every=20 with every checkpoint
+kept (trainer.keep_checkpoints=0: the audit reads them all), trainer.auto_resume=100 and
+launch.max_restarts=100 (so learner, replay and server deaths are survived).
 
 Then it audits the run from its own records (`asyncrl.analysis.audit`), prints the table, writes
 run_dir/audit.json, and exits 1 when an invariant fails, the run ended before its window did,
@@ -64,6 +65,7 @@ CHAOS_DEFAULTS = {
     "trainer.auto_resume": "100",
     "launch.max_restarts": "100",
     "trainer.save_final": "false",
+    "trainer.keep_checkpoints": "0",
 }
 """What a chaos run is launched with unless its overrides say otherwise."""
 

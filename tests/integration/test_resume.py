@@ -55,9 +55,16 @@ def test_checkpoint_and_resume(tmp_path):
 
     second = launch(
         load_config(
-            overrides=[*common, f"trainer.run_dir={tmp_path / 'b'}", f"trainer.resume_from={ckpt}"]
+            overrides=[
+                *common,
+                f"trainer.run_dir={tmp_path / 'b'}",
+                f"trainer.resume_from={ckpt}",
+                "trainer.save_every=1",  # steps 4, 5, 6, of which only the newest is kept
+                "trainer.keep_checkpoints=1",
+            ]
         )
     )
+    assert [p.name for p in (second / "checkpoints").iterdir()] == ["step_6"]
     rows = read_jsonl(second / "metrics.jsonl")
     assert [r["version"] for r in rows] == [4, 5, 6]
     # the schedule continues where it stopped: learner steps 3, 4, 5 of a 4-step warmup

@@ -227,3 +227,24 @@ def test_a_checkpoint_missing_a_part_is_refused_naming_the_file(tmp_path):
     trainer = load_checkpoint(checkpoint_dir(tmp_path, 3), restored)
     assert trainer == {"version": 3, "kl_coef": 0.1}
     assert torch.equal(restored[0].weight, torch.full((2, 3), 0.5))
+
+
+def test_keep_checkpoints_deletes_all_but_the_newest_complete_ones(tmp_path):
+    """`trainer.keep_checkpoints=2`: after each save only the two newest complete checkpoints
+    stay; a `.partial` one (being written) and an incomplete one are not counted or touched, and
+    the newest stays resumable."""
+    from asyncrl.checkpoints import complete_checkpoints, prune
+
+    for version in (2, 4):
+        save_checkpoint(tmp_path, version, 0, 1, _modules(), _FakeReplay(), {}, keep=2)
+    partial_dir(tmp_path, 9).mkdir()  # another attempt's, still being written
+    damaged = checkpoint_dir(tmp_path, 1)
+    damaged.mkdir()  # lacks every part: not a checkpoint
+    save_checkpoint(tmp_path, 6, 0, 1, _modules(), _FakeReplay(), {}, keep=2)
+    assert complete_checkpoints(tmp_path) == [checkpoint_dir(tmp_path, v) for v in (4, 6)]
+    assert partial_dir(tmp_path, 9).is_dir() and damaged.is_dir()
+    assert not list((tmp_path / "checkpoints").glob("*.deleting"))
+    assert load_checkpoint(latest_checkpoint(tmp_path), _modules())["version"] == 6
+    assert prune(tmp_path, 1) == [checkpoint_dir(tmp_path, 4)]
+    with pytest.raises(ValueError, match="keep=0"):
+        prune(tmp_path, 0)
