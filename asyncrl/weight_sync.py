@@ -238,10 +238,10 @@ class _Fanout:
     With `give_up` (member -> reason, of the members to stop waiting for: asked at most every
     `GIVE_UP_POLL_S`, and only while a wait lasts that long), a wait polls its collective
     instead of blocking, so that a member the owner knows to be frozen stops holding the
-    version at once rather than at the op timeout. Its collectives are still pending then, and
-    a gloo group destroyed with pending collectives blocks until they end; so the group and
-    its collectives go to `abandoned`, to be let go once they have ended (they fail when the
-    peer dies, or at their timeout)."""
+    version at once rather than at the op timeout. Its group is aborted, but gloo cannot cancel
+    collectives in flight (NCCL can), and a gloo group destroyed with pending collectives
+    blocks until they end; so the group and its collectives go to `abandoned`, to be let go
+    once they have ended (they fail when the peer dies, or at their timeout)."""
 
     live: dict[Hashable, SyncGroup]
     give_up: Callable[[], dict[Hashable, str]] | None = None
@@ -269,9 +269,10 @@ class _Fanout:
             try:
                 self._wait(key, work)
             except GaveUp as e:
-                self.abandoned.append((self.live[key], self._works.pop(key, [])))
                 self.failed[key] = e
-                del self.live[key]  # not aborted: its collectives are pending (class docstring)
+                group = self.live.pop(key)
+                group.abort()  # NCCL cancels its collectives; gloo cannot (class docstring)
+                self.abandoned.append((group, self._works.pop(key, [])))
             except Exception as e:  # a member's failure is its own (module docstring)
                 self._fail(key, e)
 

@@ -37,6 +37,7 @@ from asyncrl.launch.fleet import (
     client_key,
     learner_env,
     log_tail,
+    print_line,
     process_env,
     replay_answers,
     replay_health,
@@ -140,7 +141,7 @@ class LocalFleet:
         watching it."""
         proc = next(p for p in self.procs if p.name == name)
         _signal_group(proc.popen, signal.SIGKILL)
-        proc.popen.wait()
+        reap(proc.popen, name)
         self.procs.remove(proc)
 
     def start_server(self, index: int, epoch: int) -> None:
@@ -170,7 +171,27 @@ class LocalFleet:
                 p.popen.wait(timeout=max(0.0, deadline - time.monotonic()))
         for p in self.procs:
             _signal_group(p.popen, signal.SIGKILL)  # also reaps stray grandchildren
-            p.popen.wait()
+            reap(p.popen, p.name)
+
+
+REAP_TIMEOUT_S = 30.0
+"""How long the launcher waits for a SIGKILLed child to end before it goes on without it."""
+
+
+def reap(popen: subprocess.Popen, name: str, timeout_s: float = REAP_TIMEOUT_S) -> bool:
+    """Wait for a SIGKILLed child to end; whether it did. A process stuck in the kernel
+    (uninterruptible I/O: a hung network filesystem, a wedged driver) cannot die until that
+    call returns, so the wait is bounded and the launcher goes on, saying which process it
+    left behind, instead of hanging the whole run's stop or restart."""
+    try:
+        popen.wait(timeout=timeout_s)
+        return True
+    except subprocess.TimeoutExpired:
+        print_line(
+            f"asyncrl: {name} (pid {popen.pid}) has not ended {timeout_s:g} s after SIGKILL "
+            "(stuck in the kernel?); going on without it"
+        )
+        return False
 
 
 def _wait_any(pids: list[int], timeout_s: float) -> None:
