@@ -27,9 +27,9 @@ flight end, which can take longer than `server_timeout_s`; silence, not slowness
 gives a member up. The version still reaches the other members and training goes on. Every
 dropped member is declared dead at the replay (`declare_dead`), so its leases are re-issued and
 the launcher restarts it at once (a frozen one would otherwise hold them until
-`server_timeout_s`). A newer epoch of the same server replaces it. Each join and drop is a line in the learner's log and a record of
-`run_dir/sync_members.jsonl`: {time, event (joined | dropped | not_joined), server, epoch,
-version, reason}.
+`server_timeout_s`). A newer epoch of the same server replaces it. Each join and drop is a line
+in the learner's log and a record of `run_dir/sync_members.jsonl`: {time, event (joined |
+dropped | not_joined), server, epoch, version, reason}.
 """
 
 from __future__ import annotations

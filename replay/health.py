@@ -17,10 +17,10 @@ from yet (only a heartbeat tells its epoch). A server silent for `launch.server_
 (dead, hung, stopped) is declared dead by `declare_silent`; only a newer epoch of it is alive
 again. Learner rank 0 declares an epoch dead sooner (`declare`, on its `DeclareDead`) when it
 stopped waiting for it in a weight sync: the server had been silent for
-`launch.sync_give_up_s` while the whole learner waited on it (`learner.sync_fleet`). Whoever drives this (`ReplayService`) re-issues the incomplete leases of a dead or
-replaced epoch at once (`LeaseDesk.reissue_server`); its samples that arrive later are answered
-`late` and never trained, because their groups are gone and the re-issued prompts get new group
-ids.
+`launch.sync_give_up_s` while the whole learner waited on it (`learner.sync_fleet`). Whoever
+drives this (`ReplayService`) re-issues the incomplete leases of a dead or replaced epoch at
+once (`LeaseDesk.reissue_server`); its samples that arrive later are answered `late` and never
+trained, because their groups are gone and the re-issued prompts get new group ids.
 
 Only servers heard from are tracked: one that dies or hangs before its first heartbeat (while it
 loads its model) is the launcher's to notice, by its child's end or by its epoch missing from
