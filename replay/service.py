@@ -20,6 +20,8 @@ Messages (see `asyncrl.protocol`):
 - Heartbeat -> Ack(ok | rejected): `replay.health`; a server silent for
   `launch.server_timeout_s` (no heartbeat, lease request or sample: each is a sign of life) is
   declared dead and the incomplete leases of a dead or replaced epoch are re-issued at once.
+- DeclareDead -> Ack(ok): learner rank 0 gave up on that server epoch in a weight sync; if it is
+  the epoch alive, it is declared dead as if silent (an older or already dead one: no effect).
 - VersionUpdate -> Ack(ok); StatsRequest -> Stats (with every server's health); EvalSubmit -> Ack; EvalPoll -> EvalResults;
   CheckpointRequest -> Ack: the replay's whole state at the request's version, which must be
   the learner version it last heard, written to the file asked for, which must lie inside the

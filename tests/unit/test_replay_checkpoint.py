@@ -6,6 +6,7 @@ checkpoint without every part is never resumed from."""
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections import Counter
 
@@ -244,6 +245,11 @@ def test_keep_checkpoints_deletes_all_but_the_newest_complete_ones(tmp_path):
     assert complete_checkpoints(tmp_path) == [checkpoint_dir(tmp_path, v) for v in (4, 6)]
     assert partial_dir(tmp_path, 9).is_dir() and damaged.is_dir()
     assert not list((tmp_path / "checkpoints").glob("*.deleting"))
+    # a prune that died mid-delete leaves `step_<v>.deleting`, every part possibly still in:
+    # never taken for a checkpoint
+    half_deleted = checkpoint_dir(tmp_path, 8).with_name("step_8.deleting")
+    shutil.copytree(checkpoint_dir(tmp_path, 6), half_deleted)
+    assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 6)
     assert load_checkpoint(latest_checkpoint(tmp_path), _modules())["version"] == 6
     assert prune(tmp_path, 1) == [checkpoint_dir(tmp_path, 4)]
     with pytest.raises(ValueError, match="keep=0"):
