@@ -8,8 +8,11 @@ into an `AuthError` or `ProtocolError` that they count and answer.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
+import random
 import socket
+from pathlib import Path
 from typing import Any
 
 import zmq
@@ -43,12 +46,70 @@ def check_bind_address(address: str, allow_remote: bool) -> None:
         )
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port that is free now (the OS picks it)."""
+PORT_FLOOR = 10000  # lowest port `free_ports` draws from
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_low() -> int:
+    """The lowest port the kernel hands out by itself (Linux's setting; 32768 where unknown,
+    Linux's default: macOS and Windows start higher)."""
+    try:
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def _bindable(host: str, port: int) -> bool:
+    """Whether `host`:`port` can be bound now (no SO_REUSEADDR: a port in TIME_WAIT is not)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     with socket.socket(family, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(host: str = "127.0.0.1", count: int = 1) -> list[int]:
+    """`count` distinct TCP ports free on `host` now, for another process to bind later.
+
+    They are drawn at random below the kernel's ephemeral range (from `PORT_FLOOR`), which the
+    kernel never hands out by itself: not to a bind to port 0, not as the local port of an
+    outgoing connection. A port the OS picked would be in that range, and any connection made
+    between the pick and the bind could take it (a CI run failed so: a learner's weight-sync
+    store found its port in use). What is left is a process that binds the same port
+    explicitly, which a random draw from ~20,000 makes rare. Where the range leaves no room
+    below it, the OS picks (the ports held together, so distinct)."""
+    low = ephemeral_low()
+    if low - PORT_FLOOR >= 1000:
+        return _draw_ports(host, count, PORT_FLOOR, low)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket(family)) for _ in range(count)]
+        for s in socks:
+            s.bind((host, 0))
+        return [s.getsockname()[1] for s in socks]
+
+
+def _draw_ports(host: str, count: int, floor: int, ceiling: int) -> list[int]:
+    """`count` distinct ports from [`floor`, `ceiling`) that `host` can bind now, drawn at
+    random (OSError when 100 draws a port do not find them)."""
+    rng = random.SystemRandom()
+    picked: list[int] = []
+    for _ in range(100 * count):
+        port = rng.randrange(floor, ceiling)
+        if port not in picked and _bindable(host, port):
+            picked.append(port)
+            if len(picked) == count:
+                return picked
+    raise OSError(
+        f"found only {len(picked)} of {count} free ports on {host} in [{floor}, {ceiling})"
+    )
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """One port from `free_ports`."""
+    return free_ports(host, 1)[0]
 
 
 def setup_socket(

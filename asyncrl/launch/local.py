@@ -47,7 +47,7 @@ from asyncrl.launch.fleet import (
 )
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
-from asyncrl.transport import free_port, tcp_address
+from asyncrl.transport import free_ports, tcp_address
 
 
 def _die_with_parent() -> None:
@@ -222,13 +222,14 @@ def start_local_fleets(
     cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True
 ) -> LocalFleet:
     host = cfg.launch.host
+    replay_port, sync_port, master_port = free_ports(host, 3)
     spec = RunSpec(
         run_dir=str(run_dir),
         model_path=model_path,
-        replay_address=tcp_address(host, cfg.launch.replay_port or free_port(host)),
+        replay_address=tcp_address(host, cfg.launch.replay_port or replay_port),
         sync_host=host,
-        sync_port=(cfg.launch.weight_sync_port or free_port(host)) if with_learner else 0,
-        learner_master_port=free_port(host),
+        sync_port=(cfg.launch.weight_sync_port or sync_port) if with_learner else 0,
+        learner_master_port=master_port,
         threads=threads_per_process(cfg),
     )
     spec_path = run_dir / "launch.json"

@@ -20,6 +20,7 @@ from asyncrl.launch.fleet import log_tail, replay_answers, replay_health
 from asyncrl.launch.worker import run_process
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
+from asyncrl.transport import free_ports
 
 
 @dataclass(frozen=True)
@@ -55,18 +56,8 @@ class FleetProcess:
         return Location(ray.util.get_node_ip_address(), context.get_node_id(), os.getpid())
 
     def free_ports(self, host: str, count: int) -> list[int]:
-        """`count` distinct ports free on this node now (held together while picked)."""
-        import socket
-
-        family = socket.AF_INET6 if ":" in host else socket.AF_INET
-        socks = [socket.socket(family, socket.SOCK_STREAM) for _ in range(count)]
-        try:
-            for s in socks:
-                s.bind((host, 0))
-            return [s.getsockname()[1] for s in socks]
-        finally:
-            for s in socks:
-                s.close()
+        """`count` distinct ports free on this node now (`asyncrl.transport.free_ports`)."""
+        return free_ports(host, count)
 
     def run(self, role: str, spec: RunSpec, cfg: Config, index: int, env: dict[str, str]) -> int:
         os.environ.update(env)
