@@ -190,6 +190,8 @@ class ReplayConfig(_Section):
     """Most groups held (in flight plus ready); beyond it leases wait (back-pressure)."""
     lease_timeout_s: float = Field(600.0, gt=0)
     """A lease whose group is not complete by then is dropped, counted and re-issued."""
+    max_group_failures: int = Field(3, ge=1)
+    """A row whose group a server could not sample this many times is given up (logged)."""
     max_message_mb: float = Field(64.0, gt=0)
     """Messages larger than this are rejected and counted."""
     wait_timeout_s: float = Field(1.0, gt=0)

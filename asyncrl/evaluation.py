@@ -86,7 +86,9 @@ def run_eval_job(
     poll_s: float = 0.2,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, float]:
-    """Submit a job through the replay, wait until every sample is scored, summarize it."""
+    """Submit a job through the replay, wait until every sample is scored, summarize it. A
+    prompt no server could sample (given up by the replay, `replay.max_group_failures`) is left
+    out of the scores, even the samples it had, and counted (`num_failed_prompts`)."""
     client.submit_eval(job_id, prompts)
     deadline = time.monotonic() + timeout_s
     while True:
@@ -101,9 +103,16 @@ def run_eval_job(
                 f"{timeout_s:.0f}s; are rollout servers running on this replay?"
             )
         time.sleep(poll_s)
-    summary = summarize([float(x) for x in res.scores], res.group_ids, res.data_sources)
-    summary["response_len_mean"] = float(res.response_lengths.mean()) if res.expected else 0.0
-    summary["num_samples"] = float(res.expected)
+    failed = set(res.failed_groups)
+    kept = [i for i, g in enumerate(res.group_ids) if g not in failed]
+    summary = summarize(
+        [float(res.scores[i]) for i in kept],
+        [res.group_ids[i] for i in kept],
+        [res.data_sources[i] for i in kept],
+    )
+    summary["response_len_mean"] = float(res.response_lengths[kept].mean()) if kept else 0.0
+    summary["num_samples"] = float(len(kept))
+    summary["num_failed_prompts"] = float(len(failed))
     return summary
 
 

@@ -6,13 +6,14 @@ Who sends what (replies echo the request's `request_id`):
     rollout server -> replay   Trajectory     -> Ack          (accepted/duplicate/late/rejected)
     rollout server -> replay   Trajectories   -> Acks         (several at once: one status each)
     rollout server -> replay   Heartbeat      -> Ack          (ok; rejected: declared dead)
+    rollout server -> replay   GroupFailed    -> Ack          (a leased group it cannot sample)
     learner rank 0 -> replay   BatchRequest   -> Batch        (whole groups; may be empty)
     learner rank 0 -> replay   VersionUpdate  -> Ack
     anyone         -> replay   StatsRequest   -> Stats        (counters for progress and tests)
     evaluator      -> replay   EvalSubmit     -> Ack          (prompts leased before training ones)
     evaluator      -> replay   EvalPoll       -> EvalResults  (scores so far; done when complete)
     learner rank 0 -> replay   CheckpointRequest -> Ack       (replay saves its data position)
-    learner rank 0 -> replay   DeclareDead    -> Ack          (a server dropped from the weight sync)
+    learner rank 0 -> replay   DeclareDead    -> Ack          (a server dropped from weight sync)
     replay         -> anyone   Error                          (a message it could not decode)
 
 (The vLLM worker's notices to its rollout server: `rollout_servers.engines.vllm_notices`.)
@@ -88,6 +89,7 @@ class PromptItem:
     interaction_kwargs: JsonObject = field(default_factory=dict)  # {name: ..., start kwargs}
     eval_job: str = ""  # "" for training; else the evaluation job this prompt belongs to
     temperature: float = -1.0  # sampling temperature for this prompt; < 0: the server's default
+    failures: int = 0  # times a server could not sample this row before (`GroupFailed`)
 
     def validate(self) -> None:
         _check_id(self.group_id, "PromptItem.group_id")
@@ -97,6 +99,7 @@ class PromptItem:
         _check_id(self.agent_name, "PromptItem.agent_name", empty_ok=True)
         _check_id(self.eval_job, "PromptItem.eval_job", empty_ok=True)
         check(math.isfinite(self.temperature), f"PromptItem.temperature {self.temperature}")
+        _check_index(self.failures, "PromptItem.failures")
 
 
 @message("lease_request")
@@ -386,6 +389,22 @@ class DeclareDead:
         check(len(self.reason) <= 500, "DeclareDead: reason longer than 500 characters")
 
 
+@message("group_failed")
+class GroupFailed:
+    """A rollout server could not sample a group leased to it (`replay.leases.LeaseDesk.fail`)."""
+
+    request_id: int  # echoed in the Ack
+    server_id: int  # the server the group was leased to
+    group_id: str
+    error: str  # what went wrong, for the replay's log and failed_groups.jsonl (<= 500 chars)
+
+    def validate(self) -> None:
+        for name in ("request_id", "server_id"):
+            _check_index(getattr(self, name), name)
+        _check_id(self.group_id, "GroupFailed.group_id")
+        check(len(self.error) <= 500, "GroupFailed: error longer than 500 characters")
+
+
 @message("stats_request")
 class StatsRequest:
     request_id: int  # echoed in the reply
@@ -435,12 +454,13 @@ class EvalPoll:
 class EvalResults:
     request_id: int  # the EvalPoll answered
     job_id: str  # the job
-    expected: int  # samples the job will produce in all
+    expected: int  # samples the job will produce in all (none of a group in failed_groups)
     group_ids: list[str]  # [S] samples scored so far
     data_sources: list[str]  # [S]
     scores: Array("float32")  # [S] reward of each sample
     response_lengths: Array("int32")  # [S] response tokens of each sample
     versions: Array("int32")  # [S] oldest policy version of each sample
+    failed_groups: list[str] = field(default_factory=list)  # given up (`replay.max_group_failures`)
 
     def validate(self) -> None:
         s = len(self.group_ids)
@@ -471,29 +491,4 @@ def _check_offsets(offsets: np.ndarray, b: int, total: int, name: str) -> None:
     check(
         offsets[0] == 0 and offsets[-1] == total and bool((np.diff(offsets) >= 0).all()),
         f"{name} must rise from 0 to {total}",
-    )
-
-
-def empty_batch(request_id: int, stale_dropped: int = 0) -> Batch:
-    """A Batch with no samples (the answer when nothing is ready in time)."""
-    z64, z32 = np.zeros(1, np.int64), np.zeros(0, np.int32)
-    return Batch(
-        request_id=request_id,
-        traj_ids=[],
-        group_ids=[],
-        data_sources=[],
-        finish_reasons=[],
-        rewards=np.zeros(0, np.float32),
-        baseline_rewards=np.zeros(0, np.float32),
-        prompt_offsets=z64,
-        response_offsets=z64,
-        prompt_ids=z32,
-        response_ids=z32,
-        loss_mask=np.zeros(0, np.uint8),
-        behaviour_logprobs=np.zeros(0, np.float32),
-        versions=z32,
-        metric_names=[],
-        metric_values=np.zeros(0, np.float32),
-        fleet={},
-        stale_dropped=stale_dropped,
     )

@@ -19,6 +19,7 @@ from asyncrl.protocol import (
     DeclareDead,
     EvalPoll,
     EvalSubmit,
+    GroupFailed,
     Heartbeat,
     LeaseRequest,
     StatsRequest,
@@ -39,7 +40,9 @@ PERMISSIONS: dict[str, frozenset[type]] = {
             StatsRequest,
         }
     ),
-    "server": frozenset({LeaseRequest, Trajectory, Trajectories, Heartbeat, StatsRequest}),
+    "server": frozenset(
+        {LeaseRequest, Trajectory, Trajectories, Heartbeat, GroupFailed, StatsRequest}
+    ),
     "client": frozenset({EvalSubmit, EvalPoll, StatsRequest}),
 }
 """Message types each role may send; anything else is answered `Error` and counted as

@@ -258,6 +258,16 @@ class GroupBuffer:
             self._remove(g)
         return [g.item for g in dropped]
 
+    def drop_group(self, group_id: str, server_id: int) -> PromptItem | None:
+        """Drop the incomplete group `group_id` if it is leased to `server_id` (that server
+        could not sample it); its prompt, or None when no such group is in flight (complete,
+        expired, taken back, or another server's). Its samples arriving later are `late`."""
+        group = self._groups.get(group_id)
+        if group is None or group.ready or group.server_id != server_id:
+            return None
+        self._remove(group)
+        return group.item
+
     def _remove(self, group: Group) -> None:
         del self._groups[group.item.group_id]
         if group.ready:

@@ -29,6 +29,9 @@ COUNTERS = (
     "eval_jobs_freed",
     "servers_forgotten",
     "expired",
+    "groups_failed",
+    "rows_given_up",
+    "eval_groups_given_up",
     "accepted",
     "duplicates",
     "late",
@@ -52,7 +55,8 @@ def summarize(counters: dict[str, float]) -> str:
         f"{c.get('accepted', 0)} trajectories accepted ({c.get('duplicates', 0)} duplicate, "
         f"{c.get('late', 0)} late, {rejected} rejected messages, "
         f"{c.get('handler_errors', 0)} handler errors); "
-        f"{c.get('leases_granted', 0)} leases granted, {c.get('expired', 0)} expired; "
+        f"{c.get('leases_granted', 0)} leases granted, {c.get('expired', 0)} expired, "
+        f"{c.get('groups_failed', 0)} failed ({c.get('rows_given_up', 0)} rows given up); "
         f"{c.get('batches_served', 0)} batches / {c.get('samples_served', 0)} samples served; "
         f"{c.get('stale_dropped', 0)} groups dropped as stale; "
         f"learner version {c.get('learner_version', 0)}"

@@ -16,6 +16,7 @@ job arriving later are answered `late`).
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Literal
@@ -45,6 +46,7 @@ class _Job:
     scores: list[float] = field(default_factory=list)
     lengths: list[int] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    failed_groups: list[str] = field(default_factory=list)  # given up (`fail`)
 
 
 class EvalJobs:
@@ -140,6 +142,25 @@ class EvalJobs:
             del self._leased_to[p.group_id], self._leased[p.group_id]
         return len(back)
 
+    def fail(self, group_id: str, server_id: int, give_up_at: int) -> PromptItem | None:
+        """`server_id` could not sample the evaluation group `group_id` leased to it: the group
+        goes back to the end of the queue with one failure more, or, at `give_up_at` failures,
+        is given up: listed in its job's `failed_groups`, and the samples of its slots still
+        empty are no longer expected (so the job finishes). Returns the prompt as it was
+        leased, or None when no such group is leased to that server (complete, or taken
+        back)."""
+        if self._leased_to.get(group_id) != server_id or group_id not in self._leased:
+            return None
+        item = self._leased.pop(group_id)
+        del self._leased_to[group_id]
+        if item.failures + 1 < give_up_at:
+            self._pending.append(dataclasses.replace(item, failures=item.failures + 1))
+            return item
+        job = self._jobs[item.eval_job]
+        job.failed_groups.append(group_id)
+        job.expected -= sum((group_id, i) not in job.seen for i in range(item.n))
+        return item
+
     def owns(self, group_id: str) -> bool:
         return group_id in self._group_job
 
@@ -181,4 +202,5 @@ class EvalJobs:
             scores=np.asarray(job.scores, np.float32),
             response_lengths=np.asarray(job.lengths, np.int32),
             versions=np.asarray(job.versions, np.int32),
+            failed_groups=list(job.failed_groups),
         )

@@ -4,8 +4,8 @@ A grant is evaluation prompts first (outside admission: they are never trained),
 prompts within `AdmissionController` (staleness, capacity and the server's fair share of the
 window while other servers ask, see `replay.admission`), never more than the server's own quota
 (`rollout.max_concurrent_groups` less the training groups it holds). Training prompts come from
-expired leases and those of dead servers first (re-issued under fresh group ids), then from
-the `PromptSource`.
+expired leases, those of dead servers and those a server could not sample (`fail`) first
+(re-issued under fresh group ids), then from the `PromptSource`.
 
 The desk also takes and restores the replay's state for a checkpoint (`data_state` / `restore`,
 the format in `replay.checkpoint`), and measures how a batch's groups spread over the servers
@@ -17,11 +17,14 @@ counters, and tells it how many servers are asking with every grant.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
 import math
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
+from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.data import row_to_prompt_item
@@ -45,8 +48,11 @@ class LeaseDesk:
         buffer: GroupBuffer,
         eval_jobs: EvalJobs,
         counters: Counter[str],
+        failed_log: Path | None = None,
     ) -> None:
+        """`failed_log`: the JSON-lines file given-up groups are written to (None: the log only)."""
         self.cfg = cfg
+        self.failed_log = failed_log
         self.prompts = prompts
         self.buffer = buffer
         self.eval_jobs = eval_jobs
@@ -128,6 +134,45 @@ class LeaseDesk:
         else:
             log.info("%s (it held no incomplete lease)", why)
         return len(dropped)
+
+    def fail(self, server_id: int, group_id: str, error: str) -> str:
+        """`server_id` could not sample the group `group_id` leased to it (`GroupFailed`): the
+        lease ends now. The row is leased again (to any server, under a fresh group id) until it
+        has failed `replay.max_group_failures` times; then it is given up: logged, counted
+        (`rows_given_up`, `eval_groups_given_up`) and written to `failed_groups.jsonl` in the run
+        directory (with the start of its prompt). A given-up
+        training row is never trained; an evaluation group is listed in its job's results.
+        Returns "retried", "given_up", or "late" when no such group is leased to that server
+        now (complete, expired or taken back: nothing changes)."""
+        limit = self.cfg.replay.max_group_failures
+        if self.eval_jobs.owns(group_id):
+            item = self.eval_jobs.fail(group_id, server_id, limit)
+        elif (item := self.buffer.drop_group(group_id, server_id)) is not None:
+            self.admission.on_never_trained(1)
+            if item.failures + 1 < limit:
+                self._retry.append(dataclasses.replace(item, failures=item.failures + 1))
+        if item is None:
+            return "late"
+        self.counters["groups_failed"] += 1
+        if item.failures + 1 < limit:
+            log.warning("server_%d could not sample group %s: %s", server_id, group_id, error)
+            return "retried"
+        self.counters["eval_groups_given_up" if item.eval_job else "rows_given_up"] += 1
+        log.error("group %s given up after %d failures: %s", group_id, item.failures + 1, error)
+        if self.failed_log is not None:
+            record = {
+                "group_id": group_id,
+                "eval_job": item.eval_job,
+                "data_source": item.data_source,
+                "prompt": item.messages[-1].content[:200] if item.messages else "",
+                "failures": item.failures + 1,
+                "server_id": server_id,
+                "error": error,
+                "time": time.time(),
+            }
+            with self.failed_log.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+        return "given_up"
 
     def data_state(self, version: int) -> ReplayState:
         """The replay's whole state at learner version `version`, for a checkpoint: the ready

@@ -22,10 +22,12 @@ Messages (see `asyncrl.protocol`):
   declared dead and the incomplete leases of a dead or replaced epoch are re-issued at once.
 - DeclareDead -> Ack(ok): learner rank 0 gave up on that server epoch in a weight sync; if it is
   the epoch alive, it is declared dead as if silent (an older or already dead one: no effect).
-- VersionUpdate -> Ack(ok); StatsRequest -> Stats (with every server's health); EvalSubmit -> Ack; EvalPoll -> EvalResults;
-  CheckpointRequest -> Ack: the replay's whole state at the request's version, which must be
-  the learner version it last heard, written to the file asked for, which must lie inside the
-  run directory (`replay.checkpoint`).
+- GroupFailed -> Ack(ok | late): the server could not sample that group; its lease ends now and
+  the row is leased again or given up (`replay.leases.LeaseDesk.fail`).
+- VersionUpdate -> Ack(ok); StatsRequest -> Stats (with every server's health); EvalSubmit ->
+  Ack; EvalPoll -> EvalResults; CheckpointRequest -> Ack: the replay's whole state at the
+  request's version, which must be the learner version it last heard, written to the file asked
+  for, which must lie inside the run directory (`replay.checkpoint`).
 Every message is authenticated first and its role must be allowed to send it; each ends in
 exactly one outcome counter, and nothing a peer sends stops the loop (`replay.endpoint`).
 """
@@ -57,6 +59,7 @@ from asyncrl.protocol import (
     DeclareDead,
     EvalPoll,
     EvalSubmit,
+    GroupFailed,
     Heartbeat,
     LeaseGrant,
     LeaseRequest,
@@ -65,16 +68,9 @@ from asyncrl.protocol import (
     Trajectories,
     Trajectory,
     VersionUpdate,
-    empty_batch,
 )
 from replay.access import Peer, confine
-from replay.buffer import (
-    GroupBuffer,
-    MalformedTrajectory,
-    TokenLimits,
-    check_trajectory,
-    to_batch,
-)
+from replay.buffer import GroupBuffer, MalformedTrajectory, TokenLimits, check_trajectory, to_batch
 from replay.checkpoint import ReplayState, read_state, write_state
 from replay.counters import COUNTERS, summarize
 from replay.endpoint import Endpoint
@@ -133,7 +129,10 @@ class ReplayService(Endpoint):
             seen_ids_limit=max(1 << 16, 16 * rc.capacity_groups * cfg.rollout.n), limits=limits
         )
         self.eval_jobs = EvalJobs(forget_after_s=rc.lease_timeout_s)
-        self.leases = LeaseDesk(cfg, prompts, self.buffer, self.eval_jobs, self.counters)
+        failed_log = None if self.run_dir is None else self.run_dir / "failed_groups.jsonl"
+        self.leases = LeaseDesk(
+            cfg, prompts, self.buffer, self.eval_jobs, self.counters, failed_log
+        )
         self.admission = self.leases.admission
         self.health = FleetHealth(cfg.launch.server_timeout_s, self.counters)
         self.learner_version = 0
@@ -147,6 +146,7 @@ class ReplayService(Endpoint):
             Trajectories: self._on_trajectories,
             Heartbeat: self._on_heartbeat,
             DeclareDead: self._on_declare_dead,
+            GroupFailed: self._on_group_failed,
             BatchRequest: self._on_batch_request,
             VersionUpdate: self._on_version_update,
             StatsRequest: self._on_stats_request,
@@ -326,7 +326,7 @@ class ReplayService(Endpoint):
             self._reject(peer, "rejected_invalid", reason)
             return
         try:
-            write_state(path, self.data_state(msg.version))
+            write_state(path, self.leases.data_state(msg.version))
         except OSError as e:
             self._reject(peer, "rejected_invalid", f"cannot write checkpoint {path}: {e}")
             return
@@ -352,6 +352,12 @@ class ReplayService(Endpoint):
             self._take_back(msg.server_id, why)
         self._send(peer, Ack(request_id=msg.request_id, traj_id="", status="ok"))
 
+    def _on_group_failed(self, peer: Peer, msg: GroupFailed) -> None:
+        self.health.touch(msg.server_id, time.monotonic())
+        outcome = self.leases.fail(msg.server_id, msg.group_id, msg.error)
+        self._changed |= outcome != "late"  # a lease slot (and capacity) was freed
+        self._send(peer, Ack(msg.request_id, "", "late" if outcome == "late" else "ok"))
+
     def _take_back(self, server_id: int, why: str) -> None:
         """A dead or replaced epoch: its incomplete leases are re-issued, and a lease request
         of it still held is answered empty."""
@@ -361,13 +367,9 @@ class ReplayService(Endpoint):
         self._held_leases = self._supersede(self._held_leases, Peer(b"", None), server_id)
         self._changed = True  # admission slots and capacity were freed
 
-    def data_state(self, version: int) -> ReplayState:
-        """The whole state a resumed replay needs (`replay.checkpoint`, taken by `LeaseDesk`)."""
-        return self.leases.data_state(version)
-
     def restore(self, state: ReplayState) -> None:
-        """Resume from `data_state`, before any lease is granted: ready groups are trained,
-        not generated again; incomplete leases are leased again first."""
+        """Resume from `LeaseDesk.data_state`, before any lease is granted: ready groups are
+        trained, not generated again; incomplete leases are leased again first."""
         self.learner_version = self.leases.restore(state)
 
     # ---- leases -----------------------------------------------------------------------------
@@ -467,7 +469,7 @@ class ReplayService(Endpoint):
         req = held.request
         if isinstance(req, BatchRequest):
             self.counters["empty_batches"] += 1
-            self._send(held.peer, empty_batch(req.request_id, held.stale_dropped))
+            self._send(held.peer, to_batch(req.request_id, [], held.stale_dropped))
         else:
             self.counters["empty_grants"] += 1
             self._send(held.peer, LeaseGrant(req.request_id, []))

@@ -38,6 +38,7 @@ from asyncrl.protocol import (
     Ack,
     Acks,
     Error,
+    GroupFailed,
     Heartbeat,
     LeaseGrant,
     LeaseRequest,
@@ -153,6 +154,16 @@ class AsyncReplayClient:
         finally:
             self._waiting.pop(request_id, None)
         return grant.prompts
+
+    async def group_failed(self, group_id: str, error: str) -> None:
+        """Tell the replay this server could not sample the group (`GroupFailed`, its lease
+        ends). Not waited for: if the message is lost, the lease expires instead
+        (`replay.lease_timeout_s`)."""
+        if self.server_id is None:
+            raise ValueError("only a rollout server leases groups")
+        msg = GroupFailed(next(self._ids), self.server_id, group_id, error[:500])
+        await send_msg(self._sock, msg, auth=self.auth)
+        self.counters["groups_reported_failed"] += 1
 
     async def put(self, traj: Trajectory) -> None:
         """Send a trajectory and keep it until acknowledged. The puts of one event-loop turn

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -53,6 +52,7 @@ from rollout_servers.replay_client import AsyncReplayClient
 from rollout_servers.reward_computer import RewardComputer
 from rollout_servers.rewards import REWARD_FNS
 from rollout_servers.sandbox import SharedSandbox
+from rollout_servers.trajectory_log import TrajectoryMetricsLog
 
 log = logging.getLogger("asyncrl.rollout")
 
@@ -149,9 +149,10 @@ class RolloutServer:
     async def run_group(self, prompt: PromptItem) -> None:
         """The group's n samples, concurrently (and, for ReMax, its greedy baseline too). A
         group that raises (a prompt naming an agent loop this server lacks, one too long for the
-        model, ...) is logged and counted (`groups_failed`) and the server goes on; its lease
-        expires and is re-issued. Only many failures in a row (a broken engine, not one bad
-        prompt) stop the server."""
+        model, ...) is logged, counted (`groups_failed`) and reported to the replay, which leases
+        the row again or gives it up (`replay.max_group_failures`), and the server goes on; a
+        report only leaves once the engine answers a one-token probe, so a broken engine stops
+        the server instead of blaming rows. Many failures in a row stop it too."""
         try:
             if ESTIMATORS[self.cfg.algorithm.adv_estimator].greedy_baseline:
                 baseline = asyncio.ensure_future(self._greedy_baseline(prompt))
@@ -160,12 +161,12 @@ class RolloutServer:
                 baseline.set_result(float("nan"))
             await asyncio.gather(*(self.run_sample(prompt, i, baseline) for i in range(prompt.n)))
         except Exception as e:
-            self._group_failed(prompt, e)
+            await self._group_failed(prompt, e)
             return
         self._failed_in_a_row = 0
         self.counters["groups"] += 1
 
-    def _group_failed(self, prompt: PromptItem, error: Exception) -> None:
+    async def _group_failed(self, prompt: PromptItem, error: Exception) -> None:
         self.counters["groups_failed"] += 1
         self._failed_in_a_row += 1
         limit = 3 * self.cfg.rollout.max_concurrent_groups
@@ -181,6 +182,16 @@ class RolloutServer:
                 error,
                 exc_info=error,
             )
+        try:  # token 0 is in every vocabulary
+            await self.engine.generate(
+                [0], dataclasses.replace(self.greedy_params, max_new_tokens=1)
+            )
+        except Exception as probe_error:
+            raise RuntimeError(
+                f"the engine failed a one-token probe after group {prompt.group_id} failed "
+                f"({type(error).__name__}: {error}): stopping"
+            ) from probe_error
+        await self.client.group_failed(prompt.group_id, f"{type(error).__name__}: {error}")
 
     async def _greedy_baseline(self, prompt: PromptItem) -> float:
         greedy = await self.agent_loop.run(prompt, self.greedy_params)
@@ -296,57 +307,6 @@ class RolloutServer:
             "peak_rss_mb": peak_rss_mb(),
             "unacked_at_exit": len(self.client.outbox),
         }
-
-
-class TrajectoryMetricsLog:
-    """One JSON line per finished trajectory in `run_dir/rollout_metrics.jsonl`: server,
-    policy version, reward, finish reason, data source and the agent loop's metrics (turns,
-    tool calls, tool errors, ...), which the Batch sent to the learner does not carry.
-
-    Lines are buffered in memory and appended at most every `flush_every_s` (or when
-    `max_buffered` pile up), so the event loop does one small write per interval, not one per
-    trajectory. Every server appends to the same file; each flush is one `write` of whole lines
-    to a file opened in append mode, so lines of different servers never interleave mid-line.
-    """
-
-    def __init__(
-        self, path: Path, server_id: int, flush_every_s: float = 2.0, max_buffered: int = 512
-    ):
-        self.path, self.server_id = path, server_id
-        self.flush_every_s, self.max_buffered = flush_every_s, max_buffered
-        self._lines: list[str] = []
-        self._last_flush = time.monotonic()
-
-    def add(self, prompt: PromptItem, traj: Trajectory) -> None:
-        """Buffer the line of one trajectory (its version: the newest that sampled any of its
-        tokens, and its oldest; -1 when it sampled none)."""
-        sampled = traj.versions[traj.loss_mask > 0]
-        record = {
-            "server": self.server_id,
-            "version": int(sampled.max()) if sampled.size else -1,
-            "oldest_version": int(sampled.min()) if sampled.size else -1,
-            "eval": bool(prompt.eval_job),
-            "data_source": prompt.data_source,
-            "reward": traj.reward,
-            "finish_reason": traj.finish_reason,
-            "response_len": int(traj.response_ids.size),
-            "metrics": traj.metrics,
-        }
-        self._lines.append(json.dumps(record, separators=(",", ":")) + "\n")
-        if len(self._lines) >= self.max_buffered:
-            self.flush()
-
-    def maybe_flush(self) -> None:
-        if self._lines and time.monotonic() - self._last_flush >= self.flush_every_s:
-            self.flush()
-
-    def flush(self) -> None:
-        self._last_flush = time.monotonic()
-        if not self._lines:
-            return
-        text, self._lines = "".join(self._lines), []
-        with self.path.open("a") as f:
-            f.write(text)
 
 
 def setup_rewards(cfg: Config, sandbox: SharedSandbox | None = None) -> RewardComputer:

@@ -2,11 +2,12 @@
 
     python tools/tool_demo_report.py RUN_DIR [--buckets 4]
 
-Each rollout server writes one line per trajectory (see `rollout_servers.server.
-TrajectoryMetricsLog`); evaluation samples are left out. A trajectory's bucket is the newest
-policy version that sampled any of its tokens, so "early" and "late" are the policy's age, not
-the wall clock. A correct tool call is a trajectory that called a tool and whose final answer
-earned full reward (the final answer of the tool demo is right exactly when the call was).
+Each rollout server writes one line per trajectory (see
+`rollout_servers.trajectory_log.TrajectoryMetricsLog`); evaluation samples are left out. A
+trajectory's bucket is the newest policy version that sampled any of its tokens, so "early" and
+"late" are the policy's age, not the wall clock. A correct tool call is a trajectory that called
+a tool and whose final answer earned full reward (the final answer of the tool demo is right
+exactly when the call was).
 """
 
 from __future__ import annotations

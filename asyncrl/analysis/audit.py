@@ -16,8 +16,9 @@ Invariants (`Audit.ok` is false when one fails):
 1. `rows_once`: no draw index is trained twice.
 2. `rows_accounted`: at every complete checkpoint step_c, the rows trained by step c, its ready
    groups and its leases to re-issue hold each row of [0, rows_drawn) at most once, and the rows
-   missing from them are exactly as many as the groups dropped as stale by then; any more are
-   `lost`. (The steps after the last checkpoint are covered by 1 and 5 only.)
+   missing from them are exactly as many as the groups dropped as stale and the rows given up
+   (`replay.max_group_failures`) by then; any more are `lost`. (The steps after the last
+   checkpoint are covered by 1 and 5 only.)
 3. `data_position`: each checkpoint's prompt-source position is its rows drawn.
 4. `trajectories_once`: no trajectory id is trained twice.
 5. `whole_groups`: every step trains `rollout.n` samples per group (no algorithm here filters
@@ -111,6 +112,7 @@ class Snapshot:
     ready: list[str]  # group ids complete and not trained
     reissue: list[str]  # group ids leased and not complete (leased again on resume)
     stale_dropped: int
+    given_up: int  # rows no server could sample (`replay.leases.LeaseDesk.fail`)
     source_position: int | None  # the prompt source's own count of rows served, when it has one
 
 
@@ -143,6 +145,7 @@ def read_snapshot(ckpt: Path) -> Snapshot:
         ready=[g.item.group_id for g in state.ready],
         reissue=[p.group_id for p in state.reissue],
         stale_dropped=int(state.counters.get("stale_dropped", 0)),
+        given_up=int(state.counters.get("rows_given_up", 0)),
         source_position=None if position is None else int(position),
     )
 
@@ -206,11 +209,11 @@ def check_rows(rec: Records) -> tuple[list[Check], dict[str, int]]:
         if beyond := sorted(r for r in seen if r >= snap.rows_drawn):
             problems.append(f"step_{snap.version}: rows past rows_drawn {_few(beyond)}")
         missing = snap.rows_drawn - len(set(seen) - set(beyond))
-        skipped = missing - snap.stale_dropped
+        skipped = missing - snap.stale_dropped - snap.given_up
         if skipped > 0:
             problems.append(
                 f"step_{snap.version}: {skipped} row(s) of the first {snap.rows_drawn} neither "
-                f"trained, held nor dropped as stale"
+                f"trained, held, dropped as stale nor given up"
             )
         lost = max(skipped, 0)  # the latest checkpoint's count: every earlier one is within it
         if snap.source_position is not None and snap.source_position != snap.rows_drawn:

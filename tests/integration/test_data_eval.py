@@ -23,15 +23,17 @@ def model_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("model_cache")
 
 
-def _verl_style_parquet(path: Path, data_source: str) -> Path:
+def _verl_style_parquet(path: Path, data_source: str, too_long_every: int = 0) -> Path:
     """Written the way verl's example preprocessing scripts do: a list of dicts with the
-    data_source / prompt / ability / reward_model / extra_info columns, saved with pyarrow."""
+    data_source / prompt / ability / reward_model / extra_info columns, saved with pyarrow.
+    `too_long_every`: every so many rows, a prompt longer than the model's context."""
     rows = []
     for i, (a, b) in enumerate((a, b) for a in range(10) for b in range(10)):
+        long = too_long_every and i % too_long_every == 0
         rows.append(
             {
                 "data_source": data_source,
-                "prompt": [{"role": "user", "content": f"{a}+{b}="}],
+                "prompt": [{"role": "user", "content": f"{a}+{b}=" * (500 if long else 1)}],
                 "ability": "math",
                 "reward_model": {"style": "rule", "ground_truth": str(a + b)},
                 "extra_info": {"split": "train", "index": i},
@@ -89,6 +91,39 @@ def test_verl_parquet_and_a_misbehaving_custom_reward(tmp_path, model_cache):
     stats = json.loads((run_dir / "stats" / "server_0.json").read_text())
     for kind in ("exception", "timeout", "non_finite"):
         assert stats.get(f"reward_{kind}", 0) > 0, f"no {kind} counted: {stats}"
+
+
+def test_a_row_no_server_can_sample_is_given_up_written_down_and_the_run_goes_on(
+    tmp_path, model_cache
+):
+    """Every fifth row is longer than the model's context (no data.max_prompt_length filters
+    it): each of its groups fails on the server, which reports it; the replay leases the row
+    again, gives it up at replay.max_group_failures and names it in failed_groups.jsonl, and
+    the run trains on the others without a server restart."""
+    data = _verl_style_parquet(tmp_path / "train.parquet", "my_source", too_long_every=5)
+    reward = tmp_path / "my_reward.py"
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return float(solution_str.strip() == ground_truth)\n"
+    )
+    run_dir = _run(
+        tmp_path,
+        model_cache,
+        f"data.train_files=[{data}]",
+        "trainer.total_steps=6",
+        f"reward.custom.path={reward}",
+        "replay.max_group_failures=2",
+        "trainer.save_final=false",
+    )
+    assert [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl")] == list(range(1, 7))
+    replay = json.loads((run_dir / "stats" / "replay.json").read_text())
+    server = json.loads((run_dir / "stats" / "server_0.json").read_text())
+    failed = read_jsonl(run_dir / "failed_groups.jsonl")
+    assert replay["rows_given_up"] == len(failed) >= 1, (replay, server)
+    assert replay["groups_failed"] <= server["client_groups_reported_failed"]
+    for record in failed:
+        assert record["failures"] == 2 and "leaves no room to sample" in record["error"]
+    assert replay.get("server_epochs_replaced", 0) == 0 and server["groups"] >= 6 * 4
 
 
 def test_validation_then_eval_of_the_final_checkpoint(tmp_path, model_cache):

@@ -26,6 +26,7 @@ from asyncrl.protocol import (
     EvalPoll,
     EvalResults,
     EvalSubmit,
+    GroupFailed,
     LeaseGrant,
     LeaseRequest,
     PromptItem,
@@ -189,7 +190,8 @@ def test_a_peer_without_the_secret_can_neither_read_nor_change_anything(sock):
         ("server_1", [EvalSubmit(1, "job", []), EvalPoll(1, "job"), DeclareDead(1, 0, 0, "x")]),
         ("client", [LeaseRequest(1, 0, 0, 4), _traj("g", 0), BatchRequest(1, 0, B)]),
         ("client", [VersionUpdate(1, 5), CheckpointRequest(1, "r", 0), DeclareDead(1, 1, 0, "")]),
-        ("learner", [LeaseRequest(1, 0, 0, 4), _traj("g", 0)]),
+        ("learner", [LeaseRequest(1, 0, 0, 4), _traj("g", 0), GroupFailed(1, 0, "g", "x")]),
+        ("client", [GroupFailed(1, 0, "g", "x")]),
     ],
 )
 def test_each_role_may_send_only_its_own_messages(sock, role, forbidden):
@@ -215,6 +217,11 @@ def test_one_server_cannot_take_all_capacity_nor_fill_another_servers_groups(soc
     for server, signer in [(1, "server_0"), (7, "server_0")]:  # speaking for another server
         reply = ask(sock, LeaseRequest(4, server, 0, 4), signer)
         assert isinstance(reply, Error) and f"may not speak for server {server}" in reply.reason
+    reply = ask(sock, GroupFailed(5, 1, other.prompts[0].group_id, "x"), "server_0")
+    assert isinstance(reply, Error) and "may not speak for server 1" in reply.reason
+    reply = ask(sock, GroupFailed(5, 0, other.prompts[0].group_id, "x"), "server_0")
+    assert isinstance(reply, Ack) and reply.status == "late"  # not its lease: nothing ends
+    assert _stats(sock)["groups_failed"] == 0
     reply = ask(sock, LeaseRequest(4, 2, 0, 4), "server_2")  # rollout.num_servers=2: no key
     assert isinstance(reply, Error) and "authenticat" in reply.reason
 

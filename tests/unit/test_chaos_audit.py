@@ -59,7 +59,9 @@ def _jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def _checkpoint(run: Path, version: int, drawn: int, ready: list[str], reissue: list[str]) -> None:
+def _checkpoint(
+    run: Path, version: int, drawn: int, ready: list[str], reissue: list[str], given_up: int = 0
+) -> None:
     ckpt = run / "checkpoints" / f"step_{version}"
     (ckpt / SHARDS_DONE).parent.mkdir(parents=True)
     (ckpt / SHARDS_DONE).write_bytes(b"")
@@ -74,7 +76,7 @@ def _checkpoint(run: Path, version: int, drawn: int, ready: list[str], reissue: 
         reissue=[_item(g) for g in reissue],
         ready=groups,
         seen_ids=[],
-        counters={"stale_dropped": 0},
+        counters={"stale_dropped": 0, "rows_given_up": given_up},
     )
     write_state(ckpt / REPLAY_FILE, state)
 
@@ -213,6 +215,18 @@ def test_a_skipped_row_fails(tmp_path):
     audit = audit_run(run)
     assert audit.failed() == ["rows_accounted"]
     assert audit.counts["rows_lost"] == 1
+
+
+def test_a_row_given_up_is_accounted_for_and_no_more(tmp_path):
+    """A row no server could sample (`replay.max_group_failures`) is counted given up by the
+    replay: it is not lost, but it excuses one missing row only."""
+    run = write_run(tmp_path / "run")
+    shutil.rmtree(run / "checkpoints" / "step_4")
+    _checkpoint(run, 4, drawn=10, ready=[_gid(8)], reissue=[], given_up=1)
+    assert audit_run(run).ok
+    shutil.rmtree(run / "checkpoints" / "step_4")
+    _checkpoint(run, 4, drawn=11, ready=[_gid(8)], reissue=[], given_up=1)
+    assert _failed(run) == ["rows_accounted"] and audit_run(run).counts["rows_lost"] == 1
 
 
 def test_a_trajectory_trained_twice_fails(tmp_path):

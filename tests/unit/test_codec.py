@@ -11,8 +11,8 @@ from asyncrl.protocol import (
     Stats,
     Trajectories,
     Trajectory,
-    empty_batch,
 )
+from replay.buffer import to_batch
 
 
 def _traj(**kw):
@@ -59,7 +59,7 @@ def test_nested_structs_round_trip():
     grant = LeaseGrant(7, [PromptItem("g", 4, "src", [ChatMessage("user", "1+1=")], "2", {})])
     assert decode(_wire(grant)) == grant
     assert decode(_wire(Stats(1, {"a": 1.5}))).counters == {"a": 1.5}
-    assert isinstance(decode(_wire(empty_batch(3))), Batch)
+    assert isinstance(decode(_wire(to_batch(3, [], 0))), Batch)
 
 
 def test_json_fields_round_trip_typed_and_bounded():
@@ -214,7 +214,7 @@ def test_prompt_items_and_eval_submits_are_bounded():
 
 
 def test_a_batch_that_indexes_outside_its_arrays_or_carries_inf_is_rejected_at_the_learner():
-    good = _wire(empty_batch(1))
+    good = _wire(to_batch(1, [], 0))
     assert isinstance(decode(good), Batch)
     one = dict(
         request_id=1, traj_ids=["t"], group_ids=["g"], data_sources=["s"], finish_reasons=["stop"],

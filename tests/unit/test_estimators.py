@@ -120,30 +120,6 @@ def test_the_servers_sample_a_greedy_baseline_when_the_declaration_asks(tmp_path
     assert all(math.isnan(b) for b in _baselines(tmp_path, "grpo"))
 
 
-class _FailingLoop:
-    """An agent loop that cannot run a prompt (as one naming an agent loop the server lacks)."""
-
-    async def run(self, prompt, params=None) -> AgentResult:
-        raise ValueError(f"unknown agent loop {prompt.agent_name!r}")
-
-
-def test_a_group_that_fails_is_counted_and_the_server_goes_on_until_too_many_in_a_row(tmp_path):
-    """A client's evaluation prompt naming an unknown agent loop stopped server_0, and with it
-    the run (found by red-teaming); only a run of failures (a broken engine) may stop it."""
-    cfg = load_config(None, ["rollout.max_concurrent_groups=2"])
-    spec = RunSpec(str(tmp_path), "unused", "tcp://127.0.0.1:1", "127.0.0.1", 0, 0, 1)
-    server = RolloutServer(cfg, spec, 0, _Engine(), _FailingLoop(), _Client(), _Rewards())  # type: ignore[arg-type]
-    bad = PromptItem("g-1", 2, "src", [ChatMessage("user", "q")], "a", {}, agent_name="nope")
-    for _ in range(6):  # 3 x max_concurrent_groups in a row: tolerated
-        asyncio.run(server.run_group(bad))
-    assert server.counters["groups_failed"] == 6
-    with pytest.raises(RuntimeError, match="7 groups failed in a row"):
-        asyncio.run(server.run_group(bad))
-    server.agent_loop = _Loop()
-    asyncio.run(server.run_group(bad))  # a group that samples ends the run of failures
-    assert server.counters["groups"] == 1 and server._failed_in_a_row == 0
-
-
 def test_validating_a_config_imports_no_torch():
     """The launcher and every process validate the config first; the estimator declarations
     it reads must not cost a torch import (about 1.3 s on this project's CPUs)."""

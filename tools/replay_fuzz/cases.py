@@ -41,6 +41,7 @@ ACCEPTED = [
     P.VersionUpdate,
     P.StatsRequest,
     P.Heartbeat,
+    P.GroupFailed,
     P.EvalSubmit,
     P.EvalPoll,
     P.CheckpointRequest,

@@ -28,6 +28,7 @@ import numpy as np
 
 from asyncrl import protocol as P
 from asyncrl.codec import ProtocolError
+from replay.buffer import to_batch
 
 MAX_KNOWN = 256  # groups and jobs remembered (oldest forgotten first)
 
@@ -285,6 +286,13 @@ def _eval_poll(rng: random.Random, ctx: Context, case: str) -> Any:
     return P.EvalPoll(request_id=_request_id(rng), job_id=job)
 
 
+def _group_failed(rng: random.Random, ctx: Context, case: str) -> Any:
+    known = list(ctx.groups)[-32:] + list(ctx.eval_groups)[-8:]
+    group = rng.choice(known) if known and rng.random() < 0.8 else f"unknown-{rng.randrange(99)}"
+    server_id = rng.randrange(ctx.servers - 1)
+    return P.GroupFailed(_request_id(rng), server_id, group, f"fuzzed failure {case}")
+
+
 BUILDERS: dict[type, Callable[[random.Random, Context, str], Any]] = {
     P.LeaseRequest: _lease_request,
     P.Trajectory: lambda rng, ctx, case: trajectory(rng, ctx),
@@ -296,11 +304,12 @@ BUILDERS: dict[type, Callable[[random.Random, Context, str], Any]] = {
     P.StatsRequest: lambda rng, ctx, case: P.StatsRequest(_request_id(rng)),
     P.EvalSubmit: lambda rng, ctx, case: eval_submit(rng, ctx, f"job-{case}"),
     P.EvalPoll: _eval_poll,
+    P.GroupFailed: _group_failed,
     P.CheckpointRequest: lambda rng, ctx, case: P.CheckpointRequest(
         _request_id(rng), str(ctx.run_dir / f"replay-{rng.randrange(4)}.json"), ctx.version
     ),
     # answers, which the replay must refuse: consistent lengths, as their senders make them
-    P.Batch: lambda rng, ctx, case: P.empty_batch(_request_id(rng)),
+    P.Batch: lambda rng, ctx, case: to_batch(_request_id(rng), [], 0),
     P.Acks: lambda rng, ctx, case: P.Acks(["a", "b"], ["accepted", "late"]),
     P.EvalResults: _eval_results,
 }
