@@ -143,11 +143,17 @@ def test_the_local_fleet_orders_exits_by_time_not_start_order(tmp_path):
     """Real child processes: server_0 (started first) exits 0.6 s after server_1 is killed;
     server_1 is named and server_0 follows it, stamped within milliseconds of each exit."""
     fleet = LocalFleet(RunSpec(str(tmp_path), "", "", "", 0, 0, 1))
-    code = "import os, signal, sys, time; time.sleep({}); print('{}', flush=True); {}"
+    # each ends at a wall-clock time set here, so their starts (a fork of this large process
+    # and an interpreter start each, skewed by up to 0.2 s under load) do not shift the gap
+    code = (
+        "import os, signal, sys, time; time.sleep(max(0, {} - time.time())); "
+        "print('{}', flush=True); {}"
+    )
     exit_1 = "sys.exit(1)"
     kill_self = "os.kill(os.getpid(), signal.SIGKILL)"
-    fleet.start("server_0", [sys.executable, "-c", code.format(0.9, "dying", exit_1)], {})
-    fleet.start("server_1", [sys.executable, "-c", code.format(0.3, "killed", kill_self)], {})
+    at = time.time() + 1.5
+    fleet.start("server_0", [sys.executable, "-c", code.format(at + 0.6, "dying", exit_1)], {})
+    fleet.start("server_1", [sys.executable, "-c", code.format(at, "killed", kill_self)], {})
     try:
         while not fleet.failures():
             fleet.wait(5.0)

@@ -63,6 +63,17 @@ def client() -> Iterator[zmq.Socket]:
         yield sock  # 10 KiB messages at most: easy to exceed
 
 
+PATIENT_S = 5.0  # a wait no loaded machine outlasts: a test that a request is still held
+
+
+@pytest.fixture
+def patient() -> Iterator[zmq.Socket]:
+    """A replay that holds requests PATIENT_S, for tests of what answers a held request (with
+    WAIT_S, a 0.2 s stall of this process answered one empty first)."""
+    with running_replay(_config(wait_timeout_s=PATIENT_S)) as address, dealer(address) as sock:
+        yield sock
+
+
 def _send_raw(sock: zmq.Socket, frames: list[bytes], role: str = "server_0") -> object:
     """Raw frames, signed (so they reach the decoder), and the reply."""
     return ask(sock, frames, role)
@@ -282,35 +293,35 @@ async def test_a_turn_is_split_below_the_replays_limit_and_an_oversized_sample_i
             client.close()
 
 
-def test_held_batch_request_is_answered_when_the_groups_complete(client):
-    prompts = _lease(client, 1, version=0, max_groups=B)
-    _complete(client, prompts[:1])
-    send(client, BatchRequest(5, 0, B))
-    assert not client.poll(100), "one group short: the request must wait"
+def test_held_batch_request_is_answered_when_the_groups_complete(patient):
+    prompts = _lease(patient, 1, version=0, max_groups=B)
+    _complete(patient, prompts[:1])
+    send(patient, BatchRequest(5, 0, B))
+    assert not patient.poll(100), "one group short: the request must wait"
     last = prompts[1]
-    _ask(client, _traj(last.group_id, 0))
+    _ask(patient, _traj(last.group_id, 0))
     started = time.monotonic()
-    send(client, _traj(last.group_id, 1))
-    replies = [_recv(client), _recv(client)]
-    assert time.monotonic() - started < WAIT_S  # answered by the completion, not the timeout
+    send(patient, _traj(last.group_id, 1))
+    replies = [_recv(patient), _recv(patient)]
+    assert time.monotonic() - started < PATIENT_S  # answered by the completion, not the timeout
     batch = next(r for r in replies if isinstance(r, Batch))
     assert batch.request_id == 5 and len(batch.traj_ids) == B * N
 
 
-def test_held_lease_request_is_superseded_by_one_at_the_new_version(client):
-    first = _lease(client, 1, version=0, max_groups=4)
+def test_held_lease_request_is_superseded_by_one_at_the_new_version(patient):
+    first = _lease(patient, 1, version=0, max_groups=4)
     assert len(first) == B
-    send(client, LeaseRequest(2, 0, 0, 4))
-    assert not client.poll(100), "admission is full at version 0: the request must wait"
-    _complete(client, first)
-    assert isinstance(_ask(client, BatchRequest(3, 0, B)), Batch)
-    assert isinstance(_ask(client, VersionUpdate(4, 1)), Ack)
-    assert not client.poll(100), "the server still holds version 0: admission must not grant"
+    send(patient, LeaseRequest(2, 0, 0, 4))
+    assert not patient.poll(100), "admission is full at version 0: the request must wait"
+    _complete(patient, first)
+    assert isinstance(_ask(patient, BatchRequest(3, 0, B)), Batch)
+    assert isinstance(_ask(patient, VersionUpdate(4, 1)), Ack)
+    assert not patient.poll(100), "the server still holds version 0: admission must not grant"
     started = time.monotonic()
     # the server's engine moved to version 1: it asks again, which supersedes the held request
-    send(client, LeaseRequest(5, 0, 1, 4))
-    replies = {r.request_id: r for r in (_recv(client), _recv(client))}
-    assert time.monotonic() - started < WAIT_S
+    send(patient, LeaseRequest(5, 0, 1, 4))
+    replies = {r.request_id: r for r in (_recv(patient), _recv(patient))}
+    assert time.monotonic() - started < PATIENT_S
     assert replies[2].prompts == [] and len(replies[5].prompts) == B
 
 

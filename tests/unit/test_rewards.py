@@ -162,7 +162,8 @@ async def test_failures_score_zero_are_counted_and_the_pool_keeps_working(custom
 
         start = time.monotonic()  # the single worker was replaced: later calls succeed quickly
         assert await rc.score("any/source", "b", "b", None) == (1.0, {"length": 1.0})
-        assert time.monotonic() - start < 1.0
+        # the replacement's start is in it: up to 0.65 s on a loaded 2-core machine
+        assert time.monotonic() - start < 3.0
         assert rc.failures == {"exception": 1, "non_finite": 3, "non_number": 1, "timeout": 1}
     finally:
         rc.close()
@@ -186,7 +187,9 @@ async def test_a_turns_calls_travel_as_one_batch_and_each_fails_alone(custom_fil
         assert [s for s, _ in scores] == [1.0, 0.0, 1.0, 0.0, 1.0, 0.0]
         assert batches == [6]
         assert rc.failures == {"timeout": 1, "crash": 1}
-        assert 1.0 <= took < 3.0
+        # one timeout plus three worker starts (0.16 s each here, 0.85 s under load); a timeout
+        # per item after the hang would be 5 s or more
+        assert 1.0 <= took < 4.5
 
         # a caller that gives up does not disturb the others of its batch
         calls = [asyncio.create_task(rc.score("any/source", t, t, None)) for t in ("hang", "d")]
