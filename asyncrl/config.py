@@ -1,10 +1,9 @@
 """The typed configuration tree shared by every fleet.
 
-One tree with eight sections (data, rollout, reward, replay, learner, algorithm, trainer,
-launch) is loaded from a YAML file and overridden from the command line as ``section.key=value``. Every
-field has a type, a default, a bound where one applies and a one-line docstring; unknown keys and
-invalid values fail at start-up, before any process starts, with a message that names the key
-and what is allowed.
+One tree with eight sections (data, rollout, reward, replay, learner, algorithm, trainer, launch)
+is loaded from a YAML file and overridden from the command line as ``section.key=value``. Every
+field has a type, a default, a bound where one applies and a short docstring; unknown keys and
+invalid values fail at start-up, before any process starts, naming the key and what is allowed.
 """
 
 from __future__ import annotations
@@ -135,6 +134,9 @@ class RolloutConfig(_Section):
     (exact) or kept from the old version (cheap, inexact); see docs/pipeline.md."""
     ack_timeout_s: float = Field(10.0, gt=0)
     """A trajectory not acknowledged within this is sent again with the next attempt number."""
+    stall_timeout_s: float = Field(0.0, ge=0)
+    """Groups in flight and no sample done for this long: the engine is wedged, the server stops
+    (and is restarted); 0: replay.lease_timeout_s, after which those leases are lost anyway."""
     agent_loop: str = "single_turn"
     """Default agent loop: a registered name (single_turn, tool_agent) or `pkg.module:Class`;
     a row's agent_name may pick another registered loop."""

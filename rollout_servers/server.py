@@ -80,6 +80,8 @@ class RolloutServer:
         )
         self.counters: Counter[str] = Counter()
         self._failed_in_a_row = 0  # groups that raised since the last one that did not
+        self.stall_timeout_s = cfg.rollout.stall_timeout_s or cfg.replay.lease_timeout_s
+        self._progress_at = time.monotonic()  # a sample done, or no group in flight
         self.sampling_params = sampling_params(cfg.rollout)
         self.greedy_params = dataclasses.replace(self.sampling_params, temperature=0.0, top_p=1.0)
         self.sync_times: list[float] = []
@@ -225,6 +227,7 @@ class RolloutServer:
             metrics={**result.metrics, **extras},
         )
         await self.client.put(traj)
+        self._progress_at = time.monotonic()
         self.counters["trajectories"] += 1
         self.trajectory_log.add(prompt, traj)
 
@@ -249,6 +252,7 @@ class RolloutServer:
             for done in [t for t in groups if t.done()]:
                 groups.discard(done)
                 done.result()
+            self._raise_if_stalled(len(groups))
             free = capacity - len(groups)
             # ask again at once when the engine moved on: admission control judges by version
             if free > 0 and (not leases or asked_at_version != self.engine.version):
@@ -294,6 +298,20 @@ class RolloutServer:
             if t.done():
                 t.result()
                 raise RuntimeError(f"background task {t.get_name()} ended unexpectedly")
+
+    def _raise_if_stalled(self, groups_in_flight: int) -> None:
+        """Stop when groups are in flight and no sample was done for `stall_timeout_s`: an engine
+        wedged while this event loop (and its heartbeat) runs on, which the replay's silence
+        rule cannot see. The launcher restarts the server; the replay takes its leases back."""
+        now = time.monotonic()
+        if groups_in_flight == 0:
+            self._progress_at = now
+        elif now - self._progress_at > self.stall_timeout_s:
+            raise RuntimeError(
+                f"{groups_in_flight} group(s) in flight and no sample done for "
+                f"{now - self._progress_at:.0f} s (rollout.stall_timeout_s="
+                f"{self.stall_timeout_s:g}): the engine is wedged; stopping"
+            )
 
     def stats(self) -> dict[str, float]:
         times = self.sync_times or [0.0]
