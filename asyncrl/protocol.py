@@ -454,7 +454,7 @@ class EvalPoll:
 class EvalResults:
     request_id: int  # the EvalPoll answered
     job_id: str  # the job
-    expected: int  # samples the job will produce in all (none of a group in failed_groups)
+    expected: int  # samples the job will produce in all (not the empty slots of failed_groups)
     group_ids: list[str]  # [S] samples scored so far
     data_sources: list[str]  # [S]
     scores: Array("float32")  # [S] reward of each sample

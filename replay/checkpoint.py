@@ -46,7 +46,7 @@ from asyncrl.metrics import write_bytes_atomic
 from asyncrl.protocol import LeaseGrant, PromptItem, Trajectory
 from replay.buffer import SavedGroup
 
-FORMAT = 1  # the layout of the map below; a reader refuses any other
+FORMAT = 2  # the layout of the map below; a reader refuses any other but 1, which it upgrades
 _KEYS = {
     "format",
     "version",
@@ -105,7 +105,10 @@ def decode_state(data: bytes) -> ReplayState:
     except Exception as e:  # a truncated or foreign file: say so, whatever msgpack raised
         raise ProtocolError(f"not valid MessagePack ({type(e).__name__}: {e})") from None
     check(isinstance(doc, dict) and set(doc) == _KEYS, f"not a replay state (keys {sorted(_KEYS)})")
-    check(doc["format"] == FORMAT, f"format {doc['format']!r}, this replay reads {FORMAT}")
+    check(doc["format"] in (1, FORMAT), f"format {doc['format']!r}, this replay reads {FORMAT}")
+    if doc["format"] == 1:  # its prompts had no `failures` (`GroupFailed` came with format 2)
+        for key in ("reissue", "ready_items"):
+            doc[key] = _prompts_of_format_1(doc[key])
     for key in ("version", "rows_drawn"):
         check(_is_index(doc[key]), f"{key} {doc[key]!r} is not an integer >= 0")
     check(isinstance(doc["prompt_source"], str), "prompt_source is not JSON text")
@@ -154,6 +157,18 @@ def _saved_group(item: PromptItem, g: Any) -> SavedGroup:
     check(isinstance(g["samples"], list), f"group {item.group_id!r}: samples is not a list")
     samples = [_unframe(frames, Trajectory) for frames in g["samples"]]
     return SavedGroup(item, g["lease_version"], g["server_id"], samples, latencies)
+
+
+def _prompts_of_format_1(frames: Any) -> Any:
+    """A format-1 `LeaseGrant`'s frames with `failures: 0` added to each prompt (anything that
+    is not such frames is left for `_unframe` to refuse)."""
+    try:
+        header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
+        for prompt in header["fields"]["prompts"]:
+            prompt.setdefault("failures", 0)
+        return [msgpack.packb(header, use_bin_type=True), *frames[1:]]
+    except Exception:  # damaged: whatever it is, the checks of `_unframe` name it
+        return frames
 
 
 def _frames(msg: Any) -> list[bytes]:

@@ -83,7 +83,7 @@ class EvalJobs:
         self._jobs[job_id] = _Job(expected=expected, touched=now)
         for p in prompts:
             self._group_job[p.group_id] = (job_id, p.data_source, p.n)
-        self._pending.extend(prompts)
+        self._pending.extend(dataclasses.replace(p, failures=0) for p in prompts)  # ours to count
 
     def _make_room(self) -> None:
         """Free the oldest finished jobs while MAX_JOBS are kept (fewer than MAX_OPEN_JOBS are
@@ -164,14 +164,16 @@ class EvalJobs:
     def owns(self, group_id: str) -> bool:
         return group_id in self._group_job
 
-    def add(self, traj: Trajectory, now: float) -> Literal["accepted", "duplicate"]:
+    def add(self, traj: Trajectory, now: float) -> Literal["accepted", "duplicate", "late"]:
         """Score one sample of an owned group (`owns`); the caller checked it is well formed.
+        `late`: the group is not leased to its sender (any more: its server died or could not
+        sample it, and it went back to the queue or was given up), as for a training group.
         MalformedTrajectory when its sample_index is not one of the group's."""
         job_id, source, n = self._group_job[traj.group_id]
         if traj.sample_index >= n:  # each group gives exactly its n samples, no more
             raise MalformedTrajectory(f"sample_index {traj.sample_index} outside 0..{n - 1}")
         if self._leased_to.get(traj.group_id) != traj.server_id:
-            raise MalformedTrajectory(f"evaluation group {traj.group_id!r} is not leased to it")
+            return "late"
         job = self._jobs[job_id]
         slot = (traj.group_id, traj.sample_index)
         if slot in job.seen:

@@ -62,6 +62,7 @@ class LeaseDesk:
         )
         self._rows_drawn = 0
         self._retry: deque[PromptItem] = deque()  # expired leases, granted again before new rows
+        self._failed_on: dict[str, int] = {}  # row of a failed lease in _retry -> its server
 
     def wanted(self, req: LeaseRequest) -> int:
         """Groups `req`'s server may take now: what it asks for, within its quota
@@ -94,17 +95,24 @@ class LeaseDesk:
         version = req.server_version
         k = self._grantable(req, wanted, asking)
         now = time.monotonic()
-        prompts = [self._next_prompt() for _ in range(k)]
+        prompts = [self._next_prompt(req.server_id) for _ in range(k)]
         for item in prompts:
             self.buffer.open_group(item, now, lease_version=version, server_id=req.server_id)
         self.admission.on_issued(k)
         self.counters["leases_granted"] += k
         return prompts
 
-    def _next_prompt(self) -> PromptItem:
-        if self._retry:
-            self.counters["leases_reissued"] += 1
-            return reissue(self._retry.popleft())
+    def _next_prompt(self, server_id: int) -> PromptItem:
+        """A lease to re-issue first, then a new row. A row a server could not sample goes to
+        another server when the fleet has more than one (an error of that server's, such as its
+        device's memory, does not use up the row's failures); it waits for one meanwhile."""
+        alone = self.cfg.rollout.num_servers == 1
+        for i, item in enumerate(self._retry):
+            if alone or self._failed_on.get(_row(item)) != server_id:
+                del self._retry[i]
+                self._failed_on.pop(_row(item), None)
+                self.counters["leases_reissued"] += 1
+                return reissue(item)
         row_index = self._rows_drawn
         self._rows_drawn += 1
         return row_to_prompt_item(self.prompts.next_row(), row_index, self.cfg.rollout.n)
@@ -137,8 +145,8 @@ class LeaseDesk:
 
     def fail(self, server_id: int, group_id: str, error: str) -> str:
         """`server_id` could not sample the group `group_id` leased to it (`GroupFailed`): the
-        lease ends now. The row is leased again (to any server, under a fresh group id) until it
-        has failed `replay.max_group_failures` times; then it is given up: logged, counted
+        lease ends now. The row is leased again (under a fresh group id, to another server when
+        the fleet has more than one, `_next_prompt`) until it has failed `replay.max_group_failures` times; then it is given up: logged, counted
         (`rows_given_up`, `eval_groups_given_up`) and written to `failed_groups.jsonl` in the run
         directory (with the start of its prompt). A given-up
         training row is never trained; an evaluation group is listed in its job's results.
@@ -151,6 +159,7 @@ class LeaseDesk:
             self.admission.on_never_trained(1)
             if item.failures + 1 < limit:
                 self._retry.append(dataclasses.replace(item, failures=item.failures + 1))
+                self._failed_on[_row(item)] = server_id
         if item is None:
             return "late"
         self.counters["groups_failed"] += 1
@@ -160,19 +169,27 @@ class LeaseDesk:
         self.counters["eval_groups_given_up" if item.eval_job else "rows_given_up"] += 1
         log.error("group %s given up after %d failures: %s", group_id, item.failures + 1, error)
         if self.failed_log is not None:
-            record = {
-                "group_id": group_id,
-                "eval_job": item.eval_job,
-                "data_source": item.data_source,
-                "prompt": item.messages[-1].content[:200] if item.messages else "",
-                "failures": item.failures + 1,
-                "server_id": server_id,
-                "error": error,
-                "time": time.time(),
-            }
+            self._write_failed(
+                {
+                    "group_id": group_id,
+                    "eval_job": item.eval_job,
+                    "data_source": item.data_source,
+                    "prompt": item.messages[-1].content[:200] if item.messages else "",
+                    "failures": item.failures + 1,
+                    "server_id": server_id,
+                    "error": error,
+                    "time": time.time(),
+                }
+            )
+        return "given_up"
+
+    def _write_failed(self, record: dict) -> None:
+        assert self.failed_log is not None
+        try:
             with self.failed_log.open("a") as f:
                 f.write(json.dumps(record) + "\n")
-        return "given_up"
+        except OSError as e:  # the log line above says it all the same
+            log.error("cannot write %s: %s", self.failed_log, e)
 
     def data_state(self, version: int) -> ReplayState:
         """The replay's whole state at learner version `version`, for a checkpoint: the ready
@@ -210,6 +227,11 @@ class LeaseDesk:
             len(self._retry),
         )
         return state.version
+
+
+def _row(item: PromptItem) -> str:
+    """The row a lease is of: its group id's draw index (`asyncrl.data.new_group_id`)."""
+    return item.group_id.rsplit("-", 1)[0]
 
 
 def lease_spread(server_ids: Iterable[int]) -> dict[str, float]:

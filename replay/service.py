@@ -85,6 +85,7 @@ log = logging.getLogger("asyncrl.replay")
 POLL_INTERVAL_S = 0.1  # longest the loop sleeps, so a stop request is seen within it
 MAX_MESSAGES_PER_TICK = 1000  # messages handled between two looks at timers and held requests
 _ACK_COUNTERS = {"accepted": "accepted", "duplicate": "duplicates", "late": "late"}
+_EVAL_COUNTERS = {"accepted": "eval_samples"}
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -257,7 +258,7 @@ class ReplayService(Endpoint):
             if self.eval_jobs.owns(traj.group_id):
                 check_trajectory(traj, self.buffer.limits)
                 status = self.eval_jobs.add(traj, time.monotonic())
-                self.counters["eval_samples" if status == "accepted" else "duplicates"] += 1
+                self.counters[_EVAL_COUNTERS.get(status, _ACK_COUNTERS[status])] += 1
             else:
                 status = self.buffer.add(traj)
                 self.counters[_ACK_COUNTERS[status]] += 1

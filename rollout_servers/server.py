@@ -56,6 +56,10 @@ from rollout_servers.trajectory_log import TrajectoryMetricsLog
 
 log = logging.getLogger("asyncrl.rollout")
 
+PROBES = 3  # one-token requests that must all fail before a failed group stops the server
+PROBE_PAUSE_S = 1.0  # between two of them
+PROBE_TIMEOUT_S = 120.0  # one probe's wait (a busy engine queues it behind a full batch)
+
 
 class RolloutServer:
     def __init__(
@@ -153,8 +157,9 @@ class RolloutServer:
         group that raises (a prompt naming an agent loop this server lacks, one too long for the
         model, ...) is logged, counted (`groups_failed`) and reported to the replay, which leases
         the row again or gives it up (`replay.max_group_failures`), and the server goes on; a
-        report only leaves once the engine answers a one-token probe, so a broken engine stops
-        the server instead of blaming rows. Many failures in a row stop it too."""
+        report only leaves once the engine answers a one-token probe, so an engine that cannot
+        sample even that stops the server instead of blaming rows. Many failures in a row stop
+        it too."""
         try:
             if ESTIMATORS[self.cfg.algorithm.adv_estimator].greedy_baseline:
                 baseline = asyncio.ensure_future(self._greedy_baseline(prompt))
@@ -171,7 +176,8 @@ class RolloutServer:
     async def _group_failed(self, prompt: PromptItem, error: Exception) -> None:
         self.counters["groups_failed"] += 1
         self._failed_in_a_row += 1
-        limit = 3 * self.cfg.rollout.max_concurrent_groups
+        # each bad row fails up to max_group_failures times
+        limit = 3 * self.cfg.rollout.max_concurrent_groups * self.cfg.replay.max_group_failures
         if self._failed_in_a_row > limit:
             raise RuntimeError(f"{self._failed_in_a_row} groups failed in a row") from error
         if self.counters["groups_failed"] <= 10:
@@ -184,16 +190,26 @@ class RolloutServer:
                 error,
                 exc_info=error,
             )
-        try:  # token 0 is in every vocabulary
-            await self.engine.generate(
-                [0], dataclasses.replace(self.greedy_params, max_new_tokens=1)
-            )
-        except Exception as probe_error:
-            raise RuntimeError(
-                f"the engine failed a one-token probe after group {prompt.group_id} failed "
-                f"({type(error).__name__}: {error}): stopping"
-            ) from probe_error
+        await self._probe_engine(prompt, error)
         await self.client.group_failed(prompt.group_id, f"{type(error).__name__}: {error}")
+
+    async def _probe_engine(self, prompt: PromptItem, error: Exception) -> None:
+        """Whether the engine still samples, before a failed group is blamed on its row: a
+        one-token request (token 0 is in every vocabulary), tried PROBES times a second apart
+        (a probe admitted together with the failing prompt can fail with it: a prefill that
+        ran out of device memory); RuntimeError when every try fails."""
+        params = dataclasses.replace(self.greedy_params, max_new_tokens=1)
+        for attempt in range(1, PROBES + 1):
+            try:
+                await asyncio.wait_for(self.engine.generate([0], params), PROBE_TIMEOUT_S)
+                return
+            except Exception as probe_error:
+                if attempt == PROBES:
+                    raise RuntimeError(
+                        f"the engine failed {PROBES} one-token probes after group "
+                        f"{prompt.group_id} failed ({type(error).__name__}: {error}): stopping"
+                    ) from probe_error
+                await asyncio.sleep(PROBE_PAUSE_S)
 
     async def _greedy_baseline(self, prompt: PromptItem) -> float:
         greedy = await self.agent_loop.run(prompt, self.greedy_params)

@@ -7,6 +7,7 @@ blaming rows."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from collections import Counter
 
@@ -20,6 +21,7 @@ from replay.buffer import GroupBuffer
 from replay.eval_jobs import EvalJobs
 from replay.leases import LeaseDesk
 from replay.prompts import setup_prompt_source
+from rollout_servers import server as server_module
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.engines.base import GenerationOutput
 from rollout_servers.server import RolloutServer
@@ -27,10 +29,10 @@ from rollout_servers.server import RolloutServer
 N, B = 2, 2
 
 
-def _desk(tmp_path, failures: int = 3) -> LeaseDesk:
+def _desk(tmp_path, failures: int = 3, servers: int = 1) -> LeaseDesk:
     cfg = Config.model_validate(
         {
-            "rollout": {"n": N, "max_concurrent_groups": 4},
+            "rollout": {"n": N, "max_concurrent_groups": 4, "num_servers": servers},
             "data": {"train_batch_size": B},
             "replay": {"max_staleness": 2, "max_group_failures": failures},
         }
@@ -102,6 +104,50 @@ def test_only_the_server_holding_an_incomplete_lease_can_fail_it(tmp_path):
     assert desk.buffer.in_flight_of(0) == 1 and desk.counters["groups_failed"] == 0
     assert desk.fail(0, item.group_id, "x") == "retried"
     assert desk.buffer.add(_traj(item, 0)) == "late"  # its samples after the report: dropped
+
+
+def test_a_failed_row_goes_to_another_server_when_there_is_one(tmp_path):
+    """An error of one server's (its device's memory, say) must not use up a row's failures:
+    the row waits for another server, and the one that failed it gets a new row."""
+    desk = _desk(tmp_path, servers=2)
+    (item,) = _lease(desk, server_id=0)
+    assert desk.fail(0, item.group_id, "CUDA out of memory") == "retried"
+    (fresh,) = _lease(desk, server_id=0)
+    assert _row(fresh) != _row(item) and fresh.failures == 0
+    (again,) = _lease(desk, server_id=1)
+    assert _row(again) == _row(item) and again.failures == 1
+    assert desk.fail(1, again.group_id, "x") == "retried"
+    (third,) = _lease(desk, server_id=0)  # failed last on server 1: server 0 may take it
+    assert _row(third) == _row(item) and third.failures == 2
+
+
+def test_an_evaluators_failure_count_is_not_taken(tmp_path):
+    desk = _desk(tmp_path)
+    forged = PromptItem("job/g", N, "src", [ChatMessage("user", "q")], "a", {}, eval_job="job")
+    desk.eval_jobs.submit("job", [dataclasses.replace(forged, failures=2)], 0.0)
+    (leased,) = [p for p in _lease(desk, k=2) if p.eval_job]
+    assert leased.failures == 0 and desk.fail(0, leased.group_id, "x") == "retried"
+
+
+def test_a_checkpoint_of_format_1_is_read_with_no_failures(tmp_path):
+    """Format 1 (before `GroupFailed`) had no `PromptItem.failures`: it still resumes."""
+    import msgpack
+
+    from replay.checkpoint import decode_state, encode_state
+
+    desk = _desk(tmp_path)
+    (item,) = _lease(desk)
+    doc = msgpack.unpackb(encode_state(desk.data_state(0)), raw=False)
+    header = msgpack.unpackb(doc["reissue"][0], raw=False)
+    for prompt in header["fields"]["prompts"]:
+        del prompt["failures"]
+    doc["reissue"][0] = msgpack.packb(header, use_bin_type=True)
+    doc["format"] = 1
+    (restored,) = decode_state(msgpack.packb(doc, use_bin_type=True)).reissue
+    assert restored == item and restored.failures == 0
+    doc["format"] = 2  # the same prompts under the new format are refused, naming the field
+    with pytest.raises(ValueError, match="failures"):
+        decode_state(msgpack.packb(doc, use_bin_type=True))
 
 
 def test_the_failure_count_survives_a_checkpoint(tmp_path):
@@ -179,7 +225,7 @@ class _Client:
 
 
 def _server(tmp_path, engine: _Engine, client: _Client) -> RolloutServer:
-    cfg = load_config(None, ["rollout.max_concurrent_groups=2"])
+    cfg = load_config(None, ["rollout.max_concurrent_groups=2", "replay.max_group_failures=1"])
     spec = RunSpec(str(tmp_path), "unused", "tcp://127.0.0.1:1", "127.0.0.1", 0, 0, 1)
     return RolloutServer(cfg, spec, 0, engine, _FailingLoop(), client, _Rewards())  # type: ignore[arg-type]
 
@@ -203,12 +249,41 @@ def test_a_failed_group_is_reported_and_the_server_goes_on_until_too_many_in_a_r
     assert server.counters["groups"] == 1 and server._failed_in_a_row == 0
 
 
-def test_a_broken_engine_stops_the_server_and_blames_no_row(tmp_path):
+def test_a_broken_engine_stops_the_server_and_blames_no_row(tmp_path, monkeypatch):
+    monkeypatch.setattr(server_module, "PROBE_PAUSE_S", 0.01)
     engine, client = _Engine(broken=True), _Client()
     server = _server(tmp_path, engine, client)
-    with pytest.raises(RuntimeError, match="failed a one-token probe after group g-1 failed"):
+    with pytest.raises(RuntimeError, match="failed 3 one-token probes after group g-1 failed"):
         asyncio.run(server.run_group(BAD))
-    assert client.failed == [] and engine.probes == 1
+    assert client.failed == [] and engine.probes == 3
+
+
+def test_a_probe_that_fails_with_the_bad_prompt_is_tried_again(tmp_path, monkeypatch):
+    """A probe admitted in the same prefill as the failing prompt fails with it (out of device
+    memory): one failed probe is not a broken engine."""
+    monkeypatch.setattr(server_module, "PROBE_PAUSE_S", 0.01)
+    engine, client = _Engine(broken=True), _Client()
+    server = _server(tmp_path, engine, client)
+    real = engine.generate
+
+    async def once_broken(prompt_ids, params):
+        engine.broken = engine.probes == 0
+        return await real(prompt_ids, params)
+
+    engine.generate = once_broken  # type: ignore[method-assign]
+    asyncio.run(server.run_group(BAD))
+    assert engine.probes == 2 and len(client.failed) == 1
+
+
+def test_the_failures_in_a_row_that_stop_a_server_allow_for_retries(tmp_path):
+    """Each bad row fails up to replay.max_group_failures times: the limit grows with it."""
+    cfg = load_config(None, ["rollout.max_concurrent_groups=2", "replay.max_group_failures=3"])
+    spec = RunSpec(str(tmp_path), "unused", "tcp://127.0.0.1:1", "127.0.0.1", 0, 0, 1)
+    server = RolloutServer(cfg, spec, 0, _Engine(), _FailingLoop(), _Client(), _Rewards())  # type: ignore[arg-type]
+    for _ in range(18):  # 3 x max_concurrent_groups x max_group_failures
+        asyncio.run(server.run_group(BAD))
+    with pytest.raises(RuntimeError, match="19 groups failed in a row"):
+        asyncio.run(server.run_group(BAD))
 
 
 def test_an_evaluation_leaves_out_a_prompt_given_up_and_counts_it():
