@@ -57,6 +57,7 @@ class EvalJobs:
         self._group_job: dict[str, tuple[str, str, int]] = {}
         self._leased_to: dict[str, int] = {}  # group_id -> the server it was leased to
         self._leased: dict[str, PromptItem] = {}  # leased groups not yet complete
+        self._held_by: dict[str, set[int]] = {}  # group_id -> every server it was leased to
         self.forget_after_s = forget_after_s
         self.freed = 0
 
@@ -116,6 +117,7 @@ class EvalJobs:
         self._group_job = {g: v for g, v in self._group_job.items() if v[0] not in gone}
         self._leased_to = {g: s for g, s in self._leased_to.items() if g in self._group_job}
         self._leased = {g: p for g, p in self._leased.items() if g in self._group_job}
+        self._held_by = {g: s for g, s in self._held_by.items() if g in self._group_job}
         self._pending = deque(p for p in self._pending if p.eval_job not in gone)
         self.freed += len(gone)
 
@@ -130,6 +132,7 @@ class EvalJobs:
         for p in taken:
             self._leased_to[p.group_id] = server_id
             self._leased[p.group_id] = p
+            self._held_by.setdefault(p.group_id, set()).add(server_id)
         return taken
 
     def reissue_server(self, server_id: int) -> int:
@@ -166,14 +169,17 @@ class EvalJobs:
 
     def add(self, traj: Trajectory, now: float) -> Literal["accepted", "duplicate", "late"]:
         """Score one sample of an owned group (`owns`); the caller checked it is well formed.
-        `late`: the group is not leased to its sender (any more: its server died or could not
-        sample it, and it went back to the queue or was given up), as for a training group.
-        MalformedTrajectory when its sample_index is not one of the group's."""
+        `late`: its sender held the group before but not now (the sender died or could not
+        sample it, and the group went back to the queue), as for a training group.
+        MalformedTrajectory when its sample_index is not one of the group's, or its sender
+        never held it."""
         job_id, source, n = self._group_job[traj.group_id]
         if traj.sample_index >= n:  # each group gives exactly its n samples, no more
             raise MalformedTrajectory(f"sample_index {traj.sample_index} outside 0..{n - 1}")
         if self._leased_to.get(traj.group_id) != traj.server_id:
-            return "late"
+            if traj.server_id in self._held_by.get(traj.group_id, ()):
+                return "late"
+            raise MalformedTrajectory(f"evaluation group {traj.group_id!r} is not leased to it")
         job = self._jobs[job_id]
         slot = (traj.group_id, traj.sample_index)
         if slot in job.seen:

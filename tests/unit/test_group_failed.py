@@ -17,7 +17,7 @@ import pytest
 from asyncrl.config import Config, load_config
 from asyncrl.protocol import ChatMessage, LeaseRequest, PromptItem, Trajectory
 from asyncrl.run_spec import RunSpec
-from replay.buffer import GroupBuffer
+from replay.buffer import GroupBuffer, MalformedTrajectory
 from replay.eval_jobs import EvalJobs
 from replay.leases import LeaseDesk
 from replay.prompts import setup_prompt_source
@@ -175,6 +175,9 @@ def test_an_evaluation_group_given_up_finishes_its_job_and_is_listed(tmp_path):
     assert desk.fail(0, bad.group_id, "x") == "retried"
     (again,) = _lease(desk, server_id=1)
     assert again.group_id == bad.group_id and again.failures == 1
+    assert desk.eval_jobs.add(_traj(bad, 1, server_id=0), 0.0) == "late"  # its failed attempt
+    with pytest.raises(MalformedTrajectory, match="not leased to it"):  # never held it
+        desk.eval_jobs.add(_traj(bad, 1, server_id=2), 0.0)
     assert desk.fail(1, bad.group_id, "x") == "given_up"
     results = desk.eval_jobs.results(1, "job", 0.0)
     assert results.failed_groups == [bad.group_id] and desk.counters["eval_groups_given_up"] == 1
