@@ -399,6 +399,11 @@ def new_group_id(row_index: int | str) -> str:
     return f"{row_index}-{uuid.uuid4().hex[:8]}"
 
 
+def row_of_group(group_id: str) -> str:
+    """The row index part of a `new_group_id`: the same for every lease of one row."""
+    return group_id.rsplit("-", 1)[0]
+
+
 def row_to_prompt_item(row: dict[str, Any], row_index: int, n: int) -> PromptItem:
     """A verl-schema row -> the lease of one group of `n` samples.
 

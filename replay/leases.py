@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from asyncrl.config import Config
-from asyncrl.data import row_to_prompt_item
+from asyncrl.data import row_of_group, row_to_prompt_item
 from asyncrl.protocol import LeaseRequest, PromptItem
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer
@@ -108,9 +108,9 @@ class LeaseDesk:
         device's memory, does not use up the row's failures); it waits for one meanwhile."""
         alone = self.cfg.rollout.num_servers == 1
         for i, item in enumerate(self._retry):
-            if alone or self._failed_on.get(_row(item)) != server_id:
+            if alone or self._failed_on.get(row_of_group(item.group_id)) != server_id:
                 del self._retry[i]
-                self._failed_on.pop(_row(item), None)
+                self._failed_on.pop(row_of_group(item.group_id), None)
                 self.counters["leases_reissued"] += 1
                 return reissue(item)
         row_index = self._rows_drawn
@@ -145,13 +145,14 @@ class LeaseDesk:
 
     def fail(self, server_id: int, group_id: str, error: str) -> str:
         """`server_id` could not sample the group `group_id` leased to it (`GroupFailed`): the
-        lease ends now. The row is leased again (under a fresh group id, to another server when
-        the fleet has more than one, `_next_prompt`) until it has failed `replay.max_group_failures` times; then it is given up: logged, counted
-        (`rows_given_up`, `eval_groups_given_up`) and written to `failed_groups.jsonl` in the run
-        directory (with the start of its prompt). A given-up
-        training row is never trained; an evaluation group is listed in its job's results.
-        Returns "retried", "given_up", or "late" when no such group is leased to that server
-        now (complete, expired or taken back: nothing changes)."""
+        lease ends now. The row is leased again (a training row under a fresh group id, to
+        another server when the fleet has more than one: `_next_prompt`) until it has failed
+        `replay.max_group_failures` times; then it is given up: logged, counted
+        (`rows_given_up`, `eval_groups_given_up`) and written to `failed_groups.jsonl` in the
+        run directory with the start of its prompt. A given-up training row is never trained;
+        an evaluation group is listed in its job's results. Returns "retried", "given_up", or
+        "late" when no such group is leased to that server now (complete, expired or taken
+        back: nothing changes)."""
         limit = self.cfg.replay.max_group_failures
         if self.eval_jobs.owns(group_id):
             item = self.eval_jobs.fail(group_id, server_id, limit)
@@ -159,7 +160,7 @@ class LeaseDesk:
             self.admission.on_never_trained(1)
             if item.failures + 1 < limit:
                 self._retry.append(dataclasses.replace(item, failures=item.failures + 1))
-                self._failed_on[_row(item)] = server_id
+                self._failed_on[row_of_group(item.group_id)] = server_id
         if item is None:
             return "late"
         self.counters["groups_failed"] += 1
@@ -227,11 +228,6 @@ class LeaseDesk:
             len(self._retry),
         )
         return state.version
-
-
-def _row(item: PromptItem) -> str:
-    """The row a lease is of: its group id's draw index (`asyncrl.data.new_group_id`)."""
-    return item.group_id.rsplit("-", 1)[0]
 
 
 def lease_spread(server_ids: Iterable[int]) -> dict[str, float]:

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.config import Config
-from asyncrl.data import PromptReader, Task, new_group_id, setup_task
+from asyncrl.data import PromptReader, Task, new_group_id, row_of_group, setup_task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -121,5 +121,4 @@ def setup_prompt_source(
 
 def reissue(item: PromptItem) -> PromptItem:
     """The same prompt under a fresh group id (its row index is kept), for a lease that expired."""
-    row_index = item.group_id.rsplit("-", 1)[0]
-    return dataclasses.replace(item, group_id=new_group_id(row_index))
+    return dataclasses.replace(item, group_id=new_group_id(row_of_group(item.group_id)))

@@ -49,6 +49,7 @@ import yaml
 
 from asyncrl.checkpoints import REPLAY_FILE, missing_parts
 from asyncrl.config import ReplayConfig, RolloutConfig
+from asyncrl.data import row_of_group
 from asyncrl.metrics import read_jsonl
 
 _STEP_DIR = re.compile(r"step_(\d+)")
@@ -56,7 +57,7 @@ _STEP_DIR = re.compile(r"step_(\d+)")
 
 def row_of(group_id: str) -> int:
     """The draw index of a group id `"{i}-{suffix}"`."""
-    return int(group_id.rsplit("-", 1)[0])
+    return int(row_of_group(group_id))
 
 
 @dataclass
