@@ -160,14 +160,21 @@ class RolloutServer:
         report only leaves once the engine answers a one-token probe, so an engine that cannot
         sample even that stops the server instead of blaming rows. Many failures in a row stop
         it too."""
+        running: list[asyncio.Future] = []
         try:
             if ESTIMATORS[self.cfg.algorithm.adv_estimator].greedy_baseline:
                 baseline = asyncio.ensure_future(self._greedy_baseline(prompt))
             else:
                 baseline = asyncio.get_running_loop().create_future()
                 baseline.set_result(float("nan"))
-            await asyncio.gather(*(self.run_sample(prompt, i, baseline) for i in range(prompt.n)))
+            running = [baseline]
+            running += [
+                asyncio.ensure_future(self.run_sample(prompt, i, baseline)) for i in range(prompt.n)
+            ]
+            await asyncio.gather(*running[1:])
         except Exception as e:
+            for task in running:  # the group failed: its other samples would be wasted work
+                task.cancel()
             await self._group_failed(prompt, e)
             return
         self._failed_in_a_row = 0

@@ -314,3 +314,35 @@ def test_an_evaluation_leaves_out_a_prompt_given_up_and_counts_it():
     assert summary["mean_score"] == 0.5 and summary["num_prompts"] == 1
     assert summary["num_samples"] == 2 and summary["response_len_mean"] == 5.0
     assert summary["num_failed_prompts"] == 1
+
+
+def test_a_failed_groups_other_samples_are_cancelled_not_finished(tmp_path):
+    """One sample of a group raising fails the group: its siblings would only be answered
+    `late`, so they stop instead of holding the engine."""
+
+    class _OneFails:
+        def __init__(self) -> None:
+            self.calls, self.cancelled = 0, 0
+
+        async def run(self, prompt, params=None) -> AgentResult:
+            self.calls += 1
+            if self.calls == 1:
+                raise ValueError("a tool call the sandbox cannot run")
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled += 1
+                raise
+
+    engine, client = _Engine(), _Client()
+    server = _server(tmp_path, engine, client)
+
+    async def main() -> int:
+        group = PromptItem("g-2", 4, "src", [ChatMessage("user", "q")], "a", {})
+        await server.run_group(group)
+        await asyncio.sleep(0.01)  # the cancelled siblings run their handlers
+        return loop.cancelled  # before asyncio.run cancels whatever is left at its end
+
+    loop = server.agent_loop = _OneFails()
+    assert asyncio.run(main()) == 3 and client.sent == []
+    assert client.failed == [("g-2", "ValueError: a tool call the sandbox cannot run")]
