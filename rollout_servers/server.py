@@ -44,7 +44,6 @@ from asyncrl.trace import SpanWriter
 from rollout_servers.agents.base import AgentLoop
 from rollout_servers.agents.interactions import load_interaction_config
 from rollout_servers.agents.registry import AgentLoopRouter
-from rollout_servers.agents.tool_agent import ToolAgentLimits
 from rollout_servers.agents.tools import load_tool_config
 from rollout_servers.engines.base import Engine, SamplingParams, SyncTarget
 from rollout_servers.engines.hf import HFEngine
@@ -428,7 +427,7 @@ def setup_engine(
     return HFEngine(
         model_path,
         device=device,
-        max_batch_size=rc.max_batch_size,
+        max_batch_size=rc.hf.max_batch_size,
         seed=seed,
         dtype=rc.dtype,
         lora=lora,
@@ -446,23 +445,16 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
     seed = cfg.trainer.seed + 1000 * (server_id + 1)
     engine = setup_engine(rc, spec.model_path, seed, cfg.learner.lora)
     sandbox = setup_sandbox(cfg)
-    tools = load_tool_config(rc.tool_config, sandbox) if rc.tool_config else None
-    limits = ToolAgentLimits(
-        rc.max_assistant_turns,
-        rc.max_user_turns,
-        rc.max_tool_calls,
-        rc.max_parallel_calls,
-        rc.tool_timeout_s,
-        rc.max_response_tokens,
-    )
+    ta = rc.tool_agent
+    tools = load_tool_config(ta.tool_config, sandbox) if ta.tool_config else None
     agent = AgentLoopRouter(
         rc.agent_loop,
         engine=engine,
         tokenizer=tokenizer,
         params=sampling_params(rc),
         tools=tools,
-        interactions=load_interaction_config(rc.interaction_config or None),
-        limits=limits,
+        interactions=load_interaction_config(ta.interaction_config or None),
+        limits=ta,
     )
     client = AsyncReplayClient(
         spec.replay_address,

@@ -217,7 +217,7 @@ def calibration_record(run_dir: Path, cfg: Any, result: dict[str, Any], loads: l
             "n": cfg.rollout.n,
             "train_batch_size": cfg.data.train_batch_size,
             "max_concurrent_groups": cfg.rollout.max_concurrent_groups,
-            "max_batch_size": cfg.rollout.max_batch_size,
+            "max_batch_size": cfg.rollout.hf.max_batch_size,
             "reward_workers": cfg.reward.workers,
             "max_new_tokens": cfg.rollout.max_new_tokens,
             "max_staleness": cfg.replay.max_staleness,

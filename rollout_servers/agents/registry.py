@@ -22,9 +22,9 @@ from typing import Any
 
 from asyncrl.protocol import PromptItem
 from asyncrl.registry import Registry
+from asyncrl.rollout_config import ToolAgentConfig
 from rollout_servers.agents.base import AgentLoop, AgentResult
 from rollout_servers.agents.interactions import Interaction
-from rollout_servers.agents.tool_agent import ToolAgentLimits
 from rollout_servers.agents.tools import ToolSet
 from rollout_servers.engines.base import Engine, SamplingParams
 
@@ -77,7 +77,7 @@ class AgentLoopRouter:
         params: SamplingParams,
         tools: ToolSet | None = None,
         interactions: Mapping[str, Interaction] | None = None,
-        limits: ToolAgentLimits | None = None,
+        limits: ToolAgentConfig | None = None,
     ):
         resolve_agent_loop(default_name)
         self.default_name = default_name

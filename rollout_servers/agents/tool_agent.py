@@ -6,7 +6,7 @@ of the calls the model made, Hermes/Qwen format `<tool_call>{"name": ..., "argum
 </tool_call>`, several per turn) and user turns (an interaction's reply to an answer without a
 tool call). It ends when the model answers and no interaction asks for more ("stop"), a turn
 is cut by its token limit or the response budget runs out ("length"), or a limit of
-`ToolAgentLimits` is reached ("max_assistant_turns", "max_tool_calls", "max_user_turns").
+`rollout.tool_agent` is reached ("max_assistant_turns", "max_tool_calls", "max_user_turns").
 
 Token in, token out. The trajectory is the prompt (chat template with the generation prompt)
 followed by exactly the ids the engine sampled and the template ids of each tool or user turn;
@@ -46,41 +46,13 @@ from typing import Any
 from jinja2.exceptions import TemplateError
 
 from asyncrl.protocol import PromptItem
+from asyncrl.rollout_config import ToolAgentConfig
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.agents.interactions import Interaction
 from rollout_servers.agents.tools import ToolSet
 from rollout_servers.engines.base import Engine, GenerationOutput, SamplingParams
 
 log = logging.getLogger("asyncrl.tool_agent")
-
-
-@dataclass(frozen=True)
-class ToolAgentLimits:
-    """Bounds on one trajectory of the tool agent loop."""
-
-    max_assistant_turns: int = 5
-    """Most engine calls; a last turn that still calls tools ends with "max_assistant_turns"."""
-    max_user_turns: int = 3
-    """Most interaction replies appended; one more wrong answer ends with "max_user_turns"."""
-    max_tool_calls: int = 8
-    """Most tool calls executed per trajectory; asking for more: error outputs, then the end."""
-    max_parallel_calls: int = 4
-    """Most calls executed concurrently in one turn; extra calls get an error output."""
-    tool_timeout_s: float = 30.0
-    """A call running longer is cancelled and its output says it timed out."""
-    max_response_tokens: int = 1024
-    """Budget of response ids, sampled and tool/user/template ids together."""
-
-    def __post_init__(self) -> None:
-        for name in ("max_assistant_turns", "max_tool_calls", "max_parallel_calls"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.max_user_turns < 0:
-            raise ValueError(f"max_user_turns must be >= 0, got {self.max_user_turns}")
-        if self.tool_timeout_s <= 0:
-            raise ValueError(f"tool_timeout_s must be > 0, got {self.tool_timeout_s}")
-        if self.max_response_tokens < 1:
-            raise ValueError(f"max_response_tokens must be >= 1, got {self.max_response_tokens}")
 
 
 # ---- tool calls in model text -----------------------------------------------------------------
@@ -284,12 +256,12 @@ class ToolAgentLoop:
         params: SamplingParams,
         tools: ToolSet | None = None,
         interactions: Mapping[str, Interaction] | None = None,
-        limits: ToolAgentLimits | None = None,
+        limits: ToolAgentConfig | None = None,
     ):
         self.engine, self.tokenizer, self.params = engine, tokenizer, params
         self.tools = tools or ToolSet([])
         self.interactions = dict(interactions or {})
-        self.limits = limits or ToolAgentLimits()
+        self.limits = limits or ToolAgentConfig()
         self.renderer = TurnRenderer(tokenizer, self.tools.schemas)
 
     async def run(self, prompt: PromptItem, params: SamplingParams | None = None) -> AgentResult:

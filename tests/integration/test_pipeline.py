@@ -181,7 +181,7 @@ def test_hf_server_updates_weights_in_flight(tmp_path, model_cache):
             "rollout.weight_update_mode=inflight",
             # one sequence at a time: generating a batch outlasts a learner step, so the server
             # is always busy and each version finds a request in flight
-            "rollout.max_batch_size=1",
+            "rollout.hf.max_batch_size=1",
             "rollout.max_new_tokens=200",
             "rollout.n=4",
             "rollout.max_concurrent_groups=2",

@@ -58,9 +58,58 @@ def test_cli_rejects_bad_override_before_starting(capsys):
 
 
 def test_vllm_dtype_names_its_new_home():
-    with pytest.raises(ConfigError, match="rollout.vllm.dtype is now rollout.dtype"):
+    with pytest.raises(ConfigError, match="rollout.vllm.dtype was renamed: use rollout.dtype"):
         load_config(None, ["rollout.vllm.dtype=bfloat16"])
     assert load_config(None, ["rollout.dtype=bfloat16"]).rollout.dtype == "bfloat16"
+
+
+@pytest.mark.parametrize(
+    ("old", "new"),
+    [
+        ("rollout.max_tool_calls", "rollout.tool_agent.max_tool_calls"),
+        ("rollout.tool_config", "rollout.tool_agent.tool_config"),
+        ("rollout.max_response_tokens", "rollout.tool_agent.max_response_tokens"),
+        ("rollout.max_batch_size", "rollout.hf.max_batch_size"),
+    ],
+)
+def test_a_renamed_key_is_refused_naming_its_new_name(old, new, tmp_path):
+    """From an override and from a file alike; the new name is accepted."""
+    with pytest.raises(ConfigError, match=f"{old} was renamed: use {new}"):
+        load_config(None, [f"{old}=3"])
+    section, key = old.split(".")
+    path = tmp_path / "old.yaml"
+    path.write_text(f"{section}:\n  {key}: 3\n")
+    with pytest.raises(ConfigError, match=f"{old} was renamed: use {new}"):
+        load_config(path)
+    value = "x.yaml" if new.endswith("tool_config") else "3"
+    cfg = load_config(None, [f"{new}={value}"])
+    *parents, leaf = new.split(".")
+    node = cfg
+    for part in parents:
+        node = getattr(node, part)
+    assert str(getattr(node, leaf)) == value
+
+
+def test_every_renamed_key_points_to_a_key_that_exists():
+    from asyncrl.config import RENAMED_KEYS, Config
+
+    for new in RENAMED_KEYS.values():
+        node = Config()
+        for part in new.split("."):
+            assert part in type(node).model_fields, new
+            node = getattr(node, part)
+
+
+def test_each_engine_checks_only_its_own_limits():
+    """The checks live beside each engine's options (`asyncrl.engine_config`): top_p < 1 is
+    refused for the engines that recompute (vLLM, SGLang) and allowed for hf."""
+    assert load_config(None, ["rollout.top_p=0.9"]).rollout.top_p == 0.9
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(ConfigError, match=f"rollout.top_p=0.9 with rollout.engine={engine}"):
+            load_config(None, [f"rollout.engine={engine}", "rollout.top_p=0.9"])
+    with pytest.raises(ConfigError, match="lora.rank=4 with rollout.engine=sglang"):
+        load_config(None, ["rollout.engine=sglang", "learner.lora.rank=4"])
+    load_config(None, ["rollout.engine=vllm", "learner.lora.rank=4"])
 
 
 def test_lora_is_configured_under_learner_for_either_engine():

@@ -14,6 +14,7 @@ import pytest
 
 from asyncrl.demo.tiny_model import CHAT_TEMPLATE, build_tokenizer
 from asyncrl.protocol import ChatMessage, PromptItem
+from asyncrl.rollout_config import ToolAgentConfig
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.agents.interactions import (
     Gsm8kRetryInteraction,
@@ -31,7 +32,6 @@ from rollout_servers.agents.single_turn import SingleTurnAgentLoop
 from rollout_servers.agents.tool_agent import (
     MalformedCall,
     TemplateNotPrefixStableError,
-    ToolAgentLimits,
     ToolAgentLoop,
     ToolCall,
     TurnRenderer,
@@ -145,7 +145,7 @@ def prompt(ground_truth: str = "5", wire: dict[str, Any] | None = None, **extra:
 def make_loop(tokenizer, script: list[str | list[int]], tools=(), interactions=None, **limits):
     engine = ScriptedEngine([s if isinstance(s, list) else enc(tokenizer, s) for s in script])
     loop = ToolAgentLoop(
-        engine, tokenizer, PARAMS, ToolSet(tools), interactions, ToolAgentLimits(**limits)
+        engine, tokenizer, PARAMS, ToolSet(tools), interactions, ToolAgentConfig(**limits)
     )
     return loop, engine
 

