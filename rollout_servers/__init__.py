@@ -1,6 +1,6 @@
 """The rollout fleet: M servers, each one engine and many agent loops on one asyncio event loop.
 
-Components, wired by `server.setup_rollout_server` and driven by `server.RolloutServer.run`:
+Components, wired by `factories.setup_rollout_server` and driven by `server.RolloutServer.run`:
 - `engines/`: the `Engine` interface (`base`) and its implementations, `hf` (transformers, runs
   anywhere) and `vllm` (vLLM's async engine; `vllm_worker` runs inside its worker process).
   An engine samples with behaviour log-probs and follows the learner's weight versions.

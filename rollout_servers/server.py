@@ -1,16 +1,19 @@
 """A rollout server: one engine, many agent loops, one asyncio event loop.
 
-Components (built in `setup_rollout_server`, driven by `RolloutServer.run`):
-- engine (`engine.py`): batched sampling shared by every agent loop; applies a weight version
-  atomically between batches and tags each sampled token with the version that produced it.
+Components (built by `rollout_servers.factories.setup_rollout_server`, driven by
+`RolloutServer.run`):
+- engine (`engines/`, behind `engines/base.py`'s `Engine`): batched sampling shared by every
+  agent loop; applies a weight version atomically and tags each sampled token with the version
+  that produced it.
 - weight receiver (a thread over `asyncrl.weight_sync.WeightReceiver`): joins the learner's
   weight sync as this server's epoch (`ASYNCRL_SERVER_EPOCH`, 0 at the first start, one more
   per restart: a restarted server rejoins without stopping the others) and hands each complete
   version to the engine.
 - replay client (`replay_client.py`): asks for prompt leases, sends trajectories and keeps them
   until the replay acknowledges them.
-- agent loops (`agent_loop.py`): one per sample, `n` per leased prompt, all concurrent.
-- reward computer (`rewards.py`): scores each response right after its loop, off the loop.
+- agent loops (`agents/`): one per sample, `n` per leased prompt, all concurrent.
+- reward computer (`reward_computer.py`, with the reward functions of `rewards.py`): scores
+  each response right after its loop, off the loop.
 
 The main loop keeps up to `rollout.max_concurrent_groups` leases in flight. It asks for more
 whenever it has room or its engine moved to a new version (so admission control sees the new
@@ -23,7 +26,6 @@ import asyncio
 import dataclasses
 import logging
 import os
-import signal
 import threading
 import time
 import uuid
@@ -34,22 +36,15 @@ import numpy as np
 import torch
 
 from asyncrl.advantages import ESTIMATORS
-from asyncrl.auth import key_from_env
 from asyncrl.config import Config, RolloutConfig
-from asyncrl.learner_config import LoraConfig
-from asyncrl.metrics import JsonlWriter, peak_rss_mb, write_json_atomic
+from asyncrl.metrics import JsonlWriter, peak_rss_mb
 from asyncrl.protocol import PromptItem, Trajectory
 from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
 from rollout_servers.agents.base import AgentLoop
-from rollout_servers.agents.interactions import load_interaction_config
-from rollout_servers.agents.registry import AgentLoopRouter
-from rollout_servers.agents.tools import load_tool_config
 from rollout_servers.engines.base import Engine, SamplingParams, SyncTarget
-from rollout_servers.engines.hf import HFEngine
 from rollout_servers.replay_client import AsyncReplayClient
 from rollout_servers.reward_computer import RewardComputer
-from rollout_servers.rewards import REWARD_FNS
 from rollout_servers.sandbox import SharedSandbox
 from rollout_servers.trajectory_log import TrajectoryMetricsLog
 
@@ -123,7 +118,7 @@ class RolloutServer:
                 self.spec.sync_port,
                 1,
                 2,
-                torch.device("cuda" if _uses_cuda(self.cfg.rollout.device) else "cpu"),
+                torch.device(engine_device(self.cfg.rollout.device)),
                 server_id=self.server_id,
                 epoch=self.epoch,
             )
@@ -349,144 +344,12 @@ class RolloutServer:
         }
 
 
-def setup_rewards(cfg: Config, sandbox: SharedSandbox | None = None) -> RewardComputer:
-    r = cfg.reward
-    return RewardComputer(
-        r.timeout_s,
-        num_workers=r.workers,
-        custom_path=r.custom.path,
-        custom_name=r.custom.name,
-        reward_kwargs=r.kwargs,
-        sandbox=sandbox,
-    )
-
-
-def setup_sandbox(cfg: Config) -> SharedSandbox:
-    """The server's one sandbox for model code (the python tool, the code reward). Built now
-    when the run's data needs it, so a missing backend fails at start-up naming what to
-    install, and when a weaker backend is named, so the warning is in the start-up log; tools
-    that need it build it while their config loads; else on first use."""
-    shared = SharedSandbox(cfg.rollout.sandbox)
-    if cfg.rollout.sandbox.backend != "bwrap" or sandboxed_sources(cfg):
-        shared.get()
-    return shared
-
-
-def sandboxed_sources(cfg: Config) -> list[str]:
-    """The data sources of `data.train_files` and `data.val_files` whose reward runs model code
-    (none when a custom reward function scores every row)."""
-    if cfg.reward.custom.path is not None:
-        return []
-    import pyarrow.parquet as pq
-
-    sources: set[str] = set()
-    for path in [*cfg.data.train_files, *cfg.data.val_files]:
-        sources.update(map(str, pq.read_table(path, columns=["data_source"]).column(0).to_pylist()))
-    return sorted(s for s in sources if getattr(REWARD_FNS.get(s), "needs_sandbox", False))
-
-
 def sampling_params(rc: RolloutConfig) -> SamplingParams:
     return SamplingParams(
         temperature=rc.temperature, top_p=rc.top_p, max_new_tokens=rc.max_new_tokens
     )
 
 
-def _uses_cuda(device: str) -> bool:
-    return device == "cuda" or (device == "auto" and torch.cuda.is_available())
-
-
-def setup_engine(
-    rc: RolloutConfig, model_path: str, seed: int, lora: LoraConfig | None = None
-) -> Engine:
-    """The configured inference engine on the model at `model_path` (version 0); `lora`: the
-    learner's adapters (`learner.lora`), which versions then carry."""
-    device = "cuda" if _uses_cuda(rc.device) else "cpu"
-    if rc.engine == "vllm":
-        from rollout_servers.engines.vllm import VLLMEngine
-
-        return VLLMEngine(
-            model_path,
-            rc.vllm,
-            device=device,
-            seed=seed,
-            dtype=rc.dtype,
-            lora=lora,
-            weight_update_mode=rc.weight_update_mode,
-        )
-    if rc.engine == "sglang":  # (LoRA is refused for it by the config)
-        from rollout_servers.engines.sglang import SGLangEngine
-
-        return SGLangEngine(
-            model_path,
-            rc.sglang,
-            device=device,
-            seed=seed,
-            dtype=rc.dtype,
-            weight_update_mode=rc.weight_update_mode,
-        )
-    return HFEngine(
-        model_path,
-        device=device,
-        max_batch_size=rc.hf.max_batch_size,
-        seed=seed,
-        dtype=rc.dtype,
-        lora=lora,
-        weight_update_mode=rc.weight_update_mode,
-        inflight_kv=rc.inflight_kv,
-    )
-
-
-def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutServer:
-    """Build the engine, agent loop, replay client and reward computer of one server."""
-    from transformers import AutoTokenizer
-
-    rc = cfg.rollout
-    tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
-    seed = cfg.trainer.seed + 1000 * (server_id + 1)
-    engine = setup_engine(rc, spec.model_path, seed, cfg.learner.lora)
-    sandbox = setup_sandbox(cfg)
-    ta = rc.tool_agent
-    tools = load_tool_config(ta.tool_config, sandbox) if ta.tool_config else None
-    agent = AgentLoopRouter(
-        rc.agent_loop,
-        engine=engine,
-        tokenizer=tokenizer,
-        params=sampling_params(rc),
-        tools=tools,
-        interactions=load_interaction_config(ta.interaction_config or None),
-        limits=ta,
-    )
-    client = AsyncReplayClient(
-        spec.replay_address,
-        key_from_env(f"server_{server_id}"),
-        ack_timeout_s=rc.ack_timeout_s,
-        max_message_bytes=int(cfg.replay.max_message_mb * 2**20),
-    )
-    rewards = setup_rewards(cfg, sandbox)
-    return RolloutServer(cfg, spec, server_id, engine, agent, client, rewards, sandbox)
-
-
-def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
-    """Entry point of one rollout server process; SIGTERM stops it cleanly."""
-    torch.set_num_threads(spec.threads)
-    server = setup_rollout_server(cfg, spec, server_id)
-
-    async def main() -> None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            await server.run(stop)
-        finally:
-            write_json_atomic(
-                Path(spec.run_dir) / "stats" / f"server_{server_id}.json", server.stats()
-            )
-            server.client.close()
-            server.rewards.close()
-            if server.sandbox is not None:
-                server.sandbox.close()
-            server.trace.flush()
-            await server.engine.close()
-
-    asyncio.run(main())
+def engine_device(device: str) -> str:
+    """`rollout.device` resolved: `auto` is CUDA when present."""
+    return "cuda" if device == "cuda" or (device == "auto" and torch.cuda.is_available()) else "cpu"

@@ -184,7 +184,7 @@ async def bench_rollout(engine, tokenizer, prompts, params, n: int, rounds: int)
     from asyncrl.config import Config
     from asyncrl.protocol import ChatMessage, PromptItem
     from rollout_servers.agents.single_turn import SingleTurnAgentLoop
-    from rollout_servers.server import setup_rewards
+    from rollout_servers.factories import setup_rewards
 
     loop = SingleTurnAgentLoop(engine, tokenizer, params)
     rewards = setup_rewards(Config())

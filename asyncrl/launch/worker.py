@@ -40,7 +40,7 @@ def run_role(role: str, spec: RunSpec, cfg: Config, index: int = 0) -> None:
 
         run_replay(cfg, spec.replay_address, spec.run_dir, spec.model_path)
     elif role == "server":
-        from rollout_servers.server import run_server
+        from rollout_servers.factories import run_server
 
         run_server(spec, cfg, index)
     elif role == "learner":

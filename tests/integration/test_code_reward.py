@@ -221,7 +221,7 @@ def test_a_server_whose_backend_is_missing_fails_at_start_up_naming_the_install(
     import pyarrow.parquet as pq
 
     from asyncrl.config import load_config
-    from rollout_servers.server import sandboxed_sources, setup_sandbox
+    from rollout_servers.factories import sandboxed_sources, setup_sandbox
 
     rows = [{"data_source": "code", "prompt": [{"role": "user", "content": "q"}],
              "reward_model": {"ground_truth": "{}", "style": "rule"}}]  # fmt: skip
@@ -244,7 +244,7 @@ def test_a_weaker_backend_runs_only_when_named_and_says_so_at_start_up(caplog):
     import logging
 
     from asyncrl.config import load_config
-    from rollout_servers.server import setup_sandbox
+    from rollout_servers.factories import setup_sandbox
 
     assert load_config(None, []).rollout.sandbox.backend == "bwrap"  # the default
     caplog.set_level(logging.WARNING)
