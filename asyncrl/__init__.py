@@ -7,9 +7,14 @@ no launch code and no demo:
   `learner_config`, the common base in `config_base`, the sandbox's in `sandbox_config`).
 - `protocol` (every message between processes) over `codec` (typed MessagePack frames, validated
   on decode) and `transport` (ZeroMQ sockets); `replay_client`: the learner's side of the replay.
-- `weight_sync`: bucketed broadcast of weights from learner rank 0 to the rollout servers.
+- `auth`: the run secret and one key per role, an HMAC on every message; `binds`: torch's
+  stores listening on the run's host only.
+- `weight_sync`: bucketed broadcast of weights from learner rank 0 to the rollout servers;
+  `lora`: the layout of LoRA adapters on that wire, and how an engine merges them.
 - `data`: verl-schema rows (validation, `PromptReader`, `render_prompt_ids`, row -> `PromptItem`)
-  and the `TASKS` registry; `gsm8k`: GSM8K preparation and its final-answer parser.
+  and the `TASKS` registry; `data_check`: a run's datasets checked before any fleet starts;
+  `gsm8k`: GSM8K preparation and its final-answer parser.
+- `checkpoints`: the layout of a checkpoint directory, shared by its writers and readers.
 - `estimators`: the advantage estimators, each declared once in `ESTIMATORS` (torch-free);
   `advantages`: their tensor math and `compute_advantages`.
 - `evaluation`: pass@k and the evaluation job the learner and `asyncrl eval` run.

@@ -10,7 +10,13 @@ Components (one module each), wired by `service.ReplayService` in one single-thr
 - `buffer`: `GroupBuffer`, the samples of each lease kept together, deduplicated, and handed to
   the learner as whole groups no older than `replay.max_staleness` versions.
 - `eval_jobs`: evaluation prompts, leased before training ones, and their scores.
+- `health`: `FleetHealth`, which servers are alive (heartbeats, epochs, deaths by silence).
 - `fleet_stats`: what the replay tells the learner about the servers per batch.
+- `access`: who may send which message (`PERMISSIONS`), and where a checkpoint may be written.
+- `endpoint`: `Endpoint`, the authenticated ROUTER socket that takes every message to exactly
+  one outcome.
+- `checkpoint`: the replay's whole state in a checkpoint (`ReplayState`), one MessagePack file.
 - `counters`: the counters it reports and logs.
-- `service`: the ZeroMQ ROUTER loop and `run_replay`, the process entry point.
+- `service`: the loop that answers (or holds) each request, and `run_replay`, the process entry
+  point.
 """

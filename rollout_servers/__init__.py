@@ -2,13 +2,17 @@
 
 Components, wired by `factories.setup_rollout_server` and driven by `server.RolloutServer.run`:
 - `engines/`: the `Engine` interface (`base`) and its implementations, `hf` (transformers, runs
-  anywhere) and `vllm` (vLLM's async engine; `vllm_worker` runs inside its worker process).
+  anywhere), `vllm` (vLLM's async engine; `vllm_worker` runs inside its worker process) and
+  `sglang` (SGLang's offline engine), the last two behind the version gate of `gated`.
   An engine samples with behaviour log-probs and follows the learner's weight versions.
 - `agents/`: the `AgentLoop` interface (`base`), `single_turn`, the multi-turn `tool_agent`
   with its `tools` and `interactions` (simulated users), and the `registry` that picks a loop
   per row.
-- `rewards`: reward functions by data_source (`REWARD_FNS`), run in worker processes beside the
-  loops; `reward_sandbox`: the code reward's test cases; `sandbox/`: isolation for model code.
+- `rewards`: reward functions by data_source (`REWARD_FNS`); `reward_computer`: runs them in
+  worker processes beside the loops; `code_reward`: the code reward, a program run against the
+  row's test cases in the sandbox and judged by trusted code; `sandbox/`: isolation for model
+  code.
 - `replay_client`: leases prompts and sends trajectories until the replay acknowledges them.
+- `trajectory_log`: `rollout_metrics.jsonl`, one line per finished trajectory.
 - `server`: the main loop (leases in, groups of samples out, weights applied as they come).
 """
