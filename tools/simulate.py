@@ -5,13 +5,16 @@
     python tools/simulate.py validate A.json [B.json ...] --calibration calibration.json
     python tools/simulate.py predict [--calibration calibration.json] --servers 64 \
         --learner-ranks 8 --lengths lognormal:256:1.0 --max-new-tokens 2048 --staleness 0,1,2,4,8
+    python tools/simulate.py predict --config configs/smollm2_gsm8k.yaml [section.key=value ...]
     python tools/bench_pipeline.py --modes drain,inflight --lengths lognormal --json M.json
     python tools/simulate.py modes M.json [--engine continuous]   # drain vs inflight
 
 It predicts throughput, idle ratios and staleness for fleets this machine cannot run; the model
 itself, and what it mirrors of the code, is `asyncrl/analysis/pipeline_model.py`; the weight
 update modes (`rollout.weight_update_mode` drain vs inflight) are `tools/sim_weight_updates.py`.
-Method and figures: docs/simulator.md.
+A fleet is a run's config (`asyncrl/analysis/pipeline_inputs.py` lists the fields the model
+reads): `predict` takes one with `--config` and overrides, its flags are shorthands for those
+fields. Method and figures: docs/simulator.md.
 """
 
 from __future__ import annotations
@@ -24,10 +27,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from sim_weight_updates import ModeMeans, WeightUpdate, mean_mode
+from sim_weight_updates import ModeMeans, RecomputeCosts, mean_mode
 
 from asyncrl.analysis.pipeline_calibration import expected_max, fit_costs, nnls
-from asyncrl.analysis.pipeline_model import Costs, Fleet, Lengths, Result, simulate
+from asyncrl.analysis.pipeline_inputs import Batching, Costs, Fleet, Lengths
+from asyncrl.analysis.pipeline_model import Result, simulate
+from asyncrl.config import Config, ConfigError, load_config
 
 # the model and its calibration, re-exported
 __all__ = ["Costs", "Fleet", "Lengths", "Result", "expected_max", "fit_costs", "simulate"]
@@ -35,23 +40,29 @@ _nnls = nnls  # the name tools/bench_pipeline.py imports it by
 
 
 # ---- fleets and results ----------------------------------------------------------------------
-def fleet_of_run(run: dict[str, Any], **changes: Any) -> Fleet:
-    """The fleet a bench_pipeline run had, with its measured response lengths."""
-    c = run["config"]
-    lengths = Lengths("empirical", c["max_new_tokens"], values=tuple(run["response_lengths"]))
-    fleet = Fleet(
-        lengths=lengths,
-        servers=c["num_servers"],
-        learner_ranks=c["world_size"],
-        n=c["n"],
-        train_batch_size=c["train_batch_size"],
-        max_concurrent_groups=c["max_concurrent_groups"],
-        max_staleness=c["max_staleness"],
-        capacity_groups=c["capacity_groups"],
-        max_batch_size=c["max_batch_size"],
-        reward_workers=c.get("reward_workers", 2),
-    )
-    return dataclasses.replace(fleet, **changes)
+RECORD_KEYS = {
+    "num_servers": "rollout.num_servers",
+    "world_size": "learner.world_size",
+    "n": "rollout.n",
+    "train_batch_size": "data.train_batch_size",
+    "max_concurrent_groups": "rollout.max_concurrent_groups",
+    "max_batch_size": "rollout.max_batch_size",
+    "reward_workers": "reward.workers",
+    "max_new_tokens": "rollout.max_new_tokens",
+    "max_staleness": "replay.max_staleness",
+    "capacity_groups": "replay.capacity_groups",
+}
+"""Where each key of a bench_pipeline record's `config` lives in the config tree."""
+
+
+def fleet_of_run(run: dict[str, Any], *overrides: str, batching: Batching | None = None) -> Fleet:
+    """The fleet a bench_pipeline run had, with its measured response lengths. It trains
+    padded (`learner.packing=false`: `fit_costs` fits the cost of a padded token) unless
+    `overrides` (`section.key=value`) say otherwise."""
+    record = [f"{RECORD_KEYS[k]}={v}" for k, v in run["config"].items() if k in RECORD_KEYS]
+    cfg = load_config(None, [*record, "learner.packing=false", *overrides])
+    lengths = Lengths("empirical", values=tuple(run["response_lengths"]))
+    return Fleet(cfg, lengths, batching)
 
 
 def mean_result(fleet: Fleet, costs: Costs, steps: int, warmup: int, seeds: int) -> Result:
@@ -76,7 +87,7 @@ def mean_result(fleet: Fleet, costs: Costs, steps: int, warmup: int, seeds: int)
 MODES = ("drain", "inflight")
 
 
-def fit_mode_costs(bench: dict[str, Any]) -> tuple[Costs, WeightUpdate]:
+def fit_mode_costs(bench: dict[str, Any]) -> tuple[Costs, RecomputeCosts]:
     """Costs of a `bench_pipeline.py --modes drain,inflight` record. Generation from the
     record's `decode` timing of the engine (else as `fit_costs` fits it from the drain run's
     spans, which assumes static batches), broadcast as `fit_costs` fits it; training on the tokens really trained (the
@@ -110,7 +121,7 @@ def fit_mode_costs(bench: dict[str, Any]) -> tuple[Costs, WeightUpdate]:
         "fixed_s": costs.gen_batch_s,
         "token_s": costs.gen_seq_step_s,
     }
-    return costs, WeightUpdate("drain", prefill["fixed_s"], prefill["token_s"])
+    return costs, RecomputeCosts(prefill["fixed_s"], prefill["token_s"])
 
 
 def predict_modes(
@@ -118,17 +129,21 @@ def predict_modes(
 ) -> dict[str, ModeMeans]:
     """Each mode of a `--modes` record, simulated with the record's fleet (its exact response
     lengths, `engine` batching, training on real tokens) and `fit_mode_costs`."""
-    costs, update = fit_mode_costs(bench)
+    costs, recompute = fit_mode_costs(bench)
     runs = bench["runs"]
-    lengths = tuple(x for run in runs.values() for x in run["response_lengths"])
-    fleet = fleet_of_run(runs["drain"], engine=engine, padded_training=False)
-    fleet = dataclasses.replace(fleet, lengths=dataclasses.replace(fleet.lengths, values=lengths))
+    lengths = Lengths(
+        "empirical", values=tuple(x for r in runs.values() for x in r["response_lengths"])
+    )
     warmup = bench["warmup"]
     steps = max(steps, runs["drain"]["config"]["total_steps"])
-    return {
-        m: mean_mode(fleet, costs, dataclasses.replace(update, mode=m), steps, warmup, seeds)
-        for m in MODES
-    }
+    predicted = {}
+    for mode in MODES:
+        packed = ("learner.packing=true", f"rollout.weight_update_mode={mode}")
+        fleet = dataclasses.replace(
+            fleet_of_run(runs["drain"], *packed, batching=engine), lengths=lengths
+        )
+        predicted[mode] = mean_mode(fleet, costs, recompute, steps, warmup, seeds)
+    return predicted
 
 
 def print_modes(bench: dict[str, Any], predicted: dict[str, ModeMeans]) -> float:
@@ -225,35 +240,68 @@ CONFIG_KEYS = ("num_servers", "n", "train_batch_size", "max_concurrent_groups")
 CONFIG_KEYS += ("max_new_tokens", "max_staleness")
 
 
+SCENARIO = (
+    "rollout.num_servers=64",
+    "learner.world_size=8",
+    "rollout.n=8",
+    "data.train_batch_size=256",
+    "rollout.max_concurrent_groups=4",
+    "replay.capacity_groups=4096",
+    "rollout.max_batch_size=256",
+    "rollout.max_new_tokens=2048",
+    "rollout.engine=vllm",
+    "learner.packing=false",
+)
+"""`predict`'s fleet without --config (over configs/default.yaml): docs/simulator.md's 64
+servers and 8 learner ranks, training padded (the built-in calibration prices a padded token)."""
+
+FLAG_KEYS = {
+    "servers": "rollout.num_servers",
+    "learner_ranks": "learner.world_size",
+    "n": "rollout.n",
+    "batch_size": "data.train_batch_size",
+    "concurrent": "rollout.max_concurrent_groups",
+    "capacity": "replay.capacity_groups",
+    "max_batch_size": "rollout.max_batch_size",
+    "max_new_tokens": "rollout.max_new_tokens",
+    "packed": "learner.packing",
+}
+"""The config field each of `predict`'s shorthand flags sets."""
+
+
+def predict_config(args: argparse.Namespace, staleness: int) -> Config:
+    """--config (else configs/default.yaml with `SCENARIO`), then the flags given, the
+    `section.key=value` overrides, and `replay.max_staleness` (the bound `predict` sweeps)."""
+    given = [
+        f"{key}={getattr(args, dest)}"
+        for dest, key in FLAG_KEYS.items()
+        if getattr(args, dest) is not None
+    ]
+    base = () if args.config else SCENARIO
+    return load_config(
+        args.config, [*base, *given, *args.overrides, f"replay.max_staleness={staleness}"]
+    )
+
+
 def cmd_predict(args: argparse.Namespace) -> None:
     costs = dataclasses.replace(load_costs(args.calibration), **dict(args.cost or []))
-    fleet = Fleet(
-        lengths=Lengths.parse(args.lengths, args.max_new_tokens),
-        servers=args.servers,
-        learner_ranks=args.learner_ranks,
-        n=args.n,
-        train_batch_size=args.batch_size,
-        max_concurrent_groups=args.concurrent,
-        capacity_groups=args.capacity,
-        max_batch_size=args.max_batch_size,
-        engine=args.engine,
-        padded_training=not args.packed,
-        rank_efficiency=args.rank_efficiency,
-    )
-    print(f"fleet: {fleet}")
+    lengths = Lengths.parse(args.lengths)
+    fleets = [
+        (s, Fleet(predict_config(args, s), lengths, args.engine, args.rank_efficiency))
+        for s in args.staleness
+    ]
+    fleet = fleets[0][1]
+    print(f"fleet: {fleet.describe()}")
     print(f"costs: {costs}")
     rows = []
-    for s in args.staleness:
-        r = mean_result(
-            dataclasses.replace(fleet, max_staleness=s), costs, args.steps, args.warmup, args.seeds
-        )
-        rows.append((s, r))
+    for s, f in fleets:
+        rows.append((s, mean_result(f, costs, args.steps, args.warmup, args.seeds)))
     print(
         "| max_staleness | samples/s | x first | step s | learner idle | server idle "
         "| mean staleness | staleness histogram (% of samples) | groups dropped stale |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    trained = args.seeds * args.steps * fleet.train_batch_size
+    trained = args.seeds * args.steps * fleet.cfg.data.train_batch_size
     for s, r in rows:
         hist = " ".join(f"{100 * c / sum(r.staleness_hist):.0f}" for c in r.staleness_hist)
         dropped = 100 * r.stale_dropped / (r.stale_dropped + trained)
@@ -274,9 +322,9 @@ def cmd_predict(args: argparse.Namespace) -> None:
 def cmd_modes(args: argparse.Namespace) -> None:
     bench = json.loads(args.bench.read_text())
     engine = args.engine or bench.get("engine", "continuous")
-    costs, update = fit_mode_costs(bench)
+    costs, recompute = fit_mode_costs(bench)
     print(f"costs: {costs}")
-    print(f"recompute: {update.recompute_s:.4g} s + {update.recompute_token_s:.3g} s/token")
+    print(f"recompute: {recompute.recompute_s:.4g} s + {recompute.recompute_token_s:.3g} s/token")
     print(f"engine batching modelled: {engine}")
     print_modes(bench, predict_modes(bench, engine, args.seeds, args.steps))
 
@@ -312,19 +360,29 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seeds", type=int, default=3)
     m.add_argument("--steps", type=int, default=80, help="simulated steps (at least the run's)")
     m.set_defaults(fn=cmd_modes)
-    p = sub.add_parser("predict", help="throughput, idle ratios, staleness for a fleet")
+    p = sub.add_parser(
+        "predict",
+        help="throughput, idle ratios, staleness for a fleet",
+        description="The fleet is --config FILE (default: configs/default.yaml with the 64-server "
+        "fleet of docs/simulator.md, the defaults in brackets), then the flags given, then the "
+        "section.key=value overrides; --staleness sweeps replay.max_staleness.",
+    )
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.add_argument("--config", type=Path, help="a run's config YAML")
     p.add_argument("--calibration", type=Path, help="a calibrate output (default: built in)")
-    p.add_argument("--servers", type=int, default=64)
-    p.add_argument("--learner-ranks", type=int, default=8)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=256, help="groups per learner step")
-    p.add_argument("--concurrent", type=int, default=4, help="max_concurrent_groups")
-    p.add_argument("--capacity", type=int, default=4096, help="replay.capacity_groups")
-    p.add_argument("--max-batch-size", type=int, default=256, help="rows per engine batch")
+    scenario = dict(text.split("=") for text in SCENARIO)
+    for dest, key in FLAG_KEYS.items():
+        if dest != "packed":
+            p.add_argument(f"--{dest.replace('_', '-')}", type=int, help=f"{key} [{scenario[key]}]")
     p.add_argument("--lengths", default="lognormal:256:1.0", help="fixed:L | lognormal:MED:SIGMA")
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--engine", choices=("static", "continuous"), default="continuous")
-    p.add_argument("--packed", action="store_true", help="train on real tokens, not padded")
+    p.add_argument(
+        "--engine",
+        choices=("static", "continuous"),
+        help="engine batching [as rollout.engine batches: vllm, continuous]",
+    )
+    p.add_argument(
+        "--packed", action="store_const", const=True, help="learner.packing=true [false]"
+    )
     p.add_argument("--rank-efficiency", type=float, default=0.9)
     p.add_argument(
         "--staleness", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1, 2, 4, 8]
@@ -346,7 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = build_parser().parse_args()
-    args.fn(args)
+    try:
+        args.fn(args)
+    except ConfigError as e:
+        print(f"simulate.py {args.command}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

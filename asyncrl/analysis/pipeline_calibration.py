@@ -1,4 +1,4 @@
-"""Fitting the pipeline model's unit costs (`pipeline_model.Costs`) to measured runs: the
+"""Fitting the pipeline model's unit costs (`pipeline_inputs.Costs`) to measured runs: the
 `--json` records of `tools/bench_pipeline.py` (per-step metrics and trace spans of each run).
 `tools/simulate.py calibrate` drives it; docs/simulator.md has the method and the figures."""
 
@@ -11,7 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from asyncrl.analysis.pipeline_model import Costs
+from asyncrl.analysis.pipeline_inputs import Costs
 
 
 def nnls(rows: list[list[float]], y: list[float]) -> np.ndarray:
