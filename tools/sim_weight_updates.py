@@ -95,13 +95,13 @@ class _ModeServer(pm._Server):
         self.staged_at = self.sim.now
         super().receive(version)
 
-    def _applied(self, start: float) -> None:
+    def _applied(self, version: int, start: float) -> None:
         sim = self.sim
         sim.stalls.append((sim.now, sim.now - (start if self._inflight() else self.staged_at)))
         for s in self.live:
             s.versions += 1
         self.recompute_due = bool(self.live)
-        super()._applied(start)
+        super()._applied(version, start)
 
     def _finish(self, seqs: list[_Seq]) -> None:
         self.sim.finished += [(self.sim.now, s.versions) for s in seqs]

@@ -38,7 +38,20 @@ def expected_max(lengths: list[int], b: int) -> float:
     return float(np.sum(values * (cdf**b - below**b)))
 
 
-def _sync_latencies(cfg, spans, gens, warm, apply, lease_gaps, deliver_x, deliver_gaps) -> None:
+Span = dict[str, Any]
+"""One trace span of a bench record: name, proc, ts, dur, args."""
+
+
+def _sync_latencies(
+    cfg: dict[str, Any],
+    spans: list[Span],
+    gens: list[Span],
+    warm: float,
+    apply: list[float],
+    lease_gaps: list[float],
+    deliver_x: list[list[float]],
+    deliver_gaps: list[float],
+) -> None:
     """Append a synchronous run's apply times, apply-to-next-batch gaps (lease) and
     batch-end-to-fetch-end gaps (delivery, against the reward rounds of the last batch)."""
     applies = [s for s in spans if s["name"] == "apply_weights" and s["ts"] >= warm]
@@ -52,14 +65,16 @@ def _sync_latencies(cfg, spans, gens, warm, apply, lease_gaps, deliver_x, delive
     for f in spans:
         if f["name"] == "fetch_batch" and f["ts"] >= warm:
             end = f["ts"] + f["dur"]
-            last = [s for s in gens if s["ts"] + s["dur"] <= end]
-            if last:
-                last = max(last, key=lambda s: s["ts"] + s["dur"])
+            ended = [s for s in gens if s["ts"] + s["dur"] <= end]
+            if ended:
+                last = max(ended, key=lambda s: s["ts"] + s["dur"])
                 deliver_x.append([1.0, math.ceil(last["args"]["batch"] / workers)])
                 deliver_gaps.append(end - last["ts"] - last["dur"])
 
 
-def fit_costs(benches: list[dict[str, Any]], modes: tuple[str, ...] = ("sync", "async")):
+def fit_costs(
+    benches: list[dict[str, Any]], modes: tuple[str, ...] = ("sync", "async")
+) -> tuple[Costs, dict[str, Any]]:
     """Fit `Costs` from `bench_pipeline.py --json` records. Returns (costs, fit report).
 
     Generation: every sampling batch after the first learner step, duration = gen_batch_s +
@@ -68,8 +83,18 @@ def fit_costs(benches: list[dict[str, Any]], modes: tuple[str, ...] = ("sync", "
     latencies come from the synchronous runs' traces: an apply's end to the next batch's start
     (lease_s); a batch's end to the learner's fetch end = fetch_s + deliver_s + score_s *
     ceil(rows / reward workers); fetch_s is the 10th percentile of async runs' fetch times."""
-    gen_x, gen_y, train_x, train_y, bcast_x, bcast_y, prompt, apply = ([] for _ in range(8))
-    lease_gaps, deliver_x, deliver_gaps, fetch_ready = [], [], [], []
+    gen_x: list[list[float]] = []
+    train_x: list[list[float]] = []
+    bcast_x: list[list[float]] = []
+    deliver_x: list[list[float]] = []
+    gen_y: list[float] = []
+    train_y: list[float] = []
+    bcast_y: list[float] = []
+    prompt: list[float] = []
+    apply: list[float] = []
+    lease_gaps: list[float] = []
+    deliver_gaps: list[float] = []
+    fetch_ready: list[float] = []
     for bench in benches:
         for mode in modes:
             run = bench["runs"][mode]

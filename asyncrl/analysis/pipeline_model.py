@@ -38,7 +38,7 @@ import itertools
 import math
 import random
 import statistics
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,7 +98,8 @@ class _Server:
 
     def __init__(self, sim: Simulation, sid: int):
         self.sim, self.sid = sim, sid
-        self.version, self.staged = 0, None  # staged: received, not yet applied
+        self.version = 0
+        self.staged: int | None = None  # received, not yet applied
         self.active = 0  # groups in flight here
         self.asking = 0  # lease requests not yet answered
         self.asked_version = -1
@@ -167,7 +168,7 @@ class _Server:
             return
         if self._apply_due():
             self.state = "apply"
-            self.sim.after(self.sim.costs.apply_s, self._applied, self.sim.now)
+            self.sim.after(self.sim.costs.apply_s, self._applied, self.staged, self.sim.now)
         elif self.queue and self._samples_whole_batches():
             batch = [self.queue.popleft() for _ in range(min(len(self.queue), self._room()))]
             for s in batch:
@@ -187,9 +188,10 @@ class _Server:
     def _room(self) -> int:
         return self.sim.cfg.rollout.max_batch_size - len(self.live)
 
-    def _applied(self, start: float) -> None:
+    def _applied(self, version: int, start: float) -> None:
+        """`version` is applied (no newer one arrives meanwhile: a broadcast waits for it)."""
         self.sim.spans.append(("apply", self.sid, start, self.sim.now))
-        self.version, self.staged, self.state = self.staged, None, "idle"
+        self.version, self.staged, self.state = version, None, "idle"
         self.sim.on_applied(self)
         self.kick()
 
@@ -419,7 +421,7 @@ class Simulation:
         steps = len(self.step_ends) - warmup
         window = hi - lo
 
-        busy: Counter[tuple[str, int]] = Counter()
+        busy: defaultdict[tuple[str, int], float] = defaultdict(float)
         for kind, sid, start, end in self.spans:
             busy[kind, sid] += max(0.0, min(end, hi) - max(start, lo))
         gen = [busy["generate", s.sid] for s in self.servers]
