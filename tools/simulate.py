@@ -5,177 +5,64 @@
     python tools/simulate.py validate A.json [B.json ...] --calibration calibration.json
     python tools/simulate.py predict [--calibration calibration.json] --servers 64 \
         --learner-ranks 8 --lengths lognormal:256:1.0 --max-new-tokens 2048 --staleness 0,1,2,4,8
+    python tools/simulate.py predict --config configs/smollm2_gsm8k.yaml [section.key=value ...]
     python tools/bench_pipeline.py --modes drain,inflight --lengths lognormal --json M.json
     python tools/simulate.py modes M.json [--engine continuous]   # drain vs inflight
 
 It predicts throughput, idle ratios and staleness for fleets this machine cannot run; the model
 itself, and what it mirrors of the code, is `asyncrl/analysis/pipeline_model.py`; the weight
 update modes (`rollout.weight_update_mode` drain vs inflight) are `tools/sim_weight_updates.py`.
-Method and figures: docs/simulator.md.
+A fleet is a run's config (`asyncrl/analysis/pipeline_inputs.py` lists the fields the model
+reads): `predict` takes one with `--config` and overrides, its flags are shorthands for those
+fields. Method and figures: docs/simulator.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import itertools
 import json
-import math
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from sim_weight_updates import ModeMeans, WeightUpdate, mean_mode
+from sim_weight_updates import ModeMeans, RecomputeCosts, mean_mode
 
-from asyncrl.analysis.pipeline_model import Costs, Fleet, Lengths, Result, simulate
+from asyncrl.analysis.pipeline_calibration import expected_max, fit_costs, nnls
+from asyncrl.analysis.pipeline_inputs import Batching, Costs, Fleet, Lengths
+from asyncrl.analysis.pipeline_model import Result, simulate
+from asyncrl.config import Config, ConfigError, load_config
 
-__all__ = ["Costs", "Fleet", "Lengths", "Result", "simulate"]  # the model, re-exported
-
-
-# ---- calibration ----------------------------------------------------------------------------
-def _nnls(rows: list[list[float]], y: list[float]) -> np.ndarray:
-    """Least squares with non-negative coefficients (exhaustive over column subsets: few).
-    Among equally good fits the one with the later columns wins (the per-token terms, which
-    extrapolate, over the constant, when the data cannot tell them apart)."""
-    a, b = np.asarray(rows, float), np.asarray(y, float)
-    best, best_err = np.zeros(a.shape[1]), float("inf")
-    for k in range(1, a.shape[1] + 1):
-        for cols in itertools.combinations(reversed(range(a.shape[1])), k):
-            coef = np.linalg.lstsq(a[:, cols], b, rcond=None)[0]
-            err = float(np.sum((a[:, cols] @ coef - b) ** 2))
-            if (coef >= 0).all() and err < best_err * (1 - 1e-9):
-                best, best_err = np.zeros(a.shape[1]), err
-                best[list(cols)] = coef
-    return best
+# the model and its calibration, re-exported
+__all__ = ["Costs", "Fleet", "Lengths", "Result", "expected_max", "fit_costs", "simulate"]
+_nnls = nnls  # the name tools/bench_pipeline.py imports it by
 
 
-def expected_max(lengths: list[int], b: int) -> float:
-    """E[max of b lengths drawn from `lengths`]: how long a static batch of b rows decodes."""
-    values, counts = np.unique(lengths, return_counts=True)
-    cdf = np.cumsum(counts) / counts.sum()
-    below = np.concatenate([[0.0], cdf[:-1]])  # P(x < value)
-    return float(np.sum(values * (cdf**b - below**b)))
+# ---- fleets and results ----------------------------------------------------------------------
+RECORD_KEYS = {
+    "num_servers": "rollout.num_servers",
+    "world_size": "learner.world_size",
+    "n": "rollout.n",
+    "train_batch_size": "data.train_batch_size",
+    "max_concurrent_groups": "rollout.max_concurrent_groups",
+    "max_batch_size": "rollout.max_batch_size",
+    "reward_workers": "reward.workers",
+    "max_new_tokens": "rollout.max_new_tokens",
+    "max_staleness": "replay.max_staleness",
+    "capacity_groups": "replay.capacity_groups",
+}
+"""Where each key of a bench_pipeline record's `config` lives in the config tree."""
 
 
-def _sync_latencies(cfg, spans, gens, warm, apply, lease_gaps, deliver_x, deliver_gaps) -> None:
-    """Append a synchronous run's apply times, apply-to-next-batch gaps (lease) and
-    batch-end-to-fetch-end gaps (delivery, against the reward rounds of the last batch)."""
-    applies = [s for s in spans if s["name"] == "apply_weights" and s["ts"] >= warm]
-    apply += [s["dur"] for s in applies]
-    for a in applies:
-        end = a["ts"] + a["dur"]
-        nxt = [s["ts"] for s in gens if s["proc"] == a["proc"] and s["ts"] >= end]
-        if nxt:
-            lease_gaps.append(min(nxt) - end)
-    workers = cfg.get("reward_workers", 2)
-    for f in spans:
-        if f["name"] == "fetch_batch" and f["ts"] >= warm:
-            end = f["ts"] + f["dur"]
-            last = [s for s in gens if s["ts"] + s["dur"] <= end]
-            if last:
-                last = max(last, key=lambda s: s["ts"] + s["dur"])
-                deliver_x.append([1.0, math.ceil(last["args"]["batch"] / workers)])
-                deliver_gaps.append(end - last["ts"] - last["dur"])
-
-
-def fit_costs(benches: list[dict[str, Any]], modes: tuple[str, ...] = ("sync", "async")):
-    """Fit `Costs` from `bench_pipeline.py --json` records. Returns (costs, fit report).
-
-    Generation: every sampling batch after the first learner step, duration = gen_batch_s +
-    gen_step_s * E[longest row] + gen_seq_step_s * rows * mean length. Training: every steady
-    step, step time - fetch - broadcast = train_step_s + train_token_s * padded tokens. The
-    latencies come from the synchronous runs' traces: an apply's end to the next batch's start
-    (lease_s); a batch's end to the learner's fetch end = fetch_s + deliver_s + score_s *
-    ceil(rows / reward workers); fetch_s is the 10th percentile of async runs' fetch times."""
-    gen_x, gen_y, train_x, train_y, bcast_x, bcast_y, prompt, apply = ([] for _ in range(8))
-    lease_gaps, deliver_x, deliver_gaps, fetch_ready = [], [], [], []
-    for bench in benches:
-        for mode in modes:
-            run = bench["runs"][mode]
-            cfg, steps, spans = run["config"], run["steps"], run["spans"]
-            lengths = run["response_lengths"]
-            mean_len, warm = statistics.fmean(lengths), steps[0]["time"]
-            gens = [s for s in spans if s["name"] == "generate" and s["ts"] >= warm]
-            for s in gens:
-                rows = s["args"]["batch"]
-                gen_x.append([1.0, expected_max(lengths, rows), rows * mean_len])
-                gen_y.append(s["dur"])
-            for r in steps[bench["warmup"] :]:
-                p = r["train_tokens_per_s"] * r["time_update_s"] / r["samples"]
-                prompt.append(p - r["response_len_mean"])
-                train_x.append([1.0, r["samples"] * (prompt[-1] + r["response_len_max"])])
-                train_y.append(
-                    r["step_time_s"] - r["time_fetch_batch_s"] - r["time_broadcast_weights_s"]
-                )
-                bcast_x.append([1.0, cfg["num_servers"] - 1.0])
-                bcast_y.append(r["time_broadcast_weights_s"])
-                if cfg["max_staleness"] > 0:
-                    fetch_ready.append(r["time_fetch_batch_s"])
-            if cfg["max_staleness"] == 0:  # an async apply span includes the running batch's end
-                _sync_latencies(cfg, spans, gens, warm, apply, lease_gaps, deliver_x, deliver_gaps)
-    gen = _nnls(gen_x, gen_y)
-    train = _nnls(train_x, train_y)
-    if len({x[1] for x in bcast_x}) > 1:  # runs with different numbers of servers
-        broadcast = _nnls(bcast_x, bcast_y)
-    else:
-        broadcast = np.array([statistics.fmean(bcast_y), 0.0])
-    fetch_s = float(np.percentile(fetch_ready, 10)) if fetch_ready else 0.0
-    deliver = _nnls(deliver_x, deliver_gaps) if deliver_gaps else np.array([fetch_s, 0.0])
-    costs = Costs(
-        gen_batch_s=gen[0],
-        gen_step_s=gen[1],
-        gen_seq_step_s=gen[2],
-        train_step_s=train[0],
-        train_token_s=train[1],
-        fetch_s=fetch_s,
-        broadcast_s=broadcast[0],
-        broadcast_per_server_s=broadcast[1],
-        apply_s=statistics.fmean(apply) if apply else 0.0,
-        lease_s=statistics.median(lease_gaps) if lease_gaps else 0.0,
-        score_s=deliver[1],
-        deliver_s=max(0.0, deliver[0] - fetch_s),
-        prompt_tokens=statistics.fmean(prompt),
-    )
-    report = {
-        "generation": _fit_quality(gen_x, gen_y, gen),
-        "training": _fit_quality(train_x, train_y, train),
-        "modes": list(modes),
-        "load_avg": [r["load_avg"] for bench in benches for r in bench["runs"].values()],
-    }
-    return costs, report
-
-
-def _fit_quality(x: list[list[float]], y: list[float], coef: np.ndarray) -> dict[str, float]:
-    pred = np.asarray(x) @ coef
-    y_ = np.asarray(y)
-    ss = float(np.sum((y_ - y_.mean()) ** 2)) or 1.0
-    return {
-        "points": len(y),
-        "mean_s": float(y_.mean()),
-        "r2": 1.0 - float(np.sum((y_ - pred) ** 2)) / ss,
-        "rel_rmse": float(np.sqrt(np.mean((y_ - pred) ** 2)) / y_.mean()),
-    }
-
-
-def fleet_of_run(run: dict[str, Any], **changes: Any) -> Fleet:
-    """The fleet a bench_pipeline run had, with its measured response lengths."""
-    c = run["config"]
-    lengths = Lengths("empirical", c["max_new_tokens"], values=tuple(run["response_lengths"]))
-    fleet = Fleet(
-        lengths=lengths,
-        servers=c["num_servers"],
-        learner_ranks=c["world_size"],
-        n=c["n"],
-        train_batch_size=c["train_batch_size"],
-        max_concurrent_groups=c["max_concurrent_groups"],
-        max_staleness=c["max_staleness"],
-        capacity_groups=c["capacity_groups"],
-        max_batch_size=c["max_batch_size"],
-        reward_workers=c.get("reward_workers", 2),
-    )
-    return dataclasses.replace(fleet, **changes)
+def fleet_of_run(run: dict[str, Any], *overrides: str, batching: Batching | None = None) -> Fleet:
+    """The fleet a bench_pipeline run had, with its measured response lengths. It trains
+    padded (`learner.packing=false`: `fit_costs` fits the cost of a padded token) unless
+    `overrides` (`section.key=value`) say otherwise."""
+    record = [f"{RECORD_KEYS[k]}={v}" for k, v in run["config"].items() if k in RECORD_KEYS]
+    cfg = load_config(None, [*record, "learner.packing=false", *overrides])
+    lengths = Lengths("empirical", values=tuple(run["response_lengths"]))
+    return Fleet(cfg, lengths, batching)
 
 
 def mean_result(fleet: Fleet, costs: Costs, steps: int, warmup: int, seeds: int) -> Result:
@@ -200,7 +87,7 @@ def mean_result(fleet: Fleet, costs: Costs, steps: int, warmup: int, seeds: int)
 MODES = ("drain", "inflight")
 
 
-def fit_mode_costs(bench: dict[str, Any]) -> tuple[Costs, WeightUpdate]:
+def fit_mode_costs(bench: dict[str, Any]) -> tuple[Costs, RecomputeCosts]:
     """Costs of a `bench_pipeline.py --modes drain,inflight` record. Generation from the
     record's `decode` timing of the engine (else as `fit_costs` fits it from the drain run's
     spans, which assumes static batches), broadcast as `fit_costs` fits it; training on the tokens really trained (the
@@ -220,7 +107,7 @@ def fit_mode_costs(bench: dict[str, Any]) -> tuple[Costs, WeightUpdate]:
             warm = run["steps"][0]["time"]
             spans = run["spans"]
             applies += [s["dur"] for s in spans if s["name"] == "apply_weights" and s["ts"] >= warm]
-    train, built_in = _nnls(x, y), Costs()
+    train, built_in = nnls(x, y), Costs()
     costs = dataclasses.replace(
         costs,
         train_step_s=train[0],
@@ -234,7 +121,7 @@ def fit_mode_costs(bench: dict[str, Any]) -> tuple[Costs, WeightUpdate]:
         "fixed_s": costs.gen_batch_s,
         "token_s": costs.gen_seq_step_s,
     }
-    return costs, WeightUpdate("drain", prefill["fixed_s"], prefill["token_s"])
+    return costs, RecomputeCosts(prefill["fixed_s"], prefill["token_s"])
 
 
 def predict_modes(
@@ -242,17 +129,21 @@ def predict_modes(
 ) -> dict[str, ModeMeans]:
     """Each mode of a `--modes` record, simulated with the record's fleet (its exact response
     lengths, `engine` batching, training on real tokens) and `fit_mode_costs`."""
-    costs, update = fit_mode_costs(bench)
+    costs, recompute = fit_mode_costs(bench)
     runs = bench["runs"]
-    lengths = tuple(x for run in runs.values() for x in run["response_lengths"])
-    fleet = fleet_of_run(runs["drain"], engine=engine, padded_training=False)
-    fleet = dataclasses.replace(fleet, lengths=dataclasses.replace(fleet.lengths, values=lengths))
+    lengths = Lengths(
+        "empirical", values=tuple(x for r in runs.values() for x in r["response_lengths"])
+    )
     warmup = bench["warmup"]
     steps = max(steps, runs["drain"]["config"]["total_steps"])
-    return {
-        m: mean_mode(fleet, costs, dataclasses.replace(update, mode=m), steps, warmup, seeds)
-        for m in MODES
-    }
+    predicted = {}
+    for mode in MODES:
+        packed = ("learner.packing=true", f"rollout.weight_update_mode={mode}")
+        fleet = dataclasses.replace(
+            fleet_of_run(runs["drain"], *packed, batching=engine), lengths=lengths
+        )
+        predicted[mode] = mean_mode(fleet, costs, recompute, steps, warmup, seeds)
+    return predicted
 
 
 def print_modes(bench: dict[str, Any], predicted: dict[str, ModeMeans]) -> float:
@@ -349,35 +240,68 @@ CONFIG_KEYS = ("num_servers", "n", "train_batch_size", "max_concurrent_groups")
 CONFIG_KEYS += ("max_new_tokens", "max_staleness")
 
 
+SCENARIO = (
+    "rollout.num_servers=64",
+    "learner.world_size=8",
+    "rollout.n=8",
+    "data.train_batch_size=256",
+    "rollout.max_concurrent_groups=4",
+    "replay.capacity_groups=4096",
+    "rollout.max_batch_size=256",
+    "rollout.max_new_tokens=2048",
+    "rollout.engine=vllm",
+    "learner.packing=false",
+)
+"""`predict`'s fleet without --config (over configs/default.yaml): docs/simulator.md's 64
+servers and 8 learner ranks, training padded (the built-in calibration prices a padded token)."""
+
+FLAG_KEYS = {
+    "servers": "rollout.num_servers",
+    "learner_ranks": "learner.world_size",
+    "n": "rollout.n",
+    "batch_size": "data.train_batch_size",
+    "concurrent": "rollout.max_concurrent_groups",
+    "capacity": "replay.capacity_groups",
+    "max_batch_size": "rollout.max_batch_size",
+    "max_new_tokens": "rollout.max_new_tokens",
+    "packed": "learner.packing",
+}
+"""The config field each of `predict`'s shorthand flags sets."""
+
+
+def predict_config(args: argparse.Namespace, staleness: int) -> Config:
+    """--config (else configs/default.yaml with `SCENARIO`), then the flags given, the
+    `section.key=value` overrides, and `replay.max_staleness` (the bound `predict` sweeps)."""
+    given = [
+        f"{key}={getattr(args, dest)}"
+        for dest, key in FLAG_KEYS.items()
+        if getattr(args, dest) is not None
+    ]
+    base = () if args.config else SCENARIO
+    return load_config(
+        args.config, [*base, *given, *args.overrides, f"replay.max_staleness={staleness}"]
+    )
+
+
 def cmd_predict(args: argparse.Namespace) -> None:
     costs = dataclasses.replace(load_costs(args.calibration), **dict(args.cost or []))
-    fleet = Fleet(
-        lengths=Lengths.parse(args.lengths, args.max_new_tokens),
-        servers=args.servers,
-        learner_ranks=args.learner_ranks,
-        n=args.n,
-        train_batch_size=args.batch_size,
-        max_concurrent_groups=args.concurrent,
-        capacity_groups=args.capacity,
-        max_batch_size=args.max_batch_size,
-        engine=args.engine,
-        padded_training=not args.packed,
-        rank_efficiency=args.rank_efficiency,
-    )
-    print(f"fleet: {fleet}")
+    lengths = Lengths.parse(args.lengths)
+    fleets = [
+        (s, Fleet(predict_config(args, s), lengths, args.engine, args.rank_efficiency))
+        for s in args.staleness
+    ]
+    fleet = fleets[0][1]
+    print(f"fleet: {fleet.describe()}")
     print(f"costs: {costs}")
     rows = []
-    for s in args.staleness:
-        r = mean_result(
-            dataclasses.replace(fleet, max_staleness=s), costs, args.steps, args.warmup, args.seeds
-        )
-        rows.append((s, r))
+    for s, f in fleets:
+        rows.append((s, mean_result(f, costs, args.steps, args.warmup, args.seeds)))
     print(
         "| max_staleness | samples/s | x first | step s | learner idle | server idle "
         "| mean staleness | staleness histogram (% of samples) | groups dropped stale |"
     )
     print("|---|---|---|---|---|---|---|---|---|")
-    trained = args.seeds * args.steps * fleet.train_batch_size
+    trained = args.seeds * args.steps * fleet.cfg.data.train_batch_size
     for s, r in rows:
         hist = " ".join(f"{100 * c / sum(r.staleness_hist):.0f}" for c in r.staleness_hist)
         dropped = 100 * r.stale_dropped / (r.stale_dropped + trained)
@@ -398,9 +322,9 @@ def cmd_predict(args: argparse.Namespace) -> None:
 def cmd_modes(args: argparse.Namespace) -> None:
     bench = json.loads(args.bench.read_text())
     engine = args.engine or bench.get("engine", "continuous")
-    costs, update = fit_mode_costs(bench)
+    costs, recompute = fit_mode_costs(bench)
     print(f"costs: {costs}")
-    print(f"recompute: {update.recompute_s:.4g} s + {update.recompute_token_s:.3g} s/token")
+    print(f"recompute: {recompute.recompute_s:.4g} s + {recompute.recompute_token_s:.3g} s/token")
     print(f"engine batching modelled: {engine}")
     print_modes(bench, predict_modes(bench, engine, args.seeds, args.steps))
 
@@ -436,19 +360,29 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--seeds", type=int, default=3)
     m.add_argument("--steps", type=int, default=80, help="simulated steps (at least the run's)")
     m.set_defaults(fn=cmd_modes)
-    p = sub.add_parser("predict", help="throughput, idle ratios, staleness for a fleet")
+    p = sub.add_parser(
+        "predict",
+        help="throughput, idle ratios, staleness for a fleet",
+        description="The fleet is --config FILE (default: configs/default.yaml with the 64-server "
+        "fleet of docs/simulator.md, the defaults in brackets), then the flags given, then the "
+        "section.key=value overrides; --staleness sweeps replay.max_staleness.",
+    )
+    p.add_argument("overrides", nargs="*", metavar="section.key=value", help="config overrides")
+    p.add_argument("--config", type=Path, help="a run's config YAML")
     p.add_argument("--calibration", type=Path, help="a calibrate output (default: built in)")
-    p.add_argument("--servers", type=int, default=64)
-    p.add_argument("--learner-ranks", type=int, default=8)
-    p.add_argument("--n", type=int, default=8)
-    p.add_argument("--batch-size", type=int, default=256, help="groups per learner step")
-    p.add_argument("--concurrent", type=int, default=4, help="max_concurrent_groups")
-    p.add_argument("--capacity", type=int, default=4096, help="replay.capacity_groups")
-    p.add_argument("--max-batch-size", type=int, default=256, help="rows per engine batch")
+    scenario = dict(text.split("=") for text in SCENARIO)
+    for dest, key in FLAG_KEYS.items():
+        if dest != "packed":
+            p.add_argument(f"--{dest.replace('_', '-')}", type=int, help=f"{key} [{scenario[key]}]")
     p.add_argument("--lengths", default="lognormal:256:1.0", help="fixed:L | lognormal:MED:SIGMA")
-    p.add_argument("--max-new-tokens", type=int, default=2048)
-    p.add_argument("--engine", choices=("static", "continuous"), default="continuous")
-    p.add_argument("--packed", action="store_true", help="train on real tokens, not padded")
+    p.add_argument(
+        "--engine",
+        choices=("static", "continuous"),
+        help="engine batching [as rollout.engine batches: vllm, continuous]",
+    )
+    p.add_argument(
+        "--packed", action="store_const", const=True, help="learner.packing=true [false]"
+    )
     p.add_argument("--rank-efficiency", type=float, default=0.9)
     p.add_argument(
         "--staleness", type=lambda t: [int(x) for x in t.split(",")], default=[0, 1, 2, 4, 8]
@@ -470,7 +404,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main() -> int:
     args = build_parser().parse_args()
-    args.fn(args)
+    try:
+        args.fn(args)
+    except ConfigError as e:
+        print(f"simulate.py {args.command}: {e}", file=sys.stderr)
+        return 2
     return 0
 
 

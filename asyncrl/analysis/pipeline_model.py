@@ -1,29 +1,33 @@
 """A discrete-event model of the asyncrl pipeline (driven by `tools/simulate.py`, which also
-calibrates it from `tools/bench_pipeline.py` runs).
+calibrates it from `tools/bench_pipeline.py` runs; its inputs are `pipeline_inputs`).
 
 It predicts throughput, idle ratios and staleness for fleets this machine cannot run. What it
 models, each point mirroring the code (docs/simulator.md has the method and the figures):
 1. Admission: `replay.admission.AdmissionController` itself, judged by the requesting server's
    engine version; held requests are answered in arrival order whenever anything changes, and
-   empty after `wait_timeout_s`.
-2. A server keeps up to `max_concurrent_groups` groups, `n` sequences each, and has at most one
-   lease request out, for the slots free when it asked, unless its engine moved to a new
-   version (`RolloutServer.run`). Its engine samples what is queued as batches: `static` (the
-   HF engine: a batch runs until its longest row ends, arrivals wait for the next) or
+   empty after `replay.wait_timeout_s`.
+2. A server keeps up to `rollout.max_concurrent_groups` groups, `rollout.n` sequences each, and
+   has at most one lease request out, for the slots free when it asked, unless its engine moved
+   to a new version (`RolloutServer.run`). Its engine samples what is queued as batches: `static`
+   (the HF engine: a batch runs until its longest row ends, arrivals wait for the next) or
    `continuous` (vLLM-style: arrivals join at the next decode step). A decode step with b live
    rows costs `gen_step_s + gen_seq_step_s * b`.
-3. Finished samples are scored by `reward_workers` workers per server; a group is done, frees its
-   slot and goes to the replay when its last sample is scored.
+3. Finished samples are scored by `reward.workers` workers per server; a group is done, frees
+   its slot and goes to the replay when its last sample is scored.
 4. A weight version applies between batches (static) or steps (continuous) and pauses the
    engine for `apply_s`; a sequence's version is the version its first token was sampled with.
-5. The learner takes the oldest `train_batch_size` ready groups trainable at its version (stale
-   ones are dropped, as the buffer does), trains for `train_step_s + train_token_s * tokens /
-   (ranks * rank_efficiency)` (tokens padded to the batch's longest sequence, as
-   `learner.batch` pads), then broadcasts; a broadcast waits until every server has applied the
-   previous version (a server's receiver thread is busy until then) and lasts `broadcast_s +
-   broadcast_per_server_s * (servers - 1)`.
+5. The learner takes the oldest `data.train_batch_size` ready groups trainable at its version
+   (stale ones are dropped, as the buffer does), trains for `train_step_s + train_token_s *
+   tokens / (ranks * rank_efficiency)` (with `learner.packing=false`, tokens padded to the
+   batch's longest sequence, as `learner.batch` pads), then broadcasts; a broadcast waits until
+   every server has applied the previous version (a server's receiver thread is busy until
+   then) and lasts `broadcast_s + broadcast_per_server_s * (servers - 1)`.
 Not modelled: CPU sharing between processes (calibrate on a quiet machine), network
 contention, lease expiry, evaluation jobs, multi-turn agent loops.
+
+A server's engine rules are hooks (`_Server._may_admit`, `_apply_due`, `_samples_whole_batches`,
+`_resume_cost_s`, `_new_seq`) that `tools/sim_weight_updates.py` overrides to model
+`rollout.weight_update_mode`.
 """
 
 from __future__ import annotations
@@ -34,101 +38,12 @@ import itertools
 import math
 import random
 import statistics
-from collections import Counter, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from asyncrl.analysis.pipeline_inputs import Costs, Fleet
 from replay.admission import AdmissionController
-
-
-@dataclass(frozen=True)
-class Costs:
-    """What one unit of each kind of work costs, in seconds. The defaults are the calibration
-    of docs/simulator.md: 14 quiet bench_pipeline runs on the reference machine (2 CPU cores,
-    the 256-hidden 4-layer bench model, one torch thread per process)."""
-
-    gen_batch_s: float = 0.00862
-    """Per engine batch (static) or per step that admits new rows (continuous): prefill."""
-    gen_step_s: float = 0.000946
-    """Per decode step, whatever the number of rows."""
-    gen_seq_step_s: float = 0.000118
-    """Per live row per decode step."""
-    train_step_s: float = 0.0307
-    """Per learner step, not shared out over ranks (advantages, optimizer, publish, logging)."""
-    train_token_s: float = 0.000195
-    """Per (padded) token trained, on one rank; N ranks share the tokens."""
-    fetch_s: float = 0.00151
-    """The learner's batch request when a batch is ready."""
-    broadcast_s: float = 0.00843
-    """A weight broadcast to one server."""
-    broadcast_per_server_s: float = 0.00328
-    """What each further server adds to a broadcast (gloo here: linear in the servers)."""
-    apply_s: float = 0.000835
-    """A server applying a received version (its engine pauses)."""
-    score_s: float = 0.00063
-    """A reward worker scoring one sample and sending it (a group is done when all are)."""
-    lease_s: float = 0.00307
-    """A lease request's round trip (half each way), agent loops started included."""
-    deliver_s: float = 0.00129
-    """From a group's last sample being scored until the learner's fetch of it returns."""
-    prompt_tokens: float = 7.0
-    """Prompt length, for the training cost."""
-
-
-@dataclass(frozen=True)
-class Lengths:
-    """Response lengths: `fixed:L`, `lognormal:MEDIAN:SIGMA`, or empirical `values`; all
-    truncated at `max_tokens` (lengths that reach it finish with reason "length")."""
-
-    kind: Literal["fixed", "lognormal", "empirical"]
-    max_tokens: int
-    median: float = 0.0
-    sigma: float = 0.0
-    values: tuple[int, ...] = ()
-
-    @classmethod
-    def parse(cls, text: str, max_tokens: int) -> Lengths:
-        kind, *args = text.split(":")
-        if kind == "fixed" and len(args) == 1:
-            return cls("fixed", max_tokens, median=float(args[0]))
-        if kind == "lognormal" and len(args) == 2:
-            return cls("lognormal", max_tokens, median=float(args[0]), sigma=float(args[1]))
-        raise ValueError(f"lengths {text!r}: want fixed:L or lognormal:MEDIAN:SIGMA")
-
-    def sample(self, rng: random.Random) -> int:
-        if self.kind == "fixed":
-            x = self.median
-        elif self.kind == "lognormal":
-            x = rng.lognormvariate(math.log(self.median), self.sigma)
-        else:
-            x = rng.choice(self.values)
-        return max(1, min(self.max_tokens, round(x)))
-
-
-@dataclass(frozen=True)
-class Fleet:
-    """The pipeline's shape, in config terms: rollout.num_servers, learner.world_size,
-    rollout.n, data.train_batch_size, rollout.max_concurrent_groups, replay.max_staleness,
-    replay.capacity_groups, rollout.max_batch_size, reward.workers, replay.wait_timeout_s."""
-
-    lengths: Lengths
-    servers: int = 1
-    learner_ranks: int = 1
-    n: int = 4
-    train_batch_size: int = 8
-    max_concurrent_groups: int = 8
-    max_staleness: int = 0
-    capacity_groups: int = 256
-    max_batch_size: int = 256
-    reward_workers: int = 2
-    """Reward workers per server (`reward.workers`)."""
-    wait_timeout_s: float = 1.0
-    """How long the replay holds a lease request before answering it empty."""
-    engine: Literal["static", "continuous"] = "static"
-    padded_training: bool = True
-    """Train on samples x the batch's longest sequence (what `learner.batch` does)."""
-    rank_efficiency: float = 1.0
-    """Fraction of linear speed-up the learner ranks reach (assumed; 1 = perfect)."""
 
 
 @dataclass
@@ -178,15 +93,17 @@ class _Seq:
 
 
 class _Server:
-    """One rollout server: its engine's queue, live rows and weight version."""
+    """One rollout server: its engine's queue, live rows and weight version. The engine's rules
+    are the hooks below (this model's engine; `tools/sim_weight_updates.py` overrides them)."""
 
     def __init__(self, sim: Simulation, sid: int):
         self.sim, self.sid = sim, sid
-        self.version, self.staged = 0, None  # staged: received, not yet applied
+        self.version = 0
+        self.staged: int | None = None  # received, not yet applied
         self.active = 0  # groups in flight here
         self.asking = 0  # lease requests not yet answered
         self.asked_version = -1
-        self.scorers = [0.0] * sim.fleet.reward_workers  # when each reward worker is free
+        self.scorers = [0.0] * sim.cfg.reward.workers  # when each reward worker is free
         self.queue: deque[_Seq] = deque()
         self.live: list[_Seq] = []
         self.state = "idle"  # idle | batch | decode | apply
@@ -195,10 +112,32 @@ class _Server:
         self.seg_start = self.seg_cost = 0.0
         self.seg_steps = 0
 
+    # ---- the engine's rules (hooks) -------------------------------------------------------
+    def _new_seq(self, group: _Group, length: int) -> _Seq:
+        """A sequence of `group` that will sample `length` tokens."""
+        return _Seq(group, length)
+
+    def _samples_whole_batches(self) -> bool:
+        """Whether queued rows run as one batch that ends with its longest row (static)."""
+        return self.sim.fleet.static_batches
+
+    def _may_admit(self) -> bool:
+        """Whether queued rows may join the live ones at the next decode step."""
+        return len(self.live) < self.sim.cfg.rollout.max_batch_size
+
+    def _apply_due(self) -> bool:
+        """Whether the staged version applies at the next batch or step boundary."""
+        return self.staged is not None
+
+    def _resume_cost_s(self) -> float:
+        """Busy time before a decode segment's steps, besides the prefill of admitted rows."""
+        return 0.0
+
+    # ---- leases and sampling --------------------------------------------------------------
     def maybe_ask(self) -> None:
         """Ask for leases when there is room and no request out, or the engine moved on (the
         rule of `RolloutServer.run`; a request asks for the slots free when it is sent)."""
-        free = self.sim.fleet.max_concurrent_groups - self.active
+        free = self.sim.cfg.rollout.max_concurrent_groups - self.active
         if free > 0 and (self.asking == 0 or self.asked_version != self.version):
             self.asking += 1
             self.asked_version = self.version
@@ -208,10 +147,10 @@ class _Server:
     def on_grant(self, groups: list[_Group]) -> None:
         self.asking -= 1
         self.active += len(groups)
-        fleet = self.sim.fleet
+        rollout, sample = self.sim.cfg.rollout, self.sim.fleet.lengths.sample
         for g in groups:
-            g.lengths = [fleet.lengths.sample(self.sim.rng) for _ in range(fleet.n)]
-            self.queue.extend(_Seq(g, length) for length in g.lengths)
+            g.lengths = [sample(self.sim.rng, rollout.max_new_tokens) for _ in range(rollout.n)]
+            self.queue.extend(self._new_seq(g, length) for length in g.lengths)
         self.maybe_ask()
         self.kick()
 
@@ -222,16 +161,15 @@ class _Server:
     def kick(self) -> None:
         """Start whatever the engine can start now: weights first, then sampling."""
         if self.state == "decode":
-            room = self.queue and len(self.live) < self.sim.fleet.max_batch_size
-            if self.staged is not None or room:
+            if self._apply_due() or (self.queue and self._may_admit()):
                 self._interrupt()
             return
         if self.state != "idle":
             return
-        if self.staged is not None:
+        if self._apply_due():
             self.state = "apply"
-            self.sim.after(self.sim.costs.apply_s, self._applied, self.sim.now)
-        elif self.queue and self.sim.fleet.engine == "static":
+            self.sim.after(self.sim.costs.apply_s, self._applied, self.staged, self.sim.now)
+        elif self.queue and self._samples_whole_batches():
             batch = [self.queue.popleft() for _ in range(min(len(self.queue), self._room()))]
             for s in batch:
                 s.group.versions.append(self.version)
@@ -248,11 +186,12 @@ class _Server:
             self._segment()
 
     def _room(self) -> int:
-        return self.sim.fleet.max_batch_size - len(self.live)
+        return self.sim.cfg.rollout.max_batch_size - len(self.live)
 
-    def _applied(self, start: float) -> None:
+    def _applied(self, version: int, start: float) -> None:
+        """`version` is applied (no newer one arrives meanwhile: a broadcast waits for it)."""
         self.sim.spans.append(("apply", self.sid, start, self.sim.now))
-        self.version, self.staged, self.state = self.staged, None, "idle"
+        self.version, self.staged, self.state = version, None, "idle"
         self.sim.on_applied(self)
         self.kick()
 
@@ -278,7 +217,10 @@ class _Server:
 
     # continuous batching: the live rows decode in segments that end when the first row ends
     def _segment(self) -> None:
-        admitted = [self.queue.popleft() for _ in range(min(len(self.queue), self._room()))]
+        prefill = self._resume_cost_s()
+        admitted = []
+        if self._may_admit():
+            admitted = [self.queue.popleft() for _ in range(min(len(self.queue), self._room()))]
         for s in admitted:
             s.group.versions.append(self.version)
         self.live += admitted
@@ -287,13 +229,12 @@ class _Server:
             self.state = "idle"
             return
         c = self.sim.costs
-        prefill = c.gen_batch_s if admitted else 0.0
+        prefill += c.gen_batch_s if admitted else 0.0
         self.seg_start = self.sim.now + prefill
         self.seg_cost = c.gen_step_s + c.gen_seq_step_s * len(self.live)
         self.seg_steps = min(s.left for s in self.live)
         self.epoch += 1
-        end = prefill + self.seg_steps * self.seg_cost
-        self.sim.after(end, self._segment_end, self.epoch)
+        self.sim.after(prefill + self.seg_steps * self.seg_cost, self._segment_end, self.epoch)
 
     def _interrupt(self) -> None:
         """End the running segment at the next step boundary (new rows or weights wait)."""
@@ -315,7 +256,7 @@ class _Server:
         finished = [s for s in self.live if s.left <= 0]
         self.live = [s for s in self.live if s.left > 0]
         self._finish(finished)
-        if self.staged is not None:
+        if self._apply_due():
             self.sim.spans.append(("generate", self.sid, self.busy_since, self.sim.now))
             self.state = "idle"
             self.kick()  # applies; `kick` after the apply resumes decoding
@@ -326,15 +267,21 @@ class _Server:
 class Simulation:
     """The replay (admission, buffer), M servers and the learner, on one event queue."""
 
+    server_type: type[_Server] = _Server
+    """What each server is (`tools/sim_weight_updates.py` supplies its own engine rules)."""
+
     def __init__(self, fleet: Fleet, costs: Costs, seed: int = 0):
-        self.fleet, self.costs, self.rng = fleet, costs, random.Random(seed)
+        self.fleet, self.cfg, self.costs = fleet, fleet.cfg, costs
+        self.rng = random.Random(seed)
         self.now = 0.0
         self._events: list[tuple[float, int, Any, tuple]] = []
         self._tie = itertools.count()
         self.admission = AdmissionController(
-            fleet.max_staleness, fleet.train_batch_size, fleet.capacity_groups
+            self.cfg.replay.max_staleness,
+            self.cfg.data.train_batch_size,
+            self.cfg.replay.capacity_groups,
         )
-        self.servers = [_Server(self, i) for i in range(fleet.servers)]
+        self.servers = [self.server_type(self, i) for i in range(self.cfg.rollout.num_servers)]
         self.held_leases: list[_LeaseRequest] = []  # in arrival order
         self.ready: list[tuple[int, _Group]] = []  # sorted by issue index
         self.held = 0  # groups in flight plus ready (the buffer's length)
@@ -377,7 +324,7 @@ class Simulation:
         request = _LeaseRequest(server, version, wanted)
         if not self._maybe_grant(request):
             self.held_leases.append(request)
-            self.after(self.fleet.wait_timeout_s, self._lease_timeout, request)
+            self.after(self.cfg.replay.wait_timeout_s, self._lease_timeout, request)
 
     def _maybe_grant(self, request: _LeaseRequest) -> bool:
         server = request.server
@@ -386,7 +333,8 @@ class Simulation:
             return False
         self.admission.on_issued(k)
         self.held += k
-        groups = [_Group(self.issued_total + i, server, self.fleet.n) for i in range(k)]
+        n = self.cfg.rollout.n
+        groups = [_Group(self.issued_total + i, server, n) for i in range(k)]
         self.issued_total += k
         self._answer(server, groups)
         return True
@@ -411,14 +359,14 @@ class Simulation:
     def _maybe_serve(self) -> None:
         if self.fetching_since is None:
             return
-        bound = self.fleet.max_staleness
+        bound = self.cfg.replay.max_staleness
         stale = [x for x in self.ready if self.version - min(x[1].versions) > bound]
         if stale:
             self.ready = [x for x in self.ready if x not in stale]
             self.admission.on_never_trained(len(stale))
             self.held -= len(stale)
             self.stale_dropped += len(stale)
-        b = self.fleet.train_batch_size
+        b = self.cfg.data.train_batch_size
         if len(self.ready) < b:
             if stale:
                 self._answer_held()
@@ -436,7 +384,8 @@ class Simulation:
         p, c, f = self.costs.prompt_tokens, self.costs, self.fleet
         longest = max(lengths) if f.padded_training else statistics.fmean(lengths)
         tokens = len(lengths) * (p + longest)
-        return c.train_step_s + c.train_token_s * tokens / (f.learner_ranks * f.rank_efficiency)
+        ranks = self.cfg.learner.world_size * f.rank_efficiency
+        return c.train_step_s + c.train_token_s * tokens / ranks
 
     def _trained(self, batch: list[_Group], start: float) -> None:
         if len(self.step_ends) >= self.warmup:
@@ -472,14 +421,14 @@ class Simulation:
         steps = len(self.step_ends) - warmup
         window = hi - lo
 
-        busy: Counter[tuple[str, int]] = Counter()
+        busy: defaultdict[tuple[str, int], float] = defaultdict(float)
         for kind, sid, start, end in self.spans:
             busy[kind, sid] += max(0.0, min(end, hi) - max(start, lo))
         gen = [busy["generate", s.sid] for s in self.servers]
         pause = [busy["apply", s.sid] for s in self.servers]
         hist = [self.staleness[i] for i in range(max(self.staleness, default=0) + 1)]
         return Result(
-            samples_per_s=steps * self.fleet.train_batch_size * self.fleet.n / window,
+            samples_per_s=steps * self.cfg.data.train_batch_size * self.cfg.rollout.n / window,
             step_time_s=window / steps,
             learner_idle=sum(self.fetch_waits[warmup:]) / window,
             server_idle=1.0 - statistics.fmean(gen) / window,

@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 from asyncrl.analysis import pipeline_model as pm
+from asyncrl.analysis.pipeline_inputs import Costs, Fleet, Lengths
+from asyncrl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,7 +41,7 @@ def tools():
     sys.path.remove(str(ROOT / "tools"))
 
 
-COSTS = pm.Costs(
+COSTS = Costs(
     gen_batch_s=0.002,
     gen_step_s=0.002,
     gen_seq_step_s=1e-4,
@@ -56,22 +58,37 @@ COSTS = pm.Costs(
 )
 
 
-def fleet(lengths: str, engine: str = "continuous", staleness: int = 2, cap: int = 256):
-    return pm.Fleet(
-        lengths=pm.Lengths.parse(lengths, cap),
-        n=4,
-        train_batch_size=4,
-        max_concurrent_groups=8,
-        max_staleness=staleness,
-        engine=engine,
-        padded_training=False,
+def fleet(lengths: str, engine: str = "continuous", staleness: int = 2, *overrides: str):
+    """Groups of 4, batches of 4 groups, 8 held per server, training packed (real tokens)."""
+    cfg = load_config(
+        overrides=[
+            "rollout.n=4",
+            "data.train_batch_size=4",
+            "rollout.max_concurrent_groups=8",
+            f"replay.max_staleness={staleness}",
+            "rollout.max_new_tokens=256",
+            "learner.packing=true",
+            *overrides,
+        ]
     )
+    return Fleet(cfg, Lengths.parse(lengths), batching=engine)
 
 
-def both(sw, f, recompute_token_s=0.0, steps=60, warmup=10, seed=0):
+ONE_ROW = ("rollout.n=1", "data.train_batch_size=1", "algorithm.adv_estimator=reinforce_plus_plus")
+"""A fleet sampling one row at a time (an estimator without a group baseline takes groups of 1)."""
+
+
+def both(sw, lengths, engine="continuous", staleness=2, recompute_token_s=0.0):
+    """Each weight-update mode on `fleet(lengths, engine, staleness)`: 60 steps, 10 warm-up."""
+    recompute = sw.RecomputeCosts(0.0, recompute_token_s)
     return {
         m: sw.simulate_mode(
-            f, COSTS, sw.WeightUpdate(m, 0.0, recompute_token_s), steps, warmup, seed
+            fleet(lengths, engine, staleness, f"rollout.weight_update_mode={m}"),
+            COSTS,
+            recompute,
+            steps=60,
+            warmup=10,
+            seed=0,
         )
         for m in ("drain", "inflight")
     }
@@ -82,7 +99,7 @@ def test_equal_lengths_static_batches_drain_equals_inflight(tools, staleness):
     """Rows of a static batch all end together, so waiting for the batch's end (drain) costs
     no throughput against applying mid-batch (inflight, recompute free here)."""
     sw = tools[0]
-    r = both(sw, fleet("fixed:40", "static", staleness))
+    r = both(sw, "fixed:40", "static", staleness)
     assert r["inflight"].samples_per_s == pytest.approx(r["drain"].samples_per_s, rel=0.02)
     assert r["inflight"].stall_per_sync_s == pytest.approx(COSTS.apply_s)
     batch_s = COSTS.gen_batch_s + 40 * (COSTS.gen_step_s + 32 * COSTS.gen_seq_step_s)
@@ -92,14 +109,14 @@ def test_equal_lengths_static_batches_drain_equals_inflight(tools, staleness):
 def test_synchronous_runs_are_the_same_in_both_modes(tools):
     """max_staleness=0: a version arrives when nothing is in flight, so the modes coincide."""
     sw = tools[0]
-    r = both(sw, fleet("lognormal:24:1.2", "continuous", staleness=0))
+    r = both(sw, "lognormal:24:1.2", "continuous", 0)
     assert r["inflight"].samples_per_s == pytest.approx(r["drain"].samples_per_s, rel=1e-9)
     assert r["inflight"].multi_version_frac == 0.0
 
 
 def test_long_tail_drain_stalls_on_the_longest_inflight_never_waits(tools):
     sw = tools[0]
-    r = both(sw, fleet("lognormal:16:1.2"))
+    r = both(sw, "lognormal:16:1.2")
     drain, inflight = r["drain"], r["inflight"]
     # inflight: a version holds generation back exactly for its apply, never for a row
     assert inflight.stall_per_sync_s == pytest.approx(COSTS.apply_s, rel=1e-9)
@@ -117,7 +134,7 @@ def test_drain_applies_only_with_nothing_live(tools):
     """Drain: no generation span of a server overlaps one of its applies, and every apply
     starts when that server's generation has stopped."""
     sw = tools[0]
-    r = both(sw, fleet("lognormal:16:1.2"))["drain"]
+    r = both(sw, "lognormal:16:1.2")["drain"]
     gen = [(s, e) for kind, _, s, e in r.spans if kind == "generate"]
     applies = [(s, e) for kind, _, s, e in r.spans if kind == "apply"]
     assert applies and gen
@@ -127,9 +144,8 @@ def test_drain_applies_only_with_nothing_live(tools):
 
 def test_recompute_costs_inflight_throughput(tools):
     sw = tools[0]
-    f = fleet("lognormal:16:1.2")
-    free = both(sw, f, recompute_token_s=0.0)["inflight"]
-    dear = both(sw, f, recompute_token_s=5e-4)["inflight"]
+    free = both(sw, "lognormal:16:1.2", recompute_token_s=0.0)["inflight"]
+    dear = both(sw, "lognormal:16:1.2", recompute_token_s=5e-4)["inflight"]
     assert dear.samples_per_s < 0.9 * free.samples_per_s
     assert dear.stall_per_sync_s == pytest.approx(free.stall_per_sync_s)  # busy, not stall
 
@@ -141,12 +157,14 @@ def test_one_recompute_by_hand(tools):
     c = dataclasses.replace(
         COSTS, gen_batch_s=0.5, gen_step_s=1.0, gen_seq_step_s=0.0, apply_s=0.25
     )
-    f = dataclasses.replace(fleet("fixed:10", staleness=1), n=1, train_batch_size=1)
-    s = sw._ModeSimulation(f, c, sw.WeightUpdate("inflight", 0.125, 0.0625), seed=0)
+    f = fleet("fixed:10", "continuous", 1, *ONE_ROW, "rollout.weight_update_mode=inflight")
+    s = sw._ModeSimulation(f, c, sw.RecomputeCosts(0.125, 0.0625), seed=0)
     server = s.servers[0]
     seq = sw._Seq(pm._Group(0, server, 1), 10, 10)
     server.queue.append(seq)
-    server.active = f.max_concurrent_groups  # no lease requests: this row is all it samples
+    server.active = (
+        f.cfg.rollout.max_concurrent_groups
+    )  # no lease requests: this row is all it samples
     server.kick()  # decode starts at t=0: prefill 0.5, then steps of 1.0
     s.after(3.0, server.receive, 1)  # lands during step 3 (2.5 .. 3.5)
     ended = []
@@ -160,7 +178,7 @@ def test_one_recompute_by_hand(tools):
 
 
 # ---- calibration from a --modes record ------------------------------------------------------
-def modes_bench(true: pm.Costs, length: int = 48) -> dict:
+def modes_bench(true: Costs, length: int = 48) -> dict:
     """A --modes record whose spans and steps follow `true` exactly (training on real tokens)."""
     runs = {}
     for mode in ("drain", "inflight"):
@@ -264,10 +282,12 @@ def test_drain_admits_nothing_between_a_versions_arrival_and_its_apply(tools):
     c = dataclasses.replace(
         COSTS, gen_batch_s=0.5, gen_step_s=1.0, gen_seq_step_s=0.0, apply_s=0.25
     )
-    f = dataclasses.replace(fleet("fixed:10", staleness=1), n=1, train_batch_size=1)
-    s = sw._ModeSimulation(f, c, sw.WeightUpdate("drain"), seed=0)
+    f = fleet("fixed:10", "continuous", 1, *ONE_ROW, "rollout.weight_update_mode=drain")
+    s = sw._ModeSimulation(f, c, sw.RecomputeCosts(), seed=0)
     server = s.servers[0]
-    server.active = f.max_concurrent_groups  # no lease requests: these rows are all it samples
+    server.active = (
+        f.cfg.rollout.max_concurrent_groups
+    )  # no lease requests: these rows are all it samples
     a, b = (sw._Seq(pm._Group(i, server, 1), n, n) for i, n in ((0, 10), (1, 2)))
     server.queue.append(a)
     server.kick()

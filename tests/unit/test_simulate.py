@@ -8,7 +8,10 @@ import math
 import sys
 from pathlib import Path
 
+import pydantic
 import pytest
+
+from asyncrl.config import load_config
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -28,16 +31,21 @@ def sim():
     sys.path.remove(str(ROOT / "tools"))
 
 
-def long_tailed(sim, engine="static", servers=4, staleness=2):
-    return sim.Fleet(
-        lengths=sim.Lengths.parse("lognormal:24:1.0", max_tokens=96),
-        servers=servers,
-        n=4,
-        train_batch_size=6,
-        max_concurrent_groups=3,
-        max_staleness=staleness,
-        engine=engine,
+def long_tailed(sim, engine="static", servers=4, staleness=2, *overrides):
+    """Long-tailed lengths on `servers` servers, training padded (`learner.packing=false`)."""
+    cfg = load_config(
+        overrides=[
+            f"rollout.num_servers={servers}",
+            "rollout.n=4",
+            "data.train_batch_size=6",
+            "rollout.max_concurrent_groups=3",
+            f"replay.max_staleness={staleness}",
+            "rollout.max_new_tokens=96",
+            "learner.packing=false",
+            *overrides,
+        ]
     )
+    return sim.Fleet(cfg, sim.Lengths.parse("lognormal:24:1.0"), batching=engine)
 
 
 def costs(sim, **kw):
@@ -87,7 +95,7 @@ def test_free_learner_never_makes_a_server_wait(sim, staleness):
     """With no training, sync or latency cost, the one server samples all the time."""
     fleet = dataclasses.replace(
         long_tailed(sim, servers=1, staleness=staleness),
-        lengths=sim.Lengths.parse("fixed:32", 64),
+        lengths=sim.Lengths.parse("fixed:32"),
     )
     free = costs(sim, gen_step_s=0.003, gen_seq_step_s=1e-4)
     r = sim.simulate(fleet, free, steps=30, warmup=5)
@@ -115,27 +123,32 @@ def test_async_over_sync_approaches_the_analytic_ratio(sim, engine, t_gen, t_tra
     """One server, fixed lengths, no latencies: a synchronous step takes T_gen + T_train, an
     asynchronous one max(T_gen, T_train)."""
     n, groups, length = 4, 8, 50
-    fleet = sim.Fleet(
-        lengths=sim.Lengths.parse(f"fixed:{length}", length),
-        n=n,
-        train_batch_size=groups,
-        max_concurrent_groups=groups,
-        engine=engine,
-    )
+
+    def fleet(staleness):
+        cfg = load_config(
+            overrides=[
+                f"rollout.n={n}",
+                f"data.train_batch_size={groups}",
+                f"rollout.max_concurrent_groups={groups}",
+                f"rollout.max_new_tokens={length}",
+                f"replay.max_staleness={staleness}",
+            ]
+        )
+        return sim.Fleet(cfg, sim.Lengths.parse(f"fixed:{length}"), batching=engine)
+
     tokens = n * groups * (10 + length)
     c = costs(sim, gen_step_s=t_gen / length, train_token_s=t_train / tokens, prompt_tokens=10.0)
-    sync = sim.simulate(fleet, c, steps=60, warmup=10)
-    asyn = sim.simulate(dataclasses.replace(fleet, max_staleness=2), c, steps=60, warmup=10)
+    sync = sim.simulate(fleet(0), c, steps=60, warmup=10)
+    asyn = sim.simulate(fleet(2), c, steps=60, warmup=10)
     assert sync.samples_per_s == pytest.approx(n * groups / (t_gen + t_train), rel=1e-6)
     ratio = asyn.samples_per_s / sync.samples_per_s
     assert ratio == pytest.approx((t_gen + t_train) / max(t_gen, t_train), rel=0.02)
 
 
 def test_more_ranks_train_faster(sim):
-    fleet = long_tailed(sim, servers=8, staleness=0)
     slow = dataclasses.replace(sim.Costs(**COSTS_KW), train_token_s=2e-3)
-    one = sim.simulate(fleet, slow, 20, 4)
-    eight = sim.simulate(dataclasses.replace(fleet, learner_ranks=8), slow, 20, 4)
+    one = sim.simulate(long_tailed(sim, "static", 8, 0), slow, 20, 4)
+    eight = sim.simulate(long_tailed(sim, "static", 8, 0, "learner.world_size=8"), slow, 20, 4)
     assert eight.samples_per_s > 1.5 * one.samples_per_s
     assert eight.learner_idle > one.learner_idle
 
@@ -143,13 +156,13 @@ def test_more_ranks_train_faster(sim):
 def test_lengths_are_truncated_and_parsed(sim):
     import random
 
-    lengths = sim.Lengths.parse("lognormal:100:2.0", max_tokens=128)
+    lengths = sim.Lengths.parse("lognormal:100:2.0")
     rng = random.Random(0)
-    draws = [lengths.sample(rng) for _ in range(2000)]
+    draws = [lengths.sample(rng, max_tokens=128) for _ in range(2000)]
     assert min(draws) >= 1 and max(draws) == 128
-    assert sim.Lengths.parse("fixed:7", 5).sample(rng) == 5
+    assert sim.Lengths.parse("fixed:7").sample(rng, max_tokens=5) == 5
     with pytest.raises(ValueError, match="lognormal:MEDIAN:SIGMA"):
-        sim.Lengths.parse("pareto:2", 10)
+        sim.Lengths.parse("pareto:2")
 
 
 def test_expected_max_by_hand(sim):
@@ -204,3 +217,64 @@ def test_calibration_recovers_the_costs_it_was_given(sim):
     for name in {f.name for f in dataclasses.fields(sim.Costs)} - latencies:
         assert getattr(fitted, name) == pytest.approx(getattr(true, name), rel=1e-6), name
     assert report["generation"]["r2"] == pytest.approx(1.0)
+
+
+class Reads:
+    """A stand-in for a `Config` that records the dotted names of the fields read from it."""
+
+    def __init__(self, node, path: str = "", seen: set[str] | None = None):
+        self._node, self._path = node, path
+        self.seen = set() if seen is None else seen
+
+    def __getattr__(self, name: str):
+        value = getattr(self._node, name)
+        if isinstance(value, pydantic.BaseModel):
+            return Reads(value, f"{self._path}{name}.", self.seen)
+        self.seen.add(self._path + name)
+        return value
+
+
+def test_the_model_reads_exactly_the_config_fields_it_lists(sim):
+    from asyncrl.analysis.pipeline_inputs import MODEL_READS
+
+    cfg = Reads(long_tailed(sim, staleness=1).cfg)
+    lengths = sim.Lengths.parse("lognormal:24:1.0")
+    sim.simulate(sim.Fleet(cfg, lengths, rank_efficiency=0.9), sim.Costs(**COSTS_KW), 20, 4)
+    assert cfg.seen == set(MODEL_READS)
+
+
+def test_the_weight_update_modes_read_the_same_fields_and_the_mode(sim):
+    """tools/sim_weight_updates.py (which `sim.mean_mode` runs) takes the mode from the config."""
+    from asyncrl.analysis.pipeline_inputs import MODEL_READS
+
+    cfg = Reads(long_tailed(sim, "continuous", 2, 1, "rollout.weight_update_mode=inflight").cfg)
+    fleet = sim.Fleet(cfg, sim.Lengths.parse("lognormal:24:1.0"))
+    sim.mean_mode(fleet, sim.Costs(**COSTS_KW), sim.RecomputeCosts(), 20, 4, seeds=1)
+    assert cfg.seen == {*MODEL_READS, "rollout.weight_update_mode"}
+
+
+def test_engine_batching_follows_the_config_unless_set():
+    from asyncrl.analysis.pipeline_inputs import Fleet, Lengths
+
+    lengths = Lengths.parse("fixed:8")
+    for engine, static in (("hf", True), ("vllm", False), ("sglang", False)):
+        fleet = Fleet(load_config(overrides=[f"rollout.engine={engine}"]), lengths)
+        assert fleet.static_batches is static
+    assert not Fleet(load_config(), lengths, batching="continuous").static_batches
+
+
+def test_predict_reads_a_config_file_then_flags_then_overrides(sim, tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text("rollout:\n  num_servers: 3\n  n: 2\nreward:\n  workers: 4\n")
+    argv = ["predict", "--config", str(path), "--n", "4", "reward.workers=5"]
+    cfg = sim.predict_config(sim.build_parser().parse_args(argv), staleness=1)
+    assert (cfg.rollout.num_servers, cfg.rollout.n, cfg.reward.workers) == (3, 4, 5)
+    assert cfg.replay.max_staleness == 1
+    # without --config: docs/simulator.md's fleet (64 vLLM servers, 8 ranks, padded training)
+    cfg = sim.predict_config(sim.build_parser().parse_args(["predict"]), staleness=0)
+    assert (cfg.rollout.num_servers, cfg.learner.world_size, cfg.data.train_batch_size) == (
+        64,
+        8,
+        256,
+    )
+    assert (cfg.rollout.engine, cfg.learner.packing) == ("vllm", False)
