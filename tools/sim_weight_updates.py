@@ -6,7 +6,7 @@ modes of the rollout servers (docs/pipeline.md, "When a version reaches a busy e
 from the fleet's `rollout.weight_update_mode`; it supplies the model's engine-rule hooks:
 1. The engine's rows decode in steps costing `gen_step_s + gen_seq_step_s * live rows`;
    `static` admits queued rows only into an empty batch (the HF engine's batches), `continuous`
-   at every step while fewer than `rollout.max_batch_size` rows are live; admitting costs one
+   at every step while fewer than `rollout.hf.max_batch_size` rows are live; admitting costs one
    `gen_batch_s` (prefill).
 2. `drain`: a received version stops admission; the live rows decode to their ends, then the
    version applies (`apply_s`) and admission resumes. The stall of a sync is from the version's
@@ -77,7 +77,7 @@ class _ModeServer(pm._Server):
             return False  # drain: no new rows until the version is applied
         if self.sim.fleet.static_batches:
             return not self.live
-        return len(self.live) < self.sim.cfg.rollout.max_batch_size
+        return len(self.live) < self.sim.cfg.rollout.hf.max_batch_size
 
     def _apply_due(self) -> bool:
         return self.staged is not None and (self._inflight() or not self.live)

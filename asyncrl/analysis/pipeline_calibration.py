@@ -75,7 +75,7 @@ def _sync_latencies(
 def fit_costs(
     benches: list[dict[str, Any]], modes: tuple[str, ...] = ("sync", "async")
 ) -> tuple[Costs, dict[str, Any]]:
-    """Fit `Costs` from `bench_pipeline.py --json` records. Returns (costs, fit report).
+    """Fit `Costs` from `tools/bench_pipeline.py --json` records. Returns (costs, fit report).
 
     Generation: every sampling batch after the first learner step, duration = gen_batch_s +
     gen_step_s * E[longest row] + gen_seq_step_s * rows * mean length. Training: every steady

@@ -101,7 +101,7 @@ MODEL_READS = (
     "rollout.n",
     "rollout.max_new_tokens",
     "rollout.max_concurrent_groups",
-    "rollout.max_batch_size",
+    "rollout.hf.max_batch_size",
     "reward.workers",
     "replay.max_staleness",
     "replay.capacity_groups",

@@ -123,7 +123,7 @@ class _Server:
 
     def _may_admit(self) -> bool:
         """Whether queued rows may join the live ones at the next decode step."""
-        return len(self.live) < self.sim.cfg.rollout.max_batch_size
+        return len(self.live) < self.sim.cfg.rollout.hf.max_batch_size
 
     def _apply_due(self) -> bool:
         """Whether the staged version applies at the next batch or step boundary."""
@@ -186,7 +186,7 @@ class _Server:
             self._segment()
 
     def _room(self) -> int:
-        return self.sim.cfg.rollout.max_batch_size - len(self.live)
+        return self.sim.cfg.rollout.hf.max_batch_size - len(self.live)
 
     def _applied(self, version: int, start: float) -> None:
         """`version` is applied (no newer one arrives meanwhile: a broadcast waits for it)."""
