@@ -23,7 +23,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from transformers import AutoModelForCausalLM
@@ -166,7 +166,7 @@ class HFEngine(HFVersionGate):
             )
         if params.max_new_tokens > room:  # the response ends at the context ("length")
             params = dataclasses.replace(params, max_new_tokens=room)
-        vocab = self.model.get_input_embeddings().num_embeddings
+        vocab = cast(int, self.model.get_input_embeddings().num_embeddings)
         if bad := [t for t in prompt_ids if not 0 <= t < vocab]:
             raise ValueError(
                 f"prompt token id {bad[0]} is outside the model's vocabulary [0, {vocab})"

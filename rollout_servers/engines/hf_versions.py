@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
+from transformers import PreTrainedModel
 
 from asyncrl.learner_config import LoraConfig
 from asyncrl.lora import AdapterMerger, adapter_specs
@@ -61,7 +62,7 @@ class HFVersionGate(Engine):
 
     def _init_gate(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         device: torch.device,
         version: int,
         lora: LoraConfig | None,

@@ -91,7 +91,7 @@ def unpack_join(payload: bytes) -> JoinWeightSync:
     """The worker's side: the message back, every field checked (`ProtocolError` if not)."""
     join = decode([bytes(payload)])
     if not isinstance(join, JoinWeightSync):
-        raise ProtocolError(f"expected a {JoinWeightSync.TYPE} message, got {join.TYPE}")
+        raise ProtocolError(f"expected the worker's join, got a {type(join).__name__}")
     return join
 
 

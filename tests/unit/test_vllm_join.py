@@ -118,7 +118,9 @@ def test_a_dtype_name_converts_in_one_place_and_a_wrong_one_is_refused():
 
 def test_a_malformed_or_foreign_payload_is_refused_by_the_worker(model_path):
     join = join_message(TARGET, [ParamSpec("w", (2, 3), torch.float32)], ADDRESS, None)
-    with pytest.raises(ProtocolError, match="expected a vllm_join_weight_sync"):
+    with pytest.raises(
+        ProtocolError, match="expected the worker's join, got a WeightReceiverClosed"
+    ):
         unpack_join(encode(WeightReceiverClosed(-1))[0])
     with pytest.raises(ProtocolError, match="port"):
         unpack_join(pack_join(dataclasses.replace(join, port=0)))
