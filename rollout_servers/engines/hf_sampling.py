@@ -10,7 +10,9 @@ own (`LiveBatch`), so short rows do not attend over the padding of a long one. P
 from the attention mask, so a left-padded row sees the same positions as it would unpadded (and
 as in the learner's right-padded forward): a row's log-probs do not depend on which rows it
 shared a cohort with. Columns that are padding for every row of a cohort (left by long rows
-that finished) are trimmed, so its cache holds at most its longest row plus its padding.
+that finished) are trimmed, so its cache holds at most its longest row plus its padding. This
+module decides which rows share a cache and when; what is done to the cache tensors (padding,
+merging, trimming, a cache layer that grows in place) is `hf_kv_cache`.
 
 In-flight updates: when a new version is applied between two decode steps, every later token is
 sampled from the new weights and recorded with the new version. The KV cache of the rows in
@@ -27,15 +29,18 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
 
 from rollout_servers.engines.base import SamplingParams
+from rollout_servers.engines.hf_kv_cache import (
+    Prefilled,
+    concat_prefilled,
+    forward_whole,
+    left_padded,
+    merges_caches,
+    trim_front,
+)
 
 InflightKV = Literal["recompute", "keep"]
-
-Prefilled = tuple[torch.Tensor, DynamicCache, torch.Tensor]
-"""Next-token logits, KV cache and attention mask of left-padded rows."""
 
 PAD_WASTE = 0.25
 """A prefill chunk's padding may add at most this share to its real tokens' compute; rows join
@@ -51,71 +56,6 @@ MAX_COHORTS = 4
 class AdmitError(RuntimeError):
     """Rows could not join (their prefill failed); the batch is as it was. The cause is the
     prefill's error."""
-
-
-class GrowingLayer(DynamicLayer):
-    """A full-attention cache layer whose keys and values are views of buffers with room to
-    grow: a decode step writes its token in place, where `DynamicLayer` concatenates (a copy of
-    the whole cache per layer and step, which made a row's copying quadratic in its length and
-    cost the bench model ~40% of its decode time at a few hundred tokens). Anything that
-    replaces `keys`/`values` (a merge, a row selection by the base class) is re-buffered at the
-    next update; `trim_front` drops leading columns without a copy."""
-
-    _keys_buf: torch.Tensor | None = None
-    _values_buf: torch.Tensor | None = None
-    _start = _end = 0  # the views' columns in the buffers
-
-    def update(
-        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        new = key_states.shape[-2]
-        if not self.is_initialized or self.keys is None or self.keys.numel() == 0:
-            self.lazy_initialization(key_states, value_states)
-            self._rebuffer(key_states[..., :0, :], value_states[..., :0, :], new)
-        elif not self._views_current() or self._end + new > self._keys_buf.shape[-2]:
-            self._rebuffer(self.keys, self.values, new)
-        self._keys_buf[..., self._end : self._end + new, :] = key_states
-        self._values_buf[..., self._end : self._end + new, :] = value_states
-        self._end += new
-        self.keys = self._keys_buf[..., self._start : self._end, :]
-        self.values = self._values_buf[..., self._start : self._end, :]
-        return self.keys, self.values
-
-    def trim_front(self, columns: int) -> None:
-        """Drop the first `columns` sequence columns (padding no row needs any more)."""
-        if self._views_current():
-            self._start += columns
-        self.keys, self.values = self.keys[..., columns:, :], self.values[..., columns:, :]
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        if self._views_current():  # select from the buffers, keeping their room
-            self._keys_buf, self._values_buf = self._keys_buf[indices], self._values_buf[indices]
-            self.keys = self._keys_buf[..., self._start : self._end, :]
-            self.values = self._values_buf[..., self._start : self._end, :]
-        else:
-            super().batch_select_indices(indices)
-
-    def _views_current(self) -> bool:
-        buf = self._keys_buf
-        return (
-            buf is not None
-            and self.keys is not None
-            and self.keys.shape[0] == buf.shape[0]
-            and (
-                self.keys.data_ptr() == buf[..., self._start :, :].data_ptr()
-                and self.keys.shape[-2] == self._end - self._start
-            )
-        )
-
-    def _rebuffer(self, keys: torch.Tensor, values: torch.Tensor, adding: int) -> None:
-        have = keys.shape[-2]
-        room = have + adding + max(64, (have + adding) // 2)
-        shape = (*keys.shape[:-2], room, keys.shape[-1])
-        self._keys_buf = keys.new_empty(shape)
-        self._values_buf = values.new_empty(shape)
-        self._keys_buf[..., :have, :] = keys
-        self._values_buf[..., :have, :] = values
-        self._start, self._end = 0, have
 
 
 @dataclass
@@ -162,7 +102,9 @@ class Cohort:
 
     def absorb(self, rows: list[Row], other: Prefilled) -> None:
         assert self.logits is not None, "rows join between steps"
-        self.logits, self.cache, self.mask = _concat((self.logits, self.cache, self.mask), other)
+        self.logits, self.cache, self.mask = concat_prefilled(
+            (self.logits, self.cache, self.mask), other
+        )
         self.rows = self.rows + rows
         self._rows_changed()
 
@@ -206,14 +148,7 @@ class Cohort:
         lead = int(self.mask.any(dim=0).int().argmax())
         if lead and self.trims:  # leading columns of padding only
             self.mask = self.mask[:, lead:]
-            for layer in self.cache.layers:
-                if isinstance(layer, GrowingLayer):
-                    layer.trim_front(lead)
-                else:
-                    layer.keys, layer.values = (
-                        layer.keys[..., lead:, :],
-                        layer.values[..., lead:, :],
-                    )
+            trim_front(self.cache, lead)
 
     def advance(self, model: torch.nn.Module) -> None:
         """Feed the tokens just sampled: one decode step over the cache."""
@@ -266,8 +201,7 @@ class LiveBatch:
         self.cohorts: list[Cohort] = []
         # caches other than plain full-attention layers (sliding windows, linear attention)
         # cannot be padded and merged: such models batch statically (rows join an empty batch)
-        probe = DynamicCache(config=model.config)
-        self.merges = all(type(layer) is DynamicLayer for layer in probe.layers)
+        self.merges = merges_caches(model)
 
     @property
     def rows(self) -> list[Row]:
@@ -366,64 +300,10 @@ def _prefill(
         tokens += longest
     out = []
     for chunk in chunks:
-        ids, mask = _left_padded([seqs[i] for i in chunk], pad_id, device)
-        logits, cache = _forward_whole(model, ids, mask)
+        ids, mask = left_padded([seqs[i] for i in chunk], pad_id, device)
+        logits, cache = forward_whole(model, ids, mask)
         out.append((chunk, (logits, cache, mask)))
     return out
-
-
-def _concat(a: Prefilled, b: Prefilled) -> Prefilled:
-    """The rows of `a` then those of `b` (`a`'s cache object is reused): the narrower is
-    left-padded with zeros that the mask hides."""
-    (logits_a, cache_a, mask_a), (logits_b, cache_b, mask_b) = a, b
-    width = max(mask_a.shape[1], mask_b.shape[1])
-    for mine, theirs in zip(cache_a.layers, cache_b.layers, strict=True):
-        mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)])
-        mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(theirs.values, width)])
-    mask = torch.cat([_pad_left(mask_a, width), _pad_left(mask_b, width)])
-    return torch.cat([logits_a, logits_b]), cache_a, mask
-
-
-def _pad_left(x: torch.Tensor, width: int) -> torch.Tensor:
-    """`x` ([..., seq] masks, [batch, heads, seq, dim] keys and values) left-padded with zeros
-    along the sequence to `width`."""
-    seq_dim = 1 if x.dim() == 2 else -2
-    missing = width - x.shape[seq_dim]
-    if missing == 0:
-        return x
-    shape = list(x.shape)
-    shape[seq_dim] = missing
-    return torch.cat([x.new_zeros(shape), x], dim=seq_dim)
-
-
-def _left_padded(
-    prompts: list[list[int]], pad_id: int, device: torch.device
-) -> tuple[torch.Tensor, torch.Tensor]:
-    longest = max(len(p) for p in prompts)
-    ids = torch.full((len(prompts), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(prompts), longest), dtype=torch.long)
-    for i, p in enumerate(prompts):
-        ids[i, longest - len(p) :] = torch.tensor(p)
-        mask[i, longest - len(p) :] = 1
-    return ids.to(device), mask.to(device)
-
-
-def _forward_whole(
-    model: torch.nn.Module, seq: torch.Tensor, mask: torch.Tensor
-) -> tuple[torch.Tensor, DynamicCache]:
-    """The next-token logits of every row after a forward of its whole sequence, and the cache
-    that forward filled."""
-    cache = DynamicCache(config=model.config)
-    cache.layers = [GrowingLayer() if type(x) is DynamicLayer else x for x in cache.layers]
-    out = model(
-        input_ids=seq,
-        attention_mask=mask,
-        position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-        past_key_values=cache,
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    return out.logits[:, -1].float(), cache
 
 
 def sample_next(

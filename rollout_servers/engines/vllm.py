@@ -7,8 +7,9 @@ Components:
 - a gate in front of it: `generate` enters only while no weight version is being applied, and
   counts requests in flight;
 - the worker extension (`vllm_worker.WeightSyncExtension`): vLLM's worker process joins the
-  learner's weight-sync group itself and stages each version; `follow_learner` waits for its
-  `staged` notices (ZeroMQ PULL) and applies each version through the gate.
+  learner's weight-sync group itself (told where and what by one typed message,
+  `vllm_join.JoinWeightSync`) and stages each version; `follow_learner` waits for its `staged`
+  notices (ZeroMQ PULL) and applies each version through the gate.
 
 Invariants (those of `Engine`, and how they are kept here):
 - Behaviour log-probs are log_softmax(logits / T) of the sampled token: vLLM's
@@ -59,6 +60,7 @@ from rollout_servers.engines.base import (
     SyncTarget,
 )
 from rollout_servers.engines.gated import GatedEngine
+from rollout_servers.engines.vllm_join import LoraMerge, join_message, pack_join
 from rollout_servers.engines.vllm_lora import check_targets
 from rollout_servers.engines.vllm_notices import (
     WeightReceiverClosed,
@@ -154,13 +156,12 @@ class VLLMEngine(GatedEngine):
         meta = meta_model(model_path, dtype)
         self._vocab = meta.config.vocab_size
         self._specs = specs_of(meta.state_dict().items())
-        self._lora: dict[str, Any] | None = None
+        self._lora: LoraMerge | None = None
         if lora is not None and lora.rank:  # versions carry adapters (`vllm_lora`)
             self._specs = adapter_specs(meta, lora, getattr(torch, dtype))
             targets = adapter_targets(meta, lora)
             check_targets(self.model_path, targets)  # refused now, not when the worker joins
-            self._lora = dict(model_path=self.model_path, targets=targets, scale=lora.scale)
-            self._lora["dtype"] = dtype
+            self._lora = LoraMerge(self.model_path, targets, lora.scale, dtype)
         self._eos_ids = eos_ids(model_path)
         self._init_gate(version, weight_update_mode)
         args = engine_args(self.model_path, options, seed, dtype)
@@ -203,24 +204,8 @@ class VLLMEngine(GatedEngine):
         address = f"ipc://{private}/notices-{uuid.uuid4().hex[:12]}"
         notices.bind(address)
         try:
-            specs = [(s.name, list(s.shape), str(s.dtype)) for s in self._specs]
-            self._call(
-                self.llm.collective_rpc(
-                    "asyncrl_join_sync_group",
-                    args=(
-                        target.host,
-                        target.port,
-                        target.rank,
-                        target.world_size,
-                        specs,
-                        address,
-                        target.timeout_s,
-                        self._lora,
-                        target.server_id,
-                        target.epoch,
-                    ),
-                )
-            )
+            join = join_message(target, self._specs, address, self._lora)
+            self._call(self.llm.collective_rpc("asyncrl_join_sync_group", args=(pack_join(join),)))
             while not self._closed:
                 if not notices.poll(500):
                     continue

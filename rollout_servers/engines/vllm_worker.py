@@ -4,12 +4,13 @@ vLLM mixes `WeightSyncExtension` into its worker class (`worker_extension_cls`);
 server calls its methods with `collective_rpc`. Weights never travel through that RPC: the
 worker itself joins the learner's weight-sync group (`asyncrl.weight_sync`, gloo on CPU, NCCL
 on CUDA) as the server's rank, so a broadcast lands directly in the process that holds the model.
+What it joins is one typed message from the server (`vllm_join.JoinWeightSync`).
 
 One version, step by step:
 1. a receiver thread here blocks in the broadcast while the engine keeps generating, and stages
    the whole version (every bucket) in memory;
 2. it tells the server over a ZeroMQ PUSH socket (a typed `WeightsStaged` notice, see
-   `asyncrl.protocol`), then waits;
+   `vllm_notices`), then waits;
 3. the server stops admitting requests, lets in-flight ones finish on the old version, and calls
    `asyncrl_apply`: each bucket goes through the model's `load_weights` inside vLLM's layerwise
    reload (which restores checkpoint-format parameters and re-runs each layer's post-load
@@ -34,7 +35,13 @@ import torch
 import zmq
 
 from asyncrl.transport import send_msg
-from asyncrl.weight_sync import ParamSpec, ReceivedVersion, WeightReceiver, join_sync_group
+from asyncrl.weight_sync import ReceivedVersion, WeightReceiver, join_sync_group
+from rollout_servers.engines.vllm_join import (
+    JoinWeightSync,
+    param_specs,
+    torch_dtype,
+    unpack_join,
+)
 from rollout_servers.engines.vllm_lora import MergedVersions
 from rollout_servers.engines.vllm_notices import (
     WeightReceiverClosed,
@@ -60,65 +67,50 @@ def _quiet_partial(lora: MergedVersions | None) -> Iterator[None]:
 class WeightSyncExtension:
     """Methods vLLM adds to its worker; `self` is the worker (model_runner, device, vllm_config)."""
 
-    def asyncrl_join_sync_group(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        specs: list[tuple[str, list[int], str]],
-        notify_address: str,
-        timeout_s: float,
-        lora: dict | None = None,
-        server_id: int | None = None,
-        epoch: int = 0,
-    ) -> None:
-        """Start the receiver thread: it joins the weight sync (`join_sync_group`: as server
-        `server_id`, `epoch`, or as `rank` of a plain group) and stages each version. `lora` (model_path, targets, scale, dtype): versions carry adapters, merged here
+    def asyncrl_join_sync_group(self, payload: bytes) -> None:
+        """Start the receiver thread: it joins the weight sync as `payload` says (a packed
+        `vllm_join.JoinWeightSync`: as server `server_id`, `epoch`, or as `rank` of a plain
+        group) and stages each version. With `lora`, versions carry adapters, merged here
         (`vllm_lora.MergedVersions`) into the checkpoint's base weights."""
+        join = unpack_join(payload)
         self._asyncrl_lora = None
-        if lora is not None:
-            dtype = getattr(torch, lora["dtype"].removeprefix("torch."))
+        if join.lora is not None:
+            lora = join.lora
             # checkpoint layers vLLM fuses into one (q/k/v -> qkv_proj, ...), from the model
             fused = getattr(self.model_runner.model, "packed_modules_mapping", {}).values()
             self._asyncrl_lora = MergedVersions(
-                lora["model_path"], lora["targets"], lora["scale"], dtype, fused
+                lora.model_path, lora.targets, lora.scale, torch_dtype(lora.dtype), fused
             )
-        self._asyncrl_specs = [
-            ParamSpec(name, tuple(shape), getattr(torch, dtype.removeprefix("torch.")))
-            for name, shape, dtype in specs
-        ]
+        self._asyncrl_specs = param_specs(join)
         self._asyncrl_staged: ReceivedVersion | None = None
         self._asyncrl_applied = threading.Event()
         self._asyncrl_thread = threading.Thread(
             target=self._asyncrl_receive_loop,
-            args=(host, port, rank, world_size, notify_address, timeout_s, server_id, epoch),
+            args=(join,),
             daemon=True,
             name="asyncrl-weight-receiver",
         )
         self._asyncrl_thread.start()
 
-    def _asyncrl_receive_loop(
-        self,
-        host: str,
-        port: int,
-        rank: int,
-        world_size: int,
-        notify_address: str,
-        timeout_s: float,
-        server_id: int | None,
-        epoch: int,
-    ) -> None:
+    def _asyncrl_receive_loop(self, join: JoinWeightSync) -> None:
         ctx = zmq.Context.instance()
         notify = ctx.socket(zmq.PUSH)
         notify.setsockopt(zmq.LINGER, 2000)
-        notify.connect(notify_address)
+        notify.connect(join.notify_address)
 
         staged = -1
         try:
             device = self.device if self.device.type == "cuda" else torch.device("cpu")
-            args = (host, port, rank, world_size, device, timeout_s, server_id, epoch)
-            group = join_sync_group(*args)
+            group = join_sync_group(
+                join.host,
+                join.port,
+                join.rank,
+                join.world_size,
+                device,
+                join.timeout_s,
+                join.server_id,
+                join.epoch,
+            )
             receiver = WeightReceiver(group, self._asyncrl_specs)
             while True:
                 start = time.perf_counter()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import math
 import os
@@ -16,7 +17,15 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
-from rollout_servers.sandbox.config import _ETC_FILES, _MIB, _TOP_DIRS, SandboxConfig, _Plan
+from rollout_servers.sandbox.config import (
+    _ETC_FILES,
+    _MIB,
+    _TOP_DIRS,
+    _UID_LOCK_DIR,
+    _UID_RANGE,
+    SandboxConfig,
+    _Plan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -240,3 +249,28 @@ def _sweep_uid(uid: int) -> None:
         return b"\nState:\tZ" not in status and wanted in uids[:2]
 
     _sweep(runs_as_uid, f"uid {uid}")
+
+
+def _claim_uids(locks: dict[int, int], base: int, count: int) -> None:
+    """Claim `count` uids from `base` on that no account and no other Sandbox on this host
+    holds (an flock per uid, held until released or exit) into `locks` (uid -> locked fd: the
+    caller releases those claimed even when this raises); kill leftovers of a crashed owner."""
+    os.makedirs(_UID_LOCK_DIR, mode=0o700, exist_ok=True)
+    info = os.stat(_UID_LOCK_DIR)
+    if info.st_uid != 0 or info.st_mode & 0o022:
+        raise RuntimeError(f"{_UID_LOCK_DIR} must be root's and not group/world-writable")
+    for uid in range(base, base + _UID_RANGE):
+        if len(locks) == count:
+            break
+        if _has_account(uid):
+            continue
+        fd = os.open(f"{_UID_LOCK_DIR}/{uid}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        locks[uid] = fd
+        _sweep_uid(uid)
+    if len(locks) < count:
+        raise RuntimeError(f"fewer than {count} free sandbox uids")

@@ -1,56 +1,35 @@
 """`Sandbox`: runs untrusted Python programs, each in a fresh sandbox (see the package docstring
-for the backends and invariants)."""
+for the backends and invariants).
+
+A `Sandbox` holds its slots (one uid each when the server is root), the backend plan chosen at
+construction (`backends`) and, per run, its cgroups, output captures and the watch that ends it
+(exit, wall or CPU timeout, output flood, memory); whatever ends a run, nothing of it outlives
+`run` (`_kill_running`, `_reap`, `backends._kill_stragglers`)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import secrets
-import shutil
 import signal
-import subprocess
-import sys
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
 
-from rollout_servers.sandbox.cgroup import CgroupRoot, RunCgroup
-from rollout_servers.sandbox.config import (
-    _MIB,
-    _PRIVATE_TMP,
-    _REAP_GRACE_S,
-    _TOKEN_VAR,
-    _UID_LOCK_DIR,
-    _UID_RANGE,
-    SandboxConfig,
-    SandboxResult,
-    _Plan,
-)
+from rollout_servers.sandbox.backends import _choose_plan, _kill_stragglers, _launch, _Run
+from rollout_servers.sandbox.cgroup import CgroupRoot
+from rollout_servers.sandbox.config import _MIB, _REAP_GRACE_S, SandboxConfig, SandboxResult
 from rollout_servers.sandbox.host import (
-    _bwrap_prefix,
     _children,
+    _claim_uids,
     _descendants,
-    _has_account,
-    _hidden_dirs,
-    _host_workdir,
-    _interpreter_dirs,
-    _is_under,
-    _limits,
     _memfd,
     _pids_of_uid,
-    _read,
     _rss_bytes,
-    _sandbox_env,
     _signal,
-    _site_dirs,
-    _sweep,
     _sweep_uid,
 )
 from rollout_servers.sandbox.output import _Capture, _classify, _read_into, _wait_closed
-from rollout_servers.sandbox.prelude import _PRELUDE
 from rollout_servers.sandbox.seccomp import filter_program
 
 logger = logging.getLogger(__name__)
@@ -59,16 +38,6 @@ _CGROUP_TICK_S = 0.05
 """How often a run's CPU time is read from its cgroup."""
 _WATCHDOG_TICK_S = 0.1
 """How often, without a cgroup, the run's resident memory is summed from /proc."""
-
-
-@dataclass
-class _Run:
-    """One run's identity: its slot (uid when root), its token, its cgroups (None without)."""
-
-    slot: int
-    token: str
-    cgroup: RunCgroup | None
-    seccomp_fd: int | None = None  # bwrap's filter (other backends: the prelude installs it)
 
 
 class Sandbox:
@@ -90,8 +59,12 @@ class Sandbox:
         self._cgroups = CgroupRoot.detect()
         self._seccomp = filter_program()
         try:
-            self._slot_ids = self._claim_uids() if self._root else [0] * self.config.max_concurrent
-            self._plan = self._choose_plan()
+            self._slot_ids = [0] * self.config.max_concurrent
+            if self._root:
+                base, count = self.config.sandbox_uid_base, self.config.max_concurrent
+                _claim_uids(self._uid_locks, base, count)
+                self._slot_ids = list(self._uid_locks)
+            self._plan = _choose_plan(self.config, self._root, self._seccomp, self._slot_ids[0])
         except BaseException:
             self.close()
             raise
@@ -198,7 +171,7 @@ class Sandbox:
             stdin_fd = stack.enter_context(_memfd(stdin.encode()))
             if self._plan.backend == "bwrap":  # bwrap reads the filter from a descriptor
                 run.seccomp_fd = stack.enter_context(_memfd(self._seccomp))
-            argv, env, cwd = stack.enter_context(self._launch(code_fd, run))
+            argv, env, cwd = stack.enter_context(_launch(self._plan, self._seccomp, code_fd, run))
             start = time.monotonic()
             proc = await self._spawn(stack, argv, env, cwd, stdin_fd, code_fd, run, (out, err))
             finished = False
@@ -208,14 +181,14 @@ class Sandbox:
                     await asyncio.to_thread(self._kill_running, proc, run)
                 await self._reap(proc)
                 if not self._plan.pid_namespace:
-                    await asyncio.to_thread(self._kill_stragglers, slot, token)
+                    await asyncio.to_thread(_kill_stragglers, self._plan, slot, token)
                 finished = True
             finally:
                 if not finished:  # cancelled or failed: nothing may outlive the call
                     self._kill_running(proc, run)
                     if proc.returncode is None:
                         _signal(proc.pid, signal.SIGKILL)
-                    self._kill_stragglers(slot, token)
+                    _kill_stragglers(self._plan, slot, token)
             await _wait_closed(out, err)
             wall_s = time.monotonic() - start
             peak_mb = None
@@ -253,36 +226,6 @@ class Sandbox:
         finally:
             for write_fd in write_fds:  # the child holds its copies; EOF once all are gone
                 os.close(write_fd)
-
-    @contextlib.contextmanager
-    def _launch(
-        self, code_fd: int, run: _Run, plan: _Plan | None = None
-    ) -> Iterator[tuple[list[str], dict[str, str], str]]:
-        """argv, environment and working directory of one run (the host directory, for
-        backends that use one, is removed on exit)."""
-        plan = plan or self._plan
-        with contextlib.ExitStack() as stack:
-            workdir = (
-                stack.enter_context(_host_workdir(plan, run.slot)) if plan.host_workdir else None
-            )
-            interpreter = [sys.executable, "-I", "-S", "-B", "-u", "-c", _PRELUDE]
-            argv = list(plan.prefix)
-            if run.seccomp_fd is not None:
-                argv += ["--seccomp", str(run.seccomp_fd)]
-            argv += [*interpreter, *plan.prelude_args, f"code_fd={code_fd}"]
-            if plan.backend != "bwrap":
-                argv.append(f"seccomp={self._seccomp.hex()}")
-            if run.cgroup is not None:
-                argv.append("cgroup_fds=" + ",".join(str(fd) for fd in run.cgroup.procs_fds))
-            if plan.drops_uid:
-                argv.append(f"uid={run.slot}")
-            env = _sandbox_env(workdir or "/tmp")
-            if plan.backend == "process":
-                argv.append(f"pdeath={os.getpid()}")
-                env[_TOKEN_VAR] = run.token
-            if plan.backend == "bwrap":  # bwrap sets the code's environment itself
-                env = {"PATH": "/usr/bin:/bin"}
-            yield argv, env, workdir or "/"
 
     async def _wait(
         self, proc: asyncio.subprocess.Process, flood: asyncio.Event, wall_s: float, run: _Run
@@ -348,133 +291,3 @@ class Sandbox:
         if pid is not None and not plan.pid_namespace:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(pid, signal.SIGKILL)
-
-    def _kill_stragglers(self, slot: int, token: str, plan: _Plan | None = None) -> None:
-        """Without a PID namespace (`process`), find what the code left behind (daemons that
-        left the process group): every process of the slot's uid, or carrying the run's token
-        in its environment (a process that clears its environment escapes this one)."""
-        plan = plan or self._plan
-        if plan.pid_namespace:
-            return
-        if plan.drops_uid:
-            _sweep_uid(slot)
-        marker = f"{_TOKEN_VAR}={token}".encode()
-        _sweep(lambda pid: pid != os.getpid() and marker in _read(f"/proc/{pid}/environ"), token)
-
-    def _claim_uids(self) -> list[int]:
-        """Claim `max_concurrent` uids that no account and no other Sandbox on this host holds
-        (an flock per uid, held until `close` or exit); kill leftovers of a crashed owner."""
-        os.makedirs(_UID_LOCK_DIR, mode=0o700, exist_ok=True)
-        info = os.stat(_UID_LOCK_DIR)
-        if info.st_uid != 0 or info.st_mode & 0o022:
-            raise RuntimeError(f"{_UID_LOCK_DIR} must be root's and not group/world-writable")
-        base = self.config.sandbox_uid_base
-        for uid in range(base, base + _UID_RANGE):
-            if len(self._uid_locks) == self.config.max_concurrent:
-                break
-            if _has_account(uid):
-                continue
-            fd = os.open(f"{_UID_LOCK_DIR}/{uid}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self._uid_locks[uid] = fd
-            _sweep_uid(uid)
-        if len(self._uid_locks) < self.config.max_concurrent:
-            raise RuntimeError(f"fewer than {self.config.max_concurrent} free sandbox uids")
-        return list(self._uid_locks)
-
-    def _choose_plan(self) -> _Plan:
-        """The configured backend, checked with a probe run. There is no fallback: a missing or
-        broken backend stops the sandbox here (at server start-up) with what to install."""
-        backend = self.config.backend
-        plan = self._make_plan(backend)
-        reason = plan if isinstance(plan, str) else self._probe(plan)
-        if reason is not None:
-            raise RuntimeError(
-                f"sandbox backend {backend!r} does not work here: {reason}. Install it, or name "
-                "a weaker backend explicitly in rollout.sandbox.backend (docs/sandbox.md)"
-            )
-        assert isinstance(plan, _Plan)
-        if backend != "bwrap":
-            logger.warning(
-                "SANDBOX BACKEND %r (named in the config): weaker than bubblewrap; "
-                "see docs/sandbox.md for what it does not isolate",
-                backend,
-            )
-        if backend == "process":
-            logger.warning(
-                "SANDBOX IS NOT A SECURITY BOUNDARY: the 'process' backend gives model code the "
-                "network and a view of the host's files and processes%s",
-                "" if plan.drops_uid else ", as the server's own user (it can kill the server)",
-            )
-        return plan
-
-    def _make_plan(self, backend: str) -> _Plan | str:
-        """The plan for `backend`, or why it cannot work here (a missing binary)."""
-        cfg, root = self.config, self._root
-        dirs = _interpreter_dirs(cfg.site_packages)
-        shared = [f"site={chr(10).join(_site_dirs())}"] if cfg.site_packages else []
-        if backend == "bwrap":
-            bwrap = shutil.which("bwrap")
-            if bwrap is None:
-                return "bwrap not found on PATH (apt-get install -y bubblewrap)"
-            # Not root: the supervisor shares the user namespace's process count.
-            limits = _limits(cfg, cfg.max_processes + (0 if root else 1))
-            prefix = _bwrap_prefix(bwrap, cfg, root, dirs)
-            return _Plan("bwrap", prefix, (limits, *shared, "supervise=1"), False, root, True)
-        if backend == "unshare":
-            tools = {name: shutil.which(name) for name in ("unshare", "setpriv")}
-            missing = [name for name, path in tools.items() if path is None]
-            if missing:
-                return f"{' and '.join(missing)} not found on PATH (apt-get install -y util-linux)"
-            runner = [str(tools["setpriv"]), "--pdeathsig", "KILL", "--", str(tools["unshare"])]
-            args = [*shared, "supervise=1"]
-            if root:
-                hidden = _hidden_dirs(dirs)
-                args += [_limits(cfg, cfg.max_processes), f"tmp_bytes={cfg.tmp_size_mb * _MIB}"]
-                under_tmp = [d for d in dirs if any(_is_under(d, t) for t in _PRIVATE_TMP)]
-                if under_tmp:
-                    args.append("rebind=" + "\n".join(under_tmp))
-                if hidden:
-                    args.append("expose=" + "\n".join("\t".join([t, *ps]) for t, ps in hidden))
-            else:  # unshare and the supervisor share the user namespace's process count
-                runner += ["--user", "--map-current-user"]
-                args.append(_limits(cfg, cfg.max_processes + 2))
-            runner += ["--pid", "--net", "--ipc", "--uts", "--mount", "--fork", "--kill-child"]
-            runner += ["--mount-proc", "--"]
-            return _Plan("unshare", tuple(runner), tuple(args), not root, root, True)
-        # process: RLIMIT_NPROC would count every process of the server's user: left unset then.
-        drops = root and not _hidden_dirs(dirs)
-        limits = _limits(cfg, cfg.max_processes if drops else -1)
-        return _Plan("process", (), (limits, *shared, "supervise=1"), True, drops, False)
-
-    def _probe(self, plan: _Plan) -> str | None:
-        """Run a tiny program through `plan` (blocking); None when it printed what it should."""
-        slot, token = self._slot_ids[0], secrets.token_hex(8)
-        with contextlib.ExitStack() as stack:
-            code_fd = stack.enter_context(_memfd(b"print('sandbox-ok')"))
-            argv, env, cwd = stack.enter_context(
-                self._launch(code_fd, _Run(slot, token, None), plan)
-            )
-            try:
-                done = subprocess.run(
-                    argv,
-                    stdin=subprocess.DEVNULL,
-                    capture_output=True,
-                    env=env,
-                    cwd=cwd,
-                    pass_fds=(code_fd,),
-                    start_new_session=True,
-                    timeout=30,
-                )
-            except subprocess.TimeoutExpired:
-                return "probe run timed out"
-            finally:
-                self._kill_stragglers(slot, token, plan)
-        if done.returncode == 0 and done.stdout == b"sandbox-ok\n":
-            return None
-        tail = done.stderr.decode(errors="replace").strip()[-300:]
-        return f"probe run failed (exit {done.returncode}): {tail}"

@@ -206,11 +206,11 @@ def test_reference_solutions_pass_and_planted_bugs_fail(shared, problem):
 def _no_bwrap(monkeypatch):
     import shutil
 
-    from rollout_servers.sandbox import runner
+    from rollout_servers.sandbox import backends
 
     real = shutil.which
     monkeypatch.setattr(
-        runner.shutil, "which", lambda name: None if name == "bwrap" else real(name)
+        backends.shutil, "which", lambda name: None if name == "bwrap" else real(name)
     )
 
 

@@ -222,13 +222,13 @@ def test_prefill_chunks_long_tailed_lengths_and_stays_exact(model_path, monkeypa
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     seqs = [[5 + k % 20 for k in range(n)] for n in (3, 120, 4, 110, 2, 60)]
     shapes = []
-    forward = hf_sampling._forward_whole
+    forward = hf_sampling.forward_whole
 
     def counting(model, ids, mask):
         shapes.append(tuple(ids.shape))
         return forward(model, ids, mask)
 
-    monkeypatch.setattr(hf_sampling, "_forward_whole", counting)
+    monkeypatch.setattr(hf_sampling, "forward_whole", counting)
     with torch.no_grad():
         chunks = hf_sampling._prefill(model, seqs, 0, torch.device("cpu"))
     order = [i for indices, _ in chunks for i in indices]
@@ -315,7 +315,7 @@ def test_cohorts_are_capped_and_rows_beyond_join_the_cheapest(model_path):
 def test_decode_steps_append_to_the_cache_in_place(model_path):
     """A decode step writes its token into the cache's spare room (`GrowingLayer`) instead of
     copying the whole cache, and rows leaving, trims and merges keep the contents exact."""
-    from rollout_servers.engines.hf_sampling import GrowingLayer
+    from rollout_servers.engines.hf_kv_cache import GrowingLayer
 
     model = AutoModelForCausalLM.from_pretrained(model_path).eval()
     batch = LiveBatch(model, frozenset(), 0, torch.Generator().manual_seed(0))
