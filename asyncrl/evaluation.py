@@ -68,9 +68,13 @@ def summarize(
 
 
 def eval_prompts(
-    rows: Iterable[dict[str, Any]], n: int, temperature: float, job_id: str
+    rows: Iterable[dict[str, Any]], n: int, temperature: float | None, job_id: str
 ) -> list[PromptItem]:
-    """One evaluation prompt per row, each to be sampled n times at `temperature`."""
+    """One evaluation prompt per row, each to be sampled n times at `temperature` (None: each
+    server's `rollout.temperature`). ValueError for a temperature the replay would refuse
+    (negative or not finite: `PromptItem.validate`)."""
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"evaluation temperature must be finite and >= 0, got {temperature}")
     items = []
     for i, row in enumerate(rows):
         item = row_to_prompt_item(row, i, n)

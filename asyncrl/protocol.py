@@ -88,7 +88,7 @@ class PromptItem:
     tools_kwargs: JsonObject = field(default_factory=dict)  # {tool: {create_kwargs: {...}}}
     interaction_kwargs: JsonObject = field(default_factory=dict)  # {name: ..., start kwargs}
     eval_job: str = ""  # "" for training; else the evaluation job this prompt belongs to
-    temperature: float = -1.0  # sampling temperature for this prompt; < 0: the server's default
+    temperature: float | None = None  # sampling temperature; None: the server's default
     failures: int = 0  # times a server could not sample this row before (`GroupFailed`)
 
     def validate(self) -> None:
@@ -98,7 +98,10 @@ class PromptItem:
         _check_id(self.data_source, "PromptItem.data_source", empty_ok=True)
         _check_id(self.agent_name, "PromptItem.agent_name", empty_ok=True)
         _check_id(self.eval_job, "PromptItem.eval_job", empty_ok=True)
-        check(math.isfinite(self.temperature), f"PromptItem.temperature {self.temperature}")
+        check(
+            self.temperature is None or (math.isfinite(self.temperature) and self.temperature >= 0),
+            f"PromptItem.temperature must be None or finite and >= 0, got {self.temperature}",
+        )
         _check_index(self.failures, "PromptItem.failures")
 
 
