@@ -40,7 +40,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
 
-from asyncrl.protocol import finite32, plausible_reward
+from asyncrl.protocol_bounds import finite32, plausible_reward
 from asyncrl.registry import import_object
 from rollout_servers.rewards import REWARD_FNS, RewardFn, load_custom_reward
 
