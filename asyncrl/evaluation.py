@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from asyncrl.config import DataConfig
-from asyncrl.data import row_to_prompt_item, setup_task
+from asyncrl.data import setup_task
+from asyncrl.data_rows import row_to_prompt_item
 from asyncrl.protocol import PromptItem
 from asyncrl.replay_client import ReplayClient
 
