@@ -14,12 +14,11 @@ launcher do first, costs no torch import (about 1.3 s of start-up on this projec
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from asyncrl.registry import Registry
+from asyncrl.registry import Registry, import_object
 
 EstimatorFn = Callable[[Any], Any]
 """`asyncrl.advantages.AdvantageInputs` -> [B] or [B, T] advantages, or (advantages, value
@@ -47,8 +46,7 @@ class Estimator:
         """The compute function (imported now when declared by path)."""
         if callable(self.compute):
             return self.compute
-        module, _, attr = self.compute.partition(":")
-        return getattr(importlib.import_module(module), attr)
+        return import_object(self.compute)
 
 
 ESTIMATORS: Registry[Estimator] = Registry("advantage estimator", "asyncrl.estimators")

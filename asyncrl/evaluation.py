@@ -14,7 +14,8 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from asyncrl.config import DataConfig
-from asyncrl.data import row_to_prompt_item, setup_task
+from asyncrl.data import setup_task
+from asyncrl.data_rows import row_to_prompt_item
 from asyncrl.protocol import PromptItem
 from asyncrl.replay_client import ReplayClient
 
@@ -68,9 +69,13 @@ def summarize(
 
 
 def eval_prompts(
-    rows: Iterable[dict[str, Any]], n: int, temperature: float, job_id: str
+    rows: Iterable[dict[str, Any]], n: int, temperature: float | None, job_id: str
 ) -> list[PromptItem]:
-    """One evaluation prompt per row, each to be sampled n times at `temperature`."""
+    """One evaluation prompt per row, each to be sampled n times at `temperature` (None: each
+    server's `rollout.temperature`). ValueError for a temperature the replay would refuse
+    (negative or not finite: `PromptItem.validate`)."""
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise ValueError(f"evaluation temperature must be finite and >= 0, got {temperature}")
     items = []
     for i, row in enumerate(rows):
         item = row_to_prompt_item(row, i, n)

@@ -17,7 +17,9 @@ same way whichever was used:
   nothing is imported until a member is used.
 
 `resolve` also accepts `package.module:Attr` for a member that was never registered, when the
-caller allows it (configuration may name an import path; dataset rows may not).
+caller allows it (configuration may name an import path; dataset rows may not). `import_object`
+is the one way any `module:attr` string becomes an object (registries, estimator declarations,
+the reward workers).
 """
 
 from __future__ import annotations
@@ -29,6 +31,25 @@ from typing import Any, Generic, TypeVar, overload
 
 T = TypeVar("T")
 U = TypeVar("U")
+
+
+def import_object(path: str) -> Any:
+    """The object at the import path `package.module:attr` (`attr` may be dotted, as in
+    `Class.method`), importing the module now. ValueError naming `path` when it is not of that
+    form, its module cannot be found, or the module has no such attribute; any other error
+    raised while importing the module propagates as it is (a bug in that module)."""
+    module_name, sep, attr = path.partition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"{path!r} is not an import path of the form package.module:attr")
+    try:
+        obj: Any = importlib.import_module(module_name)
+    except ModuleNotFoundError as e:
+        raise ValueError(f"cannot import {module_name!r} (from {path!r}): {e}") from e
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ValueError(f"{module_name!r} has no {attr!r} (from {path!r})")
+        obj = getattr(obj, part)
+    return obj
 
 
 class Registry(Generic[T]):
@@ -107,18 +128,10 @@ class Registry(Generic[T]):
         )
 
     def _import(self, path: str, name: str) -> T:
-        module_name, sep, attr = path.partition(":")
-        if not sep or not module_name or not attr:
-            raise ValueError(f"{self.kind} {name!r}: {path!r} is not of the form module:Attr")
         try:
-            obj: Any = importlib.import_module(module_name)
-        except ModuleNotFoundError as e:
-            raise ValueError(f"{self.kind} {name!r}: cannot import {module_name!r}: {e}") from e
-        for part in attr.split("."):
-            if not hasattr(obj, part):
-                raise ValueError(f"{self.kind} {name!r}: {module_name!r} has no {attr!r}")
-            obj = getattr(obj, part)
-        return obj
+            return import_object(path)
+        except ValueError as e:
+            raise ValueError(f"{self.kind} {name!r}: {e}") from e
 
     def _read_entry_points(self) -> None:
         """Add the names of installed entry points (once; explicit registrations win)."""

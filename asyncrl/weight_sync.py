@@ -18,11 +18,10 @@ One sync, every collective in this order, on each member's group:
   1. a header, int64 [version, num_params, layout_hash, bucket_bytes, probe]; version -1 means
      shutdown;
   2. the buckets: flat tensors of one dtype each, in the order of `plan_buckets`;
-  3. when the header's probe is 1, the delivery probe: float32 [PROBE_LEN], the
-     learner's log-probs of `probe_ids` under this version, then the tolerance. The engine
-     scores the same ids after applying the version and fails loudly when they differ
-     (`rollout_servers.engines.base.check_delivery`): an engine that keeps sampling the old
-     policy (an update applied to a copy, a stale adapter or cache) cannot go unnoticed;
+  3. when the header's probe is 1, the delivery probe (`asyncrl.delivery_probe`): the
+     learner's log-probs of fixed ids under this version and their tolerance, in the one
+     float32 [PROBE_LEN] of `DeliveryProbe.to_wire`; the receiver hands the engine the
+     `DeliveryProbe` back, which it checks after applying the version;
   4. the acknowledgement: an all-reduce of one element, which completes on the learner only
      once the receiver holds the whole version (a send completes as soon as the bytes are in
      the kernel's buffers, so without it a stopped receiver would go unnoticed).
@@ -33,32 +32,36 @@ out of the rest of the version; the others still get it.
 
 Both sides derive the bucket plan from their own view of the model (names, shapes and dtypes in
 state-dict order) and the header's bucket size; the layout hash makes a mismatch fail loudly
-instead of loading garbage. A receiver assembles a whole version in staging memory before it
-hands it to the engine, so a version is applied entirely or not at all. Staging memory is
-allocated once and reused on both sides (the sender double-buffers so that packing a bucket
-overlaps sending the previous one; a receiver reuses a version's staging once it is released).
+instead of loading garbage (`asyncrl.weight_layout`; its `specs_of` and `weights_checksum`, and
+the probe's `probe_ids`, are importable from here too). A receiver assembles a whole version in
+staging memory before it hands it to the engine, so a version is applied entirely or not at
+all. Staging memory is allocated once and reused on both sides (the sender double-buffers so
+that packing a bucket overlaps sending the previous one; a receiver reuses a version's staging
+once it is released).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import hashlib
 import logging
 import time
-import zlib
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.binds import bind_collectives_to, setup_store
+from asyncrl.delivery_probe import PROBE_LEN, DeliveryProbe
+from asyncrl.delivery_probe import probe_ids as probe_ids
+from asyncrl.weight_layout import Bucket, ParamSpec, layout_hash, plan_buckets
+from asyncrl.weight_layout import specs_of as specs_of
+from asyncrl.weight_layout import weights_checksum as weights_checksum
 
 log = logging.getLogger("asyncrl.weight_sync")
 
 SHUTDOWN = -1
-PROBE_LEN = 16
 GIVE_UP_POLL_S = 1.0
 """How often a waiting broadcast asks its owner which members to give up (`_Fanout`)."""
 JOIN, ABANDON = b"join", b"abandon"
@@ -68,73 +71,6 @@ JOIN, ABANDON = b"join", b"abandon"
 def sync_prefix(server_id: int, epoch: int) -> str:
     """The store prefix of one server epoch's group with learner rank 0."""
     return f"server_{server_id}/epoch_{epoch}"
-
-
-def probe_ids(vocab_size: int) -> list[int]:
-    """The fixed token ids both sides score for the delivery probe."""
-    return [(7 * i + 3) % vocab_size for i in range(PROBE_LEN)]
-
-
-@dataclass(frozen=True)
-class ParamSpec:
-    name: str
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-    @property
-    def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
-
-
-@dataclass(frozen=True)
-class Bucket:
-    dtype: torch.dtype
-    params: tuple[ParamSpec, ...]
-
-    @property
-    def numel(self) -> int:
-        return sum(p.numel for p in self.params)
-
-
-def specs_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
-    """The layout of named tensors (full shapes, as the engine sees them)."""
-    return [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in named]
-
-
-def plan_buckets(specs: list[ParamSpec], bucket_bytes: int) -> list[Bucket]:
-    """Group consecutive params of one dtype into buckets of at most bucket_bytes (a larger
-    param gets a bucket of its own)."""
-    buckets: list[Bucket] = []
-    current: list[ParamSpec] = []
-    size = 0
-    for spec in specs:
-        nbytes = spec.numel * spec.dtype.itemsize
-        if current and (spec.dtype != current[0].dtype or size + nbytes > bucket_bytes):
-            buckets.append(Bucket(current[0].dtype, tuple(current)))
-            current, size = [], 0
-        current.append(spec)
-        size += nbytes
-    if current:
-        buckets.append(Bucket(current[0].dtype, tuple(current)))
-    return buckets
-
-
-def layout_hash(specs: list[ParamSpec]) -> int:
-    """A 31-bit digest of names, shapes and dtypes (fits the int64 header)."""
-    text = ";".join(f"{s.name}:{list(s.shape)}:{s.dtype}" for s in specs)
-    return zlib.crc32(text.encode()) & 0x7FFFFFFF
-
-
-def weights_checksum(named: Iterable[tuple[str, torch.Tensor]]) -> str:
-    """Digest of names and exact bytes; equal on both sides iff the weights are identical."""
-    h = hashlib.blake2b(digest_size=16)
-    for name, t in named:
-        h.update(name.encode())
-        h.update(t.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 class GaveUp(RuntimeError):
@@ -342,7 +278,7 @@ class WeightBroadcaster:
         specs: list[ParamSpec],
         tensors: Iterator[torch.Tensor],
         version: int,
-        probe: torch.Tensor | None = None,
+        probe: DeliveryProbe | None = None,
     ) -> dict[Hashable, BaseException]:
         """Send one version to every member; returns the members that failed (aborted and
         removed from `members`) with their errors. `tensors` yields the full tensors in `specs`
@@ -379,7 +315,7 @@ class WeightBroadcaster:
         for started in [*in_flight.values(), *(w for _, w in sent_whole)]:
             fan.finish(started)
         if probe is not None:
-            sent = probe.detach().float().reshape(PROBE_LEN).to(self.device)
+            sent = probe.to_wire().to(self.device)
             fan.run(lambda g: g.broadcast_async(sent))
         fan.run(lambda g: g.ack_async())
         for key in fan.failed:
@@ -418,8 +354,8 @@ class ReceivedVersion:
     release: Callable[[], None] = lambda: None
     """Call once the weights are applied: the receiver may then reuse the staging memory for
     the next version (without it, the next version gets fresh memory)."""
-    probe: torch.Tensor | None = None
-    """The delivery probe: the learner's log-probs of `probe_ids`, then the tolerance."""
+    probe: DeliveryProbe | None = None
+    """The version's delivery probe, when the learner sent one (`asyncrl.delivery_probe`)."""
 
     @property
     def weights(self) -> list[tuple[str, torch.Tensor]]:
@@ -462,8 +398,9 @@ class WeightReceiver:
             buckets.append(pairs)
         probe = None
         if has_probe:
-            probe = torch.zeros(PROBE_LEN, dtype=torch.float32, device=self.group.device)
-            self.group.broadcast(probe)
+            wire = torch.zeros(PROBE_LEN, dtype=torch.float32, device=self.group.device)
+            self.group.broadcast(wire)
+            probe = DeliveryProbe.from_wire(wire)
         self.group.wait(self.group.ack_async())
         release = lambda: setattr(self, "_free", staging)  # noqa: E731
         return ReceivedVersion(version, buckets, release, probe)

@@ -1,4 +1,4 @@
-"""The learner's half of the delivery probe (`asyncrl.weight_sync`): its log-probs of the probe
+"""The learner's half of the delivery probe (`asyncrl.delivery_probe`): its log-probs of the probe
 ids under the version it is about to send, and how close the engine's must come."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.config import Config, LearnerConfig
-from asyncrl.weight_sync import probe_ids
+from asyncrl.delivery_probe import DeliveryProbe, probe_ids
 from learner.batch import TrainBatch
 from learner.forward import layout_of, policy_forward
 
@@ -28,9 +28,10 @@ def wants_probe(cfg: Config) -> bool:
 
 def delivery_probe(
     model: torch.nn.Module, lc: LearnerConfig, engine_dtype: str, device: torch.device
-) -> torch.Tensor:
-    """float32 [PROBE_LEN]: the log-probs of the probe ids after the first, then the tolerance.
-    A forward of the policy: under FSDP every rank must call it, in step."""
+) -> DeliveryProbe:
+    """The policy's log-probs of the probe ids after the first, and the tolerance its precision
+    and the engine's allow. A forward of the policy: under FSDP every rank must call it, in
+    step."""
     ids = torch.tensor([probe_ids(model.config.vocab_size)])
     n = ids.shape[1]
     batch = TrainBatch(
@@ -51,4 +52,4 @@ def delivery_probe(
     model.train(training)
     exact = lc.dtype == "float32" and engine_dtype == "float32"
     tolerance = FP32_TOLERANCE if exact else LOW_PRECISION_TOLERANCE
-    return torch.cat([logprobs.float().cpu(), torch.tensor([tolerance])])
+    return DeliveryProbe(logprobs.float().cpu(), tolerance)

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
-import importlib
 import inspect
 import json
 import logging
@@ -41,7 +40,8 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Protocol
 
-from asyncrl.protocol import finite32, plausible_reward
+from asyncrl.protocol_bounds import finite32, plausible_reward
+from asyncrl.registry import import_object
 from rollout_servers.rewards import REWARD_FNS, RewardFn, load_custom_reward
 
 log = logging.getLogger("asyncrl.rewards")
@@ -82,10 +82,7 @@ def _resolve(ref: FnRef) -> RewardFn:
     kind, where, name = ref
     if kind == "path":
         return load_custom_reward(where, name)
-    obj: Any = importlib.import_module(where)
-    for part in name.split("."):
-        obj = getattr(obj, part)
-    return obj
+    return import_object(f"{where}:{name}")
 
 
 def _plain_result(result: Any) -> tuple[float | None, dict[str, float]]:

@@ -223,7 +223,7 @@ class RolloutServer:
 
     async def run_sample(self, prompt: PromptItem, index: int, baseline: asyncio.Future) -> None:
         params = None
-        if prompt.temperature >= 0:  # evaluation prompts may set their own temperature
+        if prompt.temperature is not None:  # evaluation prompts may set their own temperature
             params = dataclasses.replace(self.sampling_params, temperature=prompt.temperature)
         result = await self.agent_loop.run(prompt, params)
         reward, extras = await self._score(prompt, result.response_text)

@@ -28,6 +28,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:  # the launcher checks agent-loop names through this module: no torch import
     import torch
 
+    from asyncrl.delivery_probe import DeliveryProbe
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -139,7 +141,7 @@ class Engine(ABC):
 
     def probe_logprobs(self, ids: list[int]) -> torch.Tensor | None:
         """Log-probs [len(ids) - 1] of each of `ids` after the ones before it, under the live
-        weights at temperature 1 (the delivery probe, `asyncrl.weight_sync`); None where the
+        weights at temperature 1 (the delivery probe, `asyncrl.delivery_probe`); None where the
         engine cannot score a given sequence (the probe is then not checked)."""
         return None
 
@@ -151,18 +153,18 @@ class DeliveryError(RuntimeError):
     """The engine does not sample the policy the learner just sent."""
 
 
-def check_delivery(engine: Engine, version: int, probe: torch.Tensor | None, vocab: int) -> None:
+def check_delivery(engine: Engine, version: int, probe: DeliveryProbe | None, vocab: int) -> None:
     """After `version` is applied: the engine's log-probs of the probe ids must equal the
-    learner's (`probe`: log-probs, then the tolerance) within the tolerance."""
+    learner's (`probe.logprobs`) within `probe.tolerance` on average."""
     if probe is None:
         return
-    from asyncrl.weight_sync import probe_ids  # (torch: not at import, see above)
+    from asyncrl.delivery_probe import probe_ids  # (torch: not at import, see above)
 
     mine = engine.probe_logprobs(probe_ids(vocab))
     if mine is None:
         return
-    expected, tolerance = probe[:-1].cpu(), float(probe[-1])
-    diff = float((mine.float().cpu() - expected).abs().mean())
+    tolerance = probe.tolerance
+    diff = float((mine.float().cpu() - probe.logprobs.float().cpu()).abs().mean())
     if not diff <= tolerance:  # NaN fails too
         raise DeliveryError(
             f"after applying version {version} the engine's log-probs of the delivery probe "

@@ -1,3 +1,5 @@
+import dataclasses
+
 import msgpack
 import numpy as np
 import pytest
@@ -60,6 +62,22 @@ def test_nested_structs_round_trip():
     assert decode(_wire(grant)) == grant
     assert decode(_wire(Stats(1, {"a": 1.5}))).counters == {"a": 1.5}
     assert isinstance(decode(_wire(to_batch(3, [], 0))), Batch)
+
+
+def test_a_prompt_temperature_is_optional_and_travels_as_sent():
+    """None (the server's default) and a number both come back as they were sent; a negative,
+    non-finite or non-number temperature is refused on decode."""
+    item = PromptItem("g", 4, "src", [ChatMessage("user", "1+1=")], "2", {})
+    assert item.temperature is None
+    for temperature in (None, 0.0, 0.7):
+        sent = LeaseGrant(7, [dataclasses.replace(item, temperature=temperature)])
+        back = decode(_wire(sent))
+        assert back == sent and back.prompts[0].temperature == temperature
+    header = msgpack.unpackb(_wire(LeaseGrant(7, [item]))[0])
+    for bad in (-1.0, -0.5, float("nan"), float("inf"), "0.7", True, [0.7]):
+        header["fields"]["prompts"][0]["temperature"] = bad
+        with pytest.raises(ProtocolError, match="temperature"):
+            decode([msgpack.packb(header)])
 
 
 def test_json_fields_round_trip_typed_and_bounded():

@@ -34,3 +34,16 @@ def test_summarize_per_source_and_overall():
     assert out["mean_score"] == pytest.approx(0.5)
     assert out["pass@2"] == pytest.approx(2 / 3)
     assert "pass@4" not in out
+
+
+def test_eval_prompts_carry_the_temperature_or_leave_it_to_the_servers():
+    from asyncrl.evaluation import eval_prompts
+
+    rows = [{"data_source": "s", "prompt": "1+1=", "reward_model": {"ground_truth": "2"}}]
+    for temperature in (None, 0.0, 0.7):
+        (item,) = eval_prompts(rows, 2, temperature, "job")
+        assert item.temperature == temperature and item.eval_job == "job" and item.n == 2
+        item.validate()
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="evaluation temperature"):
+            eval_prompts(rows, 2, bad, "job")

@@ -9,7 +9,7 @@ from importlib.metadata import entry_points
 import pytest
 
 from asyncrl.data import TASKS, setup_task
-from asyncrl.registry import Registry
+from asyncrl.registry import Registry, import_object
 
 
 def test_decorator_direct_and_path_registration():
@@ -40,6 +40,39 @@ def test_decorator_direct_and_path_registration():
     assert reg.get("zzz") is None
     reg.unregister("a")
     assert "a" not in reg
+
+
+def test_import_object_names_the_path_whatever_is_wrong_with_it():
+    """The one `module:attr` helper: registries, estimator declarations and the reward workers
+    all import through it, so each of their errors names the string that failed."""
+    import json
+    import os.path
+
+    assert import_object("json:dumps") is json.dumps
+    assert import_object("os:path.join") is os.path.join  # a dotted attribute
+    for path, reason in [
+        ("json.dumps", "is not an import path of the form package.module:attr"),
+        (":dumps", "is not an import path"),
+        ("json:", "is not an import path"),
+        ("no_such_module_x:thing", "cannot import 'no_such_module_x'"),
+        ("json:nothing_here", "'json' has no 'nothing_here'"),
+        ("os:path.nothing_here", "'os' has no 'path.nothing_here'"),
+    ]:
+        with pytest.raises(ValueError, match=reason) as e:
+            import_object(path)
+        assert repr(path) in str(e.value)
+
+
+def test_estimators_and_reward_workers_import_through_the_same_helper():
+    from asyncrl.estimators import ESTIMATORS, Estimator
+    from rollout_servers.reward_computer import _resolve
+
+    assert ESTIMATORS["grpo"].function().__name__ == "_grpo"  # declared by import path
+    with pytest.raises(ValueError, match="'asyncrl.advantages:_nothing'"):
+        Estimator("toy", "asyncrl.advantages:_nothing", "sequence").function()
+    assert _resolve(("module", "json", "dumps")) is __import__("json").dumps
+    with pytest.raises(ValueError, match="cannot import 'no_such_module_x'"):
+        _resolve(("module", "no_such_module_x", "score"))
 
 
 def test_a_lazy_member_is_not_imported_until_used():

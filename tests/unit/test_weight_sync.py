@@ -35,6 +35,7 @@ def test_sync_reuses_released_staging_and_never_overwrites_an_unreleased_version
     (fresh staging); version 2 is released, so version 3 lands in its memory."""
     import threading
 
+    from asyncrl.delivery_probe import PROBE_LEN, DeliveryProbe
     from asyncrl.transport import free_port
     from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, WeightReceiver
 
@@ -43,15 +44,15 @@ def test_sync_reuses_released_staging_and_never_overwrites_an_unreleased_version
     specs = [ParamSpec(n, s, dtypes.get(n, torch.float32)) for n, s in shapes.items()]
     port, cpu = free_port(), torch.device("cpu")
     sent_error: list[BaseException] = []
+    probe = DeliveryProbe(-torch.arange(1.0, PROBE_LEN), tolerance=1e-4)
 
     def send():
         try:
             group = SyncGroup("127.0.0.1", port, 0, 2, cpu, timeout_s=60)
             broadcaster = WeightBroadcaster(group, bucket_bytes=64)  # 16 floats a bucket
             for v in (1, 2, 3):
-                broadcaster.broadcast(
-                    specs, (torch.full(s.shape, v, dtype=s.dtype) for s in specs), v
-                )
+                tensors = (torch.full(s.shape, v, dtype=s.dtype) for s in specs)
+                broadcaster.broadcast(specs, tensors, v, probe if v == 2 else None)
             broadcaster.shutdown()
         except BaseException as e:  # surfaced by the assertion below
             sent_error.append(e)
@@ -63,6 +64,9 @@ def test_sync_reuses_released_staging_and_never_overwrites_an_unreleased_version
     second = receiver.receive()  # `first` was not released: it must not be overwritten
     assert all(bool((t == 1).all()) for _, t in first.weights)
     assert all(bool((t == 2).all()) for _, t in second.weights)
+    assert first.probe is None and isinstance(second.probe, DeliveryProbe)
+    assert torch.equal(second.probe.logprobs, probe.logprobs)
+    assert second.probe.tolerance == torch.tensor(1e-4).item()  # as float32 carries it
     second_ptrs = [t.data_ptr() for _, t in second.weights]
     assert second_ptrs != [t.data_ptr() for _, t in first.weights]
     second.release()

@@ -17,6 +17,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+import types
 import typing
 from collections import OrderedDict
 from collections.abc import Callable
@@ -149,6 +150,8 @@ def valid_value(tp: Any, rng: random.Random) -> Any:
     origin, args = get_origin(tp), get_args(tp)
     if origin is Literal:
         return rng.choice(args)
+    if origin in (typing.Union, types.UnionType):  # an optional field: either of its types
+        return valid_value(rng.choice(args), rng)
     if origin is list:
         return [valid_value(args[0], rng) for _ in range(rng.randint(0, 3))]
     if origin is dict:
@@ -156,6 +159,7 @@ def valid_value(tp: Any, rng: random.Random) -> Any:
     if is_dataclass(tp):
         return tp(**{k: valid_value(v, rng) for k, v in field_types(tp).items()})
     simple: dict[Any, Callable[[], Any]] = {  # small, positive, non-empty: inside any bound
+        type(None): lambda: None,
         bool: lambda: rng.random() < 0.5,
         int: lambda: rng.randint(1, 100),
         float: lambda: rng.choice([0.0, 1.0, 0.5, 3.25]),
@@ -210,7 +214,7 @@ def prompt_item(rng: random.Random, group_id: str, n: int, eval_job: str = "") -
         tools_kwargs=random_object(rng),
         interaction_kwargs=random_object(rng),
         eval_job=eval_job,
-        temperature=rng.choice([-1.0, 0.0, 0.7]),
+        temperature=rng.choice([None, 0.0, 0.7]),
     )
 
 
