@@ -48,14 +48,8 @@ from learner.fsdp import (
     sync_tensors,
 )
 from learner.lora import is_adapted, merged_state, save_adapter
-from learner.losses import (
-    AdaptiveKLController,
-    FixedKLController,
-    importance_weights,
-    kl_penalty,
-    mismatch_kl,
-    rejection_mask,
-)
+from learner.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from learner.losses import importance_weights, mismatch_kl, rejection_mask
 from learner.optim import lr_factor, set_lr, setup_optimizer
 from learner.sync_fleet import SyncFleet, as_sent, sent_tensors, setup_sync_fleet
 from learner.update import UpdateInputs, Updater, recompute
