@@ -107,7 +107,7 @@ KLKind = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
 
 class AlgorithmConfig(Section):
     adv_estimator: str = "grpo"
-    """Advantage estimator, a name in `asyncrl.advantages.ESTIMATORS` (verl's names: gae, grpo,
+    """Advantage estimator, a name in `asyncrl.estimators.ESTIMATORS` (verl's names: gae, grpo,
     rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax). `gae` trains a critic;
     `remax` samples a greedy baseline."""
     norm_adv_by_std: bool = True
