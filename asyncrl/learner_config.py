@@ -12,6 +12,7 @@ import pydantic
 from pydantic import Field
 
 from asyncrl.config_base import Section
+from asyncrl.policy_losses import POLICY_LOSSES
 
 
 class LoraConfig(Section):
@@ -106,7 +107,7 @@ KLKind = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
 
 class AlgorithmConfig(Section):
     adv_estimator: str = "grpo"
-    """Advantage estimator, a name in `asyncrl.advantages.ESTIMATORS` (verl's names: gae, grpo,
+    """Advantage estimator, a name in `asyncrl.estimators.ESTIMATORS` (verl's names: gae, grpo,
     rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax). `gae` trains a critic;
     `remax` samples a greedy baseline."""
     norm_adv_by_std: bool = True
@@ -115,8 +116,9 @@ class AlgorithmConfig(Section):
     """Discount for gae and reinforce_plus_plus."""
     lam: float = Field(1.0, ge=0.0, le=1.0)
     """GAE lambda."""
-    policy_loss: Literal["ppo", "gspo"] = "ppo"
-    """`ppo`: token-level clipped ratio; `gspo`: sequence-level, length-normalised ratio."""
+    policy_loss: str = "ppo"
+    """A name in `asyncrl.policy_losses.POLICY_LOSSES`: `ppo` (token-level clipped ratio),
+    `gspo` (sequence-level, length-normalised ratio), or a loss declared with `@policy_loss`."""
     clip_ratio_low: float = Field(0.2, ge=0, le=1)
     """Clip: ratio lower bound is 1 - this."""
     clip_ratio_high: float = Field(0.2, ge=0)
@@ -165,6 +167,17 @@ class AlgorithmConfig(Section):
     """Entropy bonus coefficient."""
     value_clip: float = Field(0.5, gt=0)
     """gae: clip range of the value loss around the old values."""
+
+    @pydantic.field_validator("policy_loss")
+    @classmethod
+    def _registered_policy_loss(cls, value: str) -> str:
+        """Refused at start-up, before any process starts, naming the losses there are."""
+        if value not in POLICY_LOSSES:
+            raise ValueError(
+                f"algorithm.policy_loss={value!r} is not a registered policy loss: "
+                f"{POLICY_LOSSES.names()}"
+            )
+        return value
 
     @pydantic.field_validator("is_level", "reject_level", mode="before")
     @classmethod

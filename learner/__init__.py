@@ -1,12 +1,17 @@
 """The learner fleet: N ranks under FSDP2, one optimizer step per batch.
 
-Components, wired by `trainer.Learner` and driven by its `train_step` (fetch_batch,
-compute_logprobs, compute_advantages, update, broadcast_weights, publish_version):
+Components, wired by `trainer.setup_learner` and driven by `trainer.Learner.train_step`
+(fetch_batch, compute_logprobs, compute_advantages, update, broadcast_weights, publish_version),
+whose stages every rank runs in step:
+- `coordinator`: what a rank asks of the world outside the learner group, behind one interface;
+  rank 0's `leader.Leader` talks to the replay, the weight sync (`sync_fleet`), validation and
+  the loggers; the other ranks' `Follower` talks to nobody.
 - `batch`: the replay's `Batch` message as padded tensors, shared from rank 0 to every rank.
 - `fsdp`: process group, model sharding, and full tensors for the weight broadcast.
-- `losses`: policy losses (PPO, GSPO, decoupled PPO), off-policy corrections, the value loss,
-  loss aggregation and KL terms (pure tensor functions).
+- `losses`: policy losses (PPO, GSPO, decoupled PPO), off-policy corrections, the value loss and
+  loss aggregation; `kl`: KL terms and controllers (pure tensor functions).
 - `update`: forward passes and the optimizer step over mini- and micro-batches.
-The advantage estimators are declared in the core (`asyncrl.advantages`), because config
-validation and the rollout servers read their declarations too.
+- `checkpoint`: sharded checkpoints with the replay's state, and the final weights.
+The advantage estimators and the policy losses are declared in the core (`asyncrl.estimators`,
+`asyncrl.policy_losses`), because config validation reads their declarations too.
 """

@@ -3,6 +3,7 @@
 Rank 0 receives the batch and builds `TrainBatch`; it is broadcast to every learner rank (the
 tensors are small next to the model), so every rank can compute advantages and global loss
 denominators itself; `learner.update` then gives each rank its share of the rows.
+`share_batch` is that broadcast, with rank 0's word on whether there is a batch at all.
 """
 
 from __future__ import annotations
@@ -86,6 +87,22 @@ def from_message(msg: Batch, pad_id: int) -> TrainBatch:
         torch.from_numpy(msg.baseline_rewards.copy()),
         n_prompt,
     )
+
+
+def share_batch(
+    batch: TrainBatch | None, rank: int, world: int, device: torch.device
+) -> TrainBatch | None:
+    """Rank 0's `batch` on every rank, on `device` (the other ranks pass None); None on every
+    rank when rank 0 has none (the run stops)."""
+    go = torch.tensor([1 if (rank != 0 or batch is not None) else 0], device=device)
+    if world > 1:
+        dist.broadcast(go, 0)
+    if not int(go.item()):
+        return None
+    if world > 1:
+        return broadcast_batch(batch, rank, device)
+    assert batch is not None
+    return batch.to(device)
 
 
 def broadcast_batch(batch: TrainBatch | None, rank: int, device: torch.device) -> TrainBatch:

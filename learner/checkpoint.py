@@ -1,9 +1,10 @@
 """Learner checkpoints: sharded weights and optimizer state (torch.distributed.checkpoint), the
-trainer's state and the replay's, written together (layout: `asyncrl.checkpoints`).
+trainer's state and the replay's, written together (layout: `asyncrl.checkpoints`); and the
+final weights as a plain Hugging Face model directory.
 
 `save_checkpoint` writes every part into `step_<v>.partial/` (the ranks' shards, then the
-replay's state, asked of the replay after version v was published and before the next batch is
-asked for, then `trainer.json`) and renames it to `step_<v>` last: a checkpoint is complete when
+replay's state, asked of the replay through the coordinator after version v was published and
+before the next batch is asked for, then `trainer.json`) and renames it to `step_<v>` last: a checkpoint is complete when
 it exists at all. The learning-rate schedule needs no state: it is a function of the version
 (`learner.optim`).
 """
@@ -14,8 +15,9 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -30,10 +32,20 @@ from asyncrl.checkpoints import (
     prune,
     publish,
 )
+from asyncrl.learner_config import LoraConfig
 from asyncrl.metrics import write_json_atomic
-from asyncrl.replay_client import ReplayClient
+from learner.fsdp import iter_full_tensors
+from learner.lora import is_adapted, merged_state, save_adapter
 
 log = logging.getLogger("asyncrl.learner")
+
+
+class ReplayState(Protocol):
+    """The replay's side of a checkpoint (the learner's coordinator, `learner.coordinator`)."""
+
+    def checkpoint(self, path: str, version: int) -> None:
+        """Have the replay write its whole state at `version` to `path`."""
+        ...
 
 
 def save_checkpoint(
@@ -42,7 +54,7 @@ def save_checkpoint(
     rank: int,
     world: int,
     modules: tuple,
-    replay: ReplayClient | None,
+    replay: ReplayState,
     trainer_state: dict[str, Any],
     keep: int = 0,
 ) -> Path:
@@ -57,7 +69,6 @@ def save_checkpoint(
         dist.barrier()  # nobody writes into it before it is cleared
     save_sharded(partial, *modules)
     if rank == 0:
-        assert replay is not None
         replay.checkpoint(str(partial / REPLAY_FILE), version)
         write_json_atomic(partial / TRAINER_FILE, {"version": version, **trainer_state})
         final = publish(partial)
@@ -66,6 +77,29 @@ def save_checkpoint(
             for path in prune(run_dir, keep):
                 log.info("deleted checkpoint %s (trainer.keep_checkpoints=%d)", path.name, keep)
     return checkpoint_dir(run_dir, version)
+
+
+def save_final_weights(
+    out: Path, model: torch.nn.Module, lora: LoraConfig, model_path: str, rank: int
+) -> None:
+    """All ranks (the gathers are collectives): rank 0 writes the final weights as an ordinary
+    Hugging Face model directory at `out`; with LoRA, the merged model, and the adapter in
+    peft's format under out/adapter."""
+    full = {name: t.cpu().clone() for name, t in iter_full_tensors(model)}
+    if rank != 0:
+        return
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    adapter = None
+    if is_adapted(model):
+        full, adapter = merged_state(full, lora)
+    plain = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    plain.load_state_dict(full)
+    plain.save_pretrained(out, safe_serialization=True)
+    AutoTokenizer.from_pretrained(model_path).save_pretrained(out)
+    if adapter is not None:
+        save_adapter(out / "adapter", adapter, lora, model_path)
+    log.info("final weights written to %s", out)
 
 
 def load_checkpoint(path: Path, modules: tuple) -> dict[str, Any]:

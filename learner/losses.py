@@ -1,4 +1,8 @@
-"""Policy losses, off-policy corrections, loss aggregation and KL terms (pure tensor functions).
+"""Policy losses, off-policy corrections, the value loss and loss aggregation (pure tensor
+functions; the KL terms are in `learner.kl`).
+
+The policy losses `algorithm.policy_loss` can name are declared in `asyncrl.policy_losses`; the
+built-ins' functions are `ppo_policy_loss` and `gspo_policy_loss` here.
 
 Conventions (as in `asyncrl.advantages`): tensors are [B, T] over response token positions and
 `mask` is 1 on tokens the policy sampled. Losses are minimised: an advantage A > 0 pushes the
@@ -19,11 +23,12 @@ sequence ratio to at most 10; a clamped value carries no gradient.
 from __future__ import annotations
 
 import math
-from typing import Literal, Protocol
+from typing import Literal
 
 import torch
 
 from asyncrl.advantages import masked_mean
+from asyncrl.policy_losses import PolicyLossInputs
 
 AGGREGATION_MODES = (
     "token-mean",
@@ -31,15 +36,6 @@ AGGREGATION_MODES = (
     "seq-mean-token-mean",
     "seq-mean-token-sum-norm",
 )
-KL_KINDS = {
-    "kl": "kl",
-    "k1": "kl",
-    "abs": "abs",
-    "mse": "mse",
-    "k2": "mse",
-    "low_var_kl": "low_var_kl",
-    "k3": "low_var_kl",
-}
 MAX_LOG_RATIO = 20.0
 """Token log-ratios are clamped to [-MAX_LOG_RATIO, MAX_LOG_RATIO] before exp (verl's bound)."""
 MAX_GSPO_LOG_RATIO = 10.0
@@ -140,6 +136,18 @@ def gspo_token_loss(
     return _clipped_surrogate(ratio, advantages, m, clip_low, clip_high, None)
 
 
+def ppo_policy_loss(x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss `ppo` (`asyncrl.policy_losses`): `ppo_clip_token_loss` with dual clip."""
+    return ppo_clip_token_loss(
+        x.logp, x.old_logp, x.advantages, x.mask, x.clip_low, x.clip_high, x.clip_c
+    )
+
+
+def gspo_policy_loss(x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The policy loss `gspo`: `gspo_token_loss` (no dual clip: `clip_c` is not used)."""
+    return gspo_token_loss(x.logp, x.old_logp, x.advantages, x.mask, x.clip_low, x.clip_high)
+
+
 @torch.no_grad()
 def importance_weights(
     proximal_logp: torch.Tensor,
@@ -233,6 +241,22 @@ def rejection_mask(
     return keep, stats
 
 
+def behaviour_weighted(
+    loss: torch.Tensor,
+    proximal_logp: torch.Tensor,
+    behaviour_logp: torch.Tensor,
+    mask: torch.Tensor,
+    is_weights: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Decoupled PPO's correction of a token loss taken against the proximal policy: each
+    token's loss times its detached behaviour -> proximal importance weight, `is_weights`
+    when given (from `importance_weights`: token or sequence level, possibly truncated), else
+    the untruncated token weight exp(prox - behav) (AReaL). Any policy loss alike."""
+    if is_weights is None:
+        is_weights = importance_weights(proximal_logp, behaviour_logp, mask, "token", None)
+    return loss * is_weights.detach().to(loss.dtype)
+
+
 def decoupled_ppo_token_loss(
     logp: torch.Tensor,
     proximal_logp: torch.Tensor,
@@ -246,7 +270,7 @@ def decoupled_ppo_token_loss(
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Decoupled PPO (AReaL, Fu et al. 2025): the trust region is taken around the proximal
     policy (the learner's weights before this update) while the tokens were sampled by an older
-    behaviour policy, corrected by a detached importance weight:
+    behaviour policy, corrected by a detached importance weight (`behaviour_weighted`):
 
         r = exp(logp - prox),   w = sg[exp(prox - behav)] (or the given `is_weights`)
         l = w * max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high))      (+ dual clip as PPO)
@@ -272,7 +296,7 @@ def decoupled_ppo_token_loss(
         stats["is_weight_sum"] = w.sum()
         stats["is_weight_max"] = w.amax() if w.numel() else torch.zeros((), device=w.device)
         stats["behaviour_k3_sum"] = ((torch.exp(log_r) - 1.0 - log_r) * m).sum()
-    return loss * w, stats
+    return behaviour_weighted(loss, proximal_logp, behaviour_logp, mask, w), stats
 
 
 def value_token_loss(
@@ -351,68 +375,6 @@ def aggregate_loss(
     else:
         numerator = token_sums.sum()
     return numerator, denominator
-
-
-def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
-    """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi (Schulman's estimators),
-    not masked (multiply by the mask):
-
-        kl  / k1:          logp - ref
-        abs:               |logp - ref|
-        mse / k2:          0.5 (logp - ref)^2
-        low_var_kl / k3:   exp(ref - logp) - (ref - logp) - 1,  clamped to [-10, 10]
-
-    As in verl, ref - logp is clamped to [-20, 20] before exp in low_var_kl. Gradients flow
-    through logp (used as a loss term) and ref_logp is detached.
-    """
-    if kind not in KL_KINDS:
-        raise ValueError(f"unknown KL kind {kind!r}; valid: {', '.join(KL_KINDS)}")
-    diff = logp - ref_logp.detach()
-    canonical = KL_KINDS[kind]
-    if canonical == "kl":
-        return diff
-    if canonical == "abs":
-        return diff.abs()
-    if canonical == "mse":
-        return 0.5 * diff.square()
-    x = (-diff).clamp(-20.0, 20.0)
-    return (torch.exp(x) - x - 1.0).clamp(-10.0, 10.0)
-
-
-class KLController(Protocol):
-    """The coefficient of the KL penalty, updated once per step from the observed KL."""
-
-    value: float
-
-    def update(self, current_kl: float, n_steps: int) -> None: ...
-
-
-class FixedKLController:
-    """A constant KL coefficient; `update` leaves it unchanged."""
-
-    def __init__(self, coef: float) -> None:
-        self.value = float(coef)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        """The coefficient is fixed: nothing to adapt."""
-
-
-class AdaptiveKLController:
-    """Adaptive KL coefficient (Ziegler et al. 2019), steering the KL towards `target`:
-
-    e = clip(current_kl / target - 1, -0.2, 0.2),   coef <- coef (1 + e n_steps / horizon)
-    """
-
-    def __init__(self, init_coef: float, target: float, horizon: float) -> None:
-        if target <= 0 or horizon <= 0:
-            raise ValueError("AdaptiveKLController needs target > 0 and horizon > 0")
-        self.value = float(init_coef)
-        self.target = float(target)
-        self.horizon = float(horizon)
-
-    def update(self, current_kl: float, n_steps: int) -> None:
-        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:

@@ -38,7 +38,7 @@ import datetime
 import logging
 import re
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import torch
@@ -57,7 +57,6 @@ from asyncrl.weight_sync import (
     WeightBroadcaster,
     sync_prefix,
 )
-from learner.fsdp import sync_tensors
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -274,12 +273,15 @@ def as_sent(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def sent_tensors(
-    model: torch.nn.Module, dtype: torch.dtype, hashed: list | None = None
+    specs: list[ParamSpec],
+    named: Iterable[tuple[str, torch.Tensor]],
+    hashed: list | None = None,
 ) -> Iterator[torch.Tensor]:
-    """The full tensors of one version in `sync_specs` order (a collective: every learner rank
-    iterates them), cast to `dtype` later, while packed. With `hashed`, each is also appended
-    to it as (name, copy as the servers receive it), for `weights_checksum`."""
-    for name, t in sync_tensors(model):
+    """The full tensors of one version in `specs` order (`named`: `learner.fsdp.sync_tensors`,
+    a collective every learner rank drains in step), each cast to its spec's dtype later, while
+    packed. With `hashed`, each is also appended to it as (name, copy as the servers receive
+    it), for `weights_checksum`."""
+    for spec, (name, t) in zip(specs, named, strict=True):
         if hashed is not None:
-            hashed.append((name, as_sent(t, dtype).cpu().clone()))
+            hashed.append((name, as_sent(t, spec.dtype).cpu().clone()))
         yield t

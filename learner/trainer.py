@@ -10,7 +10,12 @@ Invariants:
 
 A step is a list of named, timed stages: fetch_batch, compute_logprobs (proximal / reference /
 values, only those the algorithm needs), compute_advantages, update, broadcast_weights,
-publish_version.
+publish_version (and validate, when due).
+
+Every rank runs every stage, in step. What leaves the learner group (the replay, the weight
+sync's servers, validation, loggers, the replay's part of a checkpoint) goes through the rank's
+`learner.coordinator.Coordinator`: rank 0's `Leader` does it, the other ranks' `Follower` only
+joins the collectives. `setup_learner` wires a rank; `run_learner` is a rank's entry point.
 """
 
 from __future__ import annotations
@@ -19,56 +24,44 @@ import logging
 import signal
 import time
 from pathlib import Path
-from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from asyncrl.advantages import ESTIMATORS, compute_advantages, outcome_token_rewards
-from asyncrl.auth import key_from_env
 from asyncrl.config import Config
-from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
-from asyncrl.loggers import setup_loggers
-from asyncrl.metrics import JsonlWriter, StageTimer, peak_rss_mb, write_json_atomic
-from asyncrl.protocol import Batch
-from asyncrl.replay_client import ReplayClient
+from asyncrl.metrics import StageTimer
 from asyncrl.run_spec import RunSpec
-from asyncrl.trace import SpanWriter
-from asyncrl.weight_sync import weights_checksum
-from learner.batch import TrainBatch, broadcast_batch, from_message
-from learner.checkpoint import load_checkpoint, save_checkpoint
+from learner.batch import TrainBatch, from_message, share_batch
+from learner.checkpoint import load_checkpoint, save_checkpoint, save_final_weights
+from learner.coordinator import Coordinator, Follower, StepOutcome, Weights
 from learner.delivery import delivery_probe, wants_probe
 from learner.forward import policy_forward, value_forward
-from learner.fsdp import (
-    iter_full_tensors,
-    setup_distributed,
-    setup_model,
-    sync_specs,
-    sync_tensors,
-)
-from learner.lora import is_adapted, merged_state, save_adapter
-from learner.losses import (
-    AdaptiveKLController,
-    FixedKLController,
-    importance_weights,
-    kl_penalty,
-    mismatch_kl,
-    rejection_mask,
-)
+from learner.fsdp import setup_distributed, setup_model, sync_specs, sync_tensors
+from learner.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from learner.leader import setup_leader
+from learner.losses import importance_weights, mismatch_kl, rejection_mask
 from learner.optim import lr_factor, set_lr, setup_optimizer
-from learner.sync_fleet import SyncFleet, as_sent, sent_tensors, setup_sync_fleet
 from learner.update import UpdateInputs, Updater, recompute
-from learner.version_stats import oldest_versions, version_stats
 
 log = logging.getLogger("asyncrl.learner")
 
 
 class Learner:
-    """One learner rank. Rank 0 also talks to the replay and broadcasts weights."""
+    """One learner rank: the SPMD stages of a step, the same on every rank. What a stage sends
+    or asks outside the learner group goes through `coordinator` (module docstring)."""
 
-    def __init__(self, cfg: Config, spec: RunSpec, rank: int, world: int, device: torch.device):
+    def __init__(
+        self,
+        cfg: Config,
+        spec: RunSpec,
+        rank: int,
+        world: int,
+        device: torch.device,
+        coordinator: Coordinator,
+    ):
         self.cfg, self.spec, self.rank, self.world, self.device = cfg, spec, rank, world, device
+        self.coordinator = coordinator
         self.stop_requested = False
         lc = cfg.learner
         self.model = setup_model(spec.model_path, device, lc)  # in training mode
@@ -103,56 +96,16 @@ class Learner:
             self.critic_optimizer,
         )
         self.pad_id = self.model.config.pad_token_id or 0
-        run_dir = Path(spec.run_dir)
-        self.replay: ReplayClient | None = None
-        self.fleet: SyncFleet | None = None
-        if rank == 0:
-            self.replay = ReplayClient(spec.replay_address, key_from_env("learner"))
-            self.fleet = setup_sync_fleet(cfg, spec, device, self.replay)
-            self.trace = SpanWriter(run_dir / "trace" / "learner_0.jsonl")
-            self.loggers = setup_loggers(cfg.trainer.logger, run_dir, cfg.model_dump(mode="json"))
-            dc = cfg.data
-            self.val_rows = load_eval_rows(dc.val_files, dc)
-            self.samples = (
-                JsonlWriter(run_dir / "samples.jsonl") if cfg.trainer.log_samples else None
-            )
-            self.weight_log = (
-                JsonlWriter(run_dir / "weights_learner.jsonl") if lc.weight_checksum else None
-            )
         self._last_step_end = time.perf_counter()
 
     # ---- stages -------------------------------------------------------------------------
-    def fetch_batch(self, version: int) -> tuple[TrainBatch | None, dict[str, Any]]:
-        """Rank 0 waits for whole groups trainable at `version` and shares them with all ranks."""
-        info: dict[str, Any] = {}
-        batch = None
-        if self.rank == 0:
-            assert self.replay is not None
-            msg = self.replay.fetch_batch(
-                version, self.cfg.data.train_batch_size, should_stop=lambda: self.stop_requested
-            )
-            if msg is not None:
-                batch = from_message(msg, self.pad_id)
-                info = {
-                    "traj_ids": msg.traj_ids,
-                    "group_ids": msg.group_ids,
-                    "stale_dropped": msg.stale_dropped,
-                    "traj_metrics": trajectory_metric_means(msg),
-                    "fleet": dict(msg.fleet),
-                    "response_lengths": [
-                        int(x) for x in msg.response_offsets[1:] - msg.response_offsets[:-1]
-                    ],
-                }
-        go = torch.tensor([1 if (self.rank != 0 or batch is not None) else 0], device=self.device)
-        if self.world > 1:
-            dist.broadcast(go, 0)
-        if not int(go.item()):
-            return None, info
-        if self.world > 1:
-            batch = broadcast_batch(batch, self.rank, self.device)
-        else:
-            batch = batch.to(self.device)
-        return batch, info
+    def fetch_batch(self, version: int) -> TrainBatch | None:
+        """Whole groups trainable at `version` on every rank: rank 0's coordinator waits for
+        them at the replay, and they are broadcast to all; None on every rank once rank 0's
+        has none (a stop was requested)."""
+        msg = self.coordinator.fetch_batch(version, should_stop=lambda: self.stop_requested)
+        batch = from_message(msg, self.pad_id) if msg is not None else None
+        return share_batch(batch, self.rank, self.world, self.device)
 
     def compute_logprobs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """The no-grad forwards the chosen algorithm needs before the update: proximal policy
@@ -262,41 +215,23 @@ class Learner:
         return {**stats, "lr": lc.lr * factor}
 
     def broadcast_weights(self, version: int) -> str | None:
-        """Gather full weights (all ranks) and broadcast them to every member of the weight
-        sync (rank 0; it first joins restarted servers and drops failed ones)."""
-        hashed: list | None = [] if self.cfg.learner.weight_checksum and self.rank == 0 else None
+        """Gather full weights (all ranks) and deliver them to every member of the weight sync
+        (rank 0's coordinator); returns their checksum when learner.weight_checksum asks."""
         lc, probe = self.cfg.learner, None
         if wants_probe(self.cfg):  # all ranks: a forward
             probe = delivery_probe(self.model, lc, self.cfg.rollout.dtype, self.device)
-        tensors = sent_tensors(self.model, self.sync_dtype, hashed)
-        if self.rank != 0:
-            for _ in tensors:  # the gathers are collectives
-                pass
-            return None
-        members = self.fleet.broadcast(self.specs, tensors, version, probe)
-        if hashed is None:
-            return None
-        digest = weights_checksum(hashed)
-        # members: server id -> epoch of each server that acknowledged this version
-        delivered = {str(server): epoch for server, epoch in sorted(members.items())}
-        self.weight_log.write({"version": version, "checksum": digest, "members": delivered})
-        return digest
+        return self.coordinator.deliver_weights(self.weights(version, probe))
 
-    def validate(self, version: int) -> dict[str, float]:
-        """Rank 0 sends the validation set through the rollout servers as an evaluation job
-        (leased before any training prompt, never trained on) and waits for every score."""
-        if self.rank != 0:
-            return {}
-        dc, job = self.cfg.data, f"val-{version}-{time.time_ns()}"
-        prompts = eval_prompts(self.val_rows, dc.val_n, dc.val_temperature, job)
-        summary = run_eval_job(self.replay, prompts, job, self.cfg.trainer.val_timeout_s)
-        log.info("validation at version %d: mean score %.4f", version, summary["mean_score"])
-        return {f"val/{k}": v for k, v in summary.items()}
+    def weights(self, version: int, probe: torch.Tensor | None = None) -> Weights:
+        """The weights a version carries (a collective to drain: every rank, in step)."""
+        return Weights(version, self.specs, sync_tensors(self.model), probe)
 
     def maybe_validate(self, version: int) -> dict[str, float]:
+        """Validation scores (rank 0's coordinator runs the job) every trainer.val_every
+        versions and at the last; {} otherwise, and on the other ranks."""
         tc = self.cfg.trainer
         due = tc.val_every and (version % tc.val_every == 0 or version == tc.total_steps)
-        return self.validate(version) if due else {}
+        return self.coordinator.validate(version) if due else {}
 
     # ---- loop ---------------------------------------------------------------------------
     def save_checkpoint(self, version: int) -> None:
@@ -308,7 +243,7 @@ class Learner:
             self.rank,
             self.world,
             (self.model, self.optimizer, self.critic, self.critic_optimizer),
-            self.replay,
+            self.coordinator,
             {"kl_coef": self.kl_ctrl.value},
             self.cfg.trainer.keep_checkpoints,
         )
@@ -321,18 +256,14 @@ class Learner:
         return int(trainer["version"])
 
     def run(self) -> None:
+        """Validate first if asked, resume if asked, then train to trainer.total_steps (or a
+        stop request), saving checkpoints and the final weights as asked."""
         tc = self.cfg.trainer
         if self.cfg.learner.weight_checksum and tc.resume_from is None:
-            # the base model's checksum, version 0 (a resumed run recorded it already); a
-            # collective: all ranks
-            sent = ((n, as_sent(t, self.sync_dtype)) for n, t in sync_tensors(self.model))
-            digest = weights_checksum(sent)
-            if self.rank == 0:
-                self.weight_log.write({"version": 0, "checksum": digest})
+            # the base model's checksum, version 0 (a resumed run recorded it already)
+            self.coordinator.record_weights(self.weights(0))
         if tc.val_before_train or tc.val_only:
-            val = self.validate(0)
-            if self.rank == 0:
-                self.loggers.log({"step": 0, "version": 0, "time": time.time(), **val}, 0)
+            self.coordinator.log(0, self.coordinator.validate(0))
         start = 0
         if tc.resume_from is not None:
             start = self.load_checkpoint(Path(tc.resume_from))
@@ -346,16 +277,16 @@ class Learner:
                 if tc.save_every and (version + 1) % tc.save_every == 0:
                     self.save_checkpoint(version + 1)
             if tc.save_final:
-                self.save_final(Path(self.spec.run_dir) / "final")
-        if self.rank == 0:
-            self.fleet.shutdown()
-            self.loggers.close()
-            self.trace.flush()
+                out = Path(self.spec.run_dir) / "final"
+                lora = self.cfg.learner.lora
+                save_final_weights(out, self.model, lora, self.spec.model_path, self.rank)
+        self.coordinator.shutdown()
 
     def train_step(self, version: int) -> bool:
+        """One step at `version`, its stages timed; False when there was no batch (a stop)."""
         timer = StageTimer()
         with timer("fetch_batch"):
-            batch, info = self.fetch_batch(version)
+            batch = self.fetch_batch(version)
         if batch is None:
             return False
         with timer("compute_logprobs"):
@@ -366,105 +297,15 @@ class Learner:
             stats = {**adv_metrics, **self.update(batch, inputs, version)}
         with timer("broadcast_weights"):
             checksum = self.broadcast_weights(version + 1)
-        if self.rank == 0:
-            with timer("publish_version"):
-                self.replay.publish_version(version + 1)
+        with timer("publish_version"):
+            self.coordinator.publish_version(version + 1)
         with timer("validate"):
             stats.update(self.maybe_validate(version + 1))
-        if self.rank == 0:
-            self.log_step(version, batch, info, stats, timer, checksum)
-        return True
-
-    def log_step(
-        self,
-        version: int,
-        batch: TrainBatch,
-        info: dict[str, Any],
-        stats: dict[str, float],
-        timer: StageTimer,
-        checksum: str | None,
-    ) -> None:
         now = time.perf_counter()
         step_time, self._last_step_end = now - self._last_step_end, now
-        lengths = info["response_lengths"]
-        gen_tokens = float(batch.loss_mask.sum())
-        record = {
-            "step": version + 1,
-            "version": version + 1,
-            "time": time.time(),
-            "reward_mean": float(batch.rewards.mean()),
-            "reward_std": float(batch.rewards.std()),
-            "samples": batch.size,
-            "response_len_mean": sum(lengths) / max(len(lengths), 1),
-            **version_stats(
-                batch.versions, batch.loss_mask, version, self.cfg.replay.max_staleness
-            ),
-            "stale_dropped": info["stale_dropped"],
-            **info["traj_metrics"],
-            **info["fleet"],
-            "response_len_p50": float(np.percentile(lengths, 50)),
-            "response_len_max": float(max(lengths)),
-            "train_tokens_per_s": float(batch.attention_mask.sum()) / timer.seconds["update"],
-            "weight_sync_s": timer.seconds["broadcast_weights"],
-            **stats,
-            "step_time_s": step_time,
-            "samples_per_s": batch.size / step_time,
-            "gen_tokens_per_s": gen_tokens / step_time,
-            "learner_idle_ratio": timer.seconds["fetch_batch"] / step_time,
-            **{f"time_{k}_s": v for k, v in timer.seconds.items()},
-            "peak_rss_mb": peak_rss_mb(),
-        }
-        if checksum is not None:
-            record["weights_checksum"] = checksum
-        self.loggers.log(record, version + 1)
-        for name, start, took in timer.spans:
-            self.trace.record(name, "learner", start, took, step=version + 1)
-        if self.samples is not None:
-            self.samples.write(
-                {
-                    "step": version + 1,
-                    "learner_version": version,
-                    "traj_ids": info["traj_ids"],
-                    "group_ids": sorted(set(info["group_ids"])),
-                    "oldest_versions": [
-                        int(v) for v in oldest_versions(batch.versions, batch.loss_mask, version)
-                    ],
-                }
-            )
-
-    def save_final(self, out: Path) -> None:
-        """Write the final weights as an ordinary Hugging Face model directory (rank 0); with
-        LoRA, the merged model, and the adapter in peft's format under out/adapter."""
-        full = {name: t.cpu().clone() for name, t in iter_full_tensors(self.model)}
-        if self.rank != 0:
-            return
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        lora, adapter = self.cfg.learner.lora, None
-        if is_adapted(self.model):
-            full, adapter = merged_state(full, lora)
-        plain = AutoModelForCausalLM.from_pretrained(self.spec.model_path, dtype=torch.float32)
-        plain.load_state_dict(full)
-        plain.save_pretrained(out, safe_serialization=True)
-        AutoTokenizer.from_pretrained(self.spec.model_path).save_pretrained(out)
-        if adapter is not None:
-            save_adapter(out / "adapter", adapter, lora, self.spec.model_path)
-        log.info("final weights written to %s", out)
-
-
-def trajectory_metric_means(msg: Batch) -> dict[str, float]:
-    """Per-step means of the samples' own metrics (tool calls, turns, reward parts), as
-    `traj/<name>`; a sample without a metric does not count toward its mean."""
-    if not msg.metric_names:
-        return {}
-    values = msg.metric_values.reshape(len(msg.traj_ids), len(msg.metric_names))
-    out = {}
-    for k, name in enumerate(msg.metric_names):
-        column = values[:, k]
-        column = column[np.isfinite(column)]
-        if len(column):
-            out[f"traj/{name}"] = float(column.mean())
-    return out
+        outcome = StepOutcome(version, batch, timer, step_time, checksum)
+        self.coordinator.log(version + 1, stats, outcome)
+        return True
 
 
 def _keep_mask(result) -> torch.Tensor:
@@ -472,18 +313,23 @@ def _keep_mask(result) -> torch.Tensor:
     return result[0] if isinstance(result, tuple) else result
 
 
+def setup_learner(
+    cfg: Config, spec: RunSpec, rank: int, world: int, device: torch.device
+) -> Learner:
+    """One learner rank, wired: rank 0's coordinator is the `Leader` (the replay's client, the
+    weight sync, loggers: `learner.leader.setup_leader`), every other rank's a `Follower`."""
+    coordinator = setup_leader(cfg, spec, device) if rank == 0 else Follower()
+    return Learner(cfg, spec, rank, world, device, coordinator)
+
+
 def run_learner(spec: RunSpec, cfg: Config) -> None:
     """Entry point of one learner rank (RANK/WORLD_SIZE/MASTER_* come from the launcher)."""
     torch.set_num_threads(spec.threads)
     torch.manual_seed(cfg.trainer.seed)
-    rank, world, device = setup_distributed(cfg.learner.device)
-    learner = Learner(cfg, spec, rank, world, device)
+    learner = setup_learner(cfg, spec, *setup_distributed(cfg.learner.device))
     signal.signal(signal.SIGTERM, lambda *_: setattr(learner, "stop_requested", True))
     try:
         learner.run()
     finally:
-        if rank == 0:
-            write_json_atomic(
-                Path(spec.run_dir) / "stats" / "learner.json", {"peak_rss_mb": peak_rss_mb()}
-            )
+        learner.coordinator.close()
         dist.destroy_process_group()

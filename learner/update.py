@@ -22,18 +22,16 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig
+from asyncrl.policy_losses import POLICY_LOSSES, PolicyLossInputs
 from learner.batch import TrainBatch
 from learner.forward import layout_of, policy_forward, value_forward
 from learner.fsdp import set_gradient_sync
+from learner.kl import kl_penalty
 from learner.losses import (
     aggregate_denominator,
     aggregate_loss,
-    decoupled_ppo_token_loss,
-    gspo_token_loss,
-    importance_weights,
-    kl_penalty,
+    behaviour_weighted,
     mismatch_kl,
-    ppo_clip_token_loss,
     value_token_loss,
 )
 from learner.micro_batches import MicroBatch, plan_micro_batches
@@ -95,6 +93,7 @@ class Updater:
         self.temperature = temperature
         self.layout = layout_of(lc, device)
         self.world, self.rank, self.device = world, rank, device
+        self.policy_loss = POLICY_LOSSES[algo.policy_loss]
 
     def plan(self, batch: TrainBatch, rows: torch.Tensor) -> list[MicroBatch]:
         """This rank's micro-batches over `rows` of `batch` (`learner.micro_batches`); a
@@ -211,42 +210,37 @@ class Updater:
         return stats
 
     def _policy_loss(self, logp, idx, inputs: UpdateInputs, m):
-        """The clipped loss of `algorithm.policy_loss` with the correction `decoupled` asks for.
+        """The token loss of `algorithm.policy_loss` (`asyncrl.policy_losses`) with the
+        correction `decoupled` asks for, whatever the loss:
 
         - decoupled=false: the ratio is taken against the behaviour log-probs (the engine's), as
           in verl's bypass mode; config validation refuses is_level here (a second correction).
         - decoupled=true: the ratio is taken against the proximal log-probs and the token losses
           are weighted by behaviour -> proximal importance weights: `inputs.is_weights`
           (is_level token or sequence, truncated at is_cap), else untruncated token weights
-          (AReaL's decoupled PPO). ppo and gspo alike.
+          (AReaL's decoupled PPO; `learner.losses.behaviour_weighted`).
         """
         a = self.algo
-        adv, behaviour = inputs.advantages[idx], inputs.old_logprobs[idx]
-        if not a.decoupled:
-            if a.policy_loss == "gspo":
-                return gspo_token_loss(logp, behaviour, adv, m, a.clip_ratio_low, a.clip_ratio_high)
-            return ppo_clip_token_loss(
-                logp, behaviour, adv, m, a.clip_ratio_low, a.clip_ratio_high, a.clip_ratio_c
+        behaviour = inputs.old_logprobs[idx]
+        proximal = None
+        if a.decoupled:
+            assert inputs.proximal is not None
+            proximal = inputs.proximal[idx]
+        loss, stats = self.policy_loss(
+            PolicyLossInputs(
+                logp,
+                behaviour if proximal is None else proximal,
+                inputs.advantages[idx],
+                m,
+                a.clip_ratio_low,
+                a.clip_ratio_high,
+                a.clip_ratio_c,
             )
-        assert inputs.proximal is not None
-        proximal = inputs.proximal[idx]
-        weights = inputs.is_weights[idx] if inputs.is_weights is not None else None
-        if a.policy_loss == "gspo":
-            if weights is None:
-                weights = importance_weights(proximal, behaviour, m, "token", None)
-            loss, st = gspo_token_loss(logp, proximal, adv, m, a.clip_ratio_low, a.clip_ratio_high)
-            return loss * weights, st
-        return decoupled_ppo_token_loss(
-            logp,
-            proximal,
-            behaviour,
-            adv,
-            m,
-            a.clip_ratio_low,
-            a.clip_ratio_high,
-            a.clip_ratio_c,
-            weights,
         )
+        if proximal is None:
+            return loss, stats
+        weights = inputs.is_weights[idx] if inputs.is_weights is not None else None
+        return behaviour_weighted(loss, proximal, behaviour, m, weights), stats
 
     def _critic_step(self, batch, inputs: UpdateInputs, rows, plan: list[MicroBatch]):
         """One optimizer step of the critic on `value_token_loss`, token-mean over the rows."""

@@ -3,17 +3,15 @@ import math
 import pytest
 import torch
 
+from learner.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from learner.losses import (
     AGGREGATION_MODES,
-    AdaptiveKLController,
-    FixedKLController,
     aggregate_denominator,
     aggregate_loss,
     decoupled_ppo_token_loss,
     entropy_from_logits,
     gspo_token_loss,
     importance_weights,
-    kl_penalty,
     mismatch_kl,
     ppo_clip_token_loss,
     rejection_mask,

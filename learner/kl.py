@@ -1,0 +1,82 @@
+"""KL terms against the frozen reference policy: the per-token estimators (in the reward or as a
+loss, `algorithm.kl_penalty` / `algorithm.kl_loss_type`) and the controllers of the in-reward
+coefficient (`algorithm.kl_ctrl`). Pure tensor functions and plain state, as `learner.losses`.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+
+KL_KINDS = {
+    "kl": "kl",
+    "k1": "kl",
+    "abs": "abs",
+    "mse": "mse",
+    "k2": "mse",
+    "low_var_kl": "low_var_kl",
+    "k3": "low_var_kl",
+}
+
+
+def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) on tokens sampled from pi (Schulman's estimators),
+    not masked (multiply by the mask):
+
+        kl  / k1:          logp - ref
+        abs:               |logp - ref|
+        mse / k2:          0.5 (logp - ref)^2
+        low_var_kl / k3:   exp(ref - logp) - (ref - logp) - 1,  clamped to [-10, 10]
+
+    As in verl, ref - logp is clamped to [-20, 20] before exp in low_var_kl. Gradients flow
+    through logp (used as a loss term) and ref_logp is detached.
+    """
+    if kind not in KL_KINDS:
+        raise ValueError(f"unknown KL kind {kind!r}; valid: {', '.join(KL_KINDS)}")
+    diff = logp - ref_logp.detach()
+    canonical = KL_KINDS[kind]
+    if canonical == "kl":
+        return diff
+    if canonical == "abs":
+        return diff.abs()
+    if canonical == "mse":
+        return 0.5 * diff.square()
+    x = (-diff).clamp(-20.0, 20.0)
+    return (torch.exp(x) - x - 1.0).clamp(-10.0, 10.0)
+
+
+class KLController(Protocol):
+    """The coefficient of the KL penalty, updated once per step from the observed KL."""
+
+    value: float
+
+    def update(self, current_kl: float, n_steps: int) -> None: ...
+
+
+class FixedKLController:
+    """A constant KL coefficient; `update` leaves it unchanged."""
+
+    def __init__(self, coef: float) -> None:
+        self.value = float(coef)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """The coefficient is fixed: nothing to adapt."""
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient (Ziegler et al. 2019), steering the KL towards `target`:
+
+    e = clip(current_kl / target - 1, -0.2, 0.2),   coef <- coef (1 + e n_steps / horizon)
+    """
+
+    def __init__(self, init_coef: float, target: float, horizon: float) -> None:
+        if target <= 0 or horizon <= 0:
+            raise ValueError("AdaptiveKLController needs target > 0 and horizon > 0")
+        self.value = float(init_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon

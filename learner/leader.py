@@ -1,0 +1,211 @@
+"""Learner rank 0's coordinator: the one learner process that talks to the rest of the run.
+
+`Leader` implements `learner.coordinator.Coordinator` over components it is handed, built by
+`setup_leader`: the replay's client (batches, versions, validation jobs, the replay's part of a
+checkpoint), the weight sync's fleet (`learner.sync_fleet`), the loggers (metrics.jsonl and
+the others of `trainer.logger`), the trace, samples.jsonl (`trainer.log_samples`) and
+weights_learner.jsonl (`learner.weight_checksum`). It never trains: the SPMD stages are
+`trainer.Learner`'s, on every rank.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from asyncrl.auth import key_from_env
+from asyncrl.config import Config
+from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
+from asyncrl.loggers import MetricsLogger, setup_loggers
+from asyncrl.metrics import JsonlWriter, peak_rss_mb, write_json_atomic
+from asyncrl.protocol import Batch
+from asyncrl.replay_client import ReplayClient
+from asyncrl.run_spec import RunSpec
+from asyncrl.trace import SpanWriter
+from asyncrl.weight_sync import weights_checksum
+from learner.coordinator import StepOutcome, Weights
+from learner.sync_fleet import SyncFleet, as_sent, sent_tensors, setup_sync_fleet
+from learner.version_stats import oldest_versions, version_stats
+
+log = logging.getLogger("asyncrl.learner")
+
+
+class Leader:
+    """The coordinator of learner rank 0 (`learner.coordinator.Coordinator`)."""
+
+    def __init__(
+        self,
+        cfg: Config,
+        run_dir: Path,
+        replay: ReplayClient,
+        fleet: SyncFleet,
+        loggers: MetricsLogger,
+        trace: SpanWriter,
+        val_rows: list[dict[str, Any]],
+        samples: JsonlWriter | None,
+        weight_log: JsonlWriter | None,
+    ):
+        """`samples`: samples.jsonl, when trainer.log_samples; `weight_log`:
+        weights_learner.jsonl, when learner.weight_checksum."""
+        self.cfg, self.run_dir, self.replay, self.fleet = cfg, run_dir, replay, fleet
+        self.loggers, self.trace, self.val_rows = loggers, trace, val_rows
+        self.samples, self.weight_log = samples, weight_log
+        self._fetched: Batch | None = None  # the last batch handed over, until its step's log
+
+    def fetch_batch(self, version: int, should_stop: Callable[[], bool]) -> Batch | None:
+        """The replay's next whole groups trainable at `version`, kept for the step's log."""
+        self._fetched = self.replay.fetch_batch(
+            version, self.cfg.data.train_batch_size, should_stop=should_stop
+        )
+        return self._fetched
+
+    def deliver_weights(self, weights: Weights) -> str | None:
+        """Send to every member of the weight sync; log which members have the version and
+        its checksum (learner.weight_checksum), which is returned."""
+        hashed: list | None = [] if self.weight_log is not None else None
+        tensors = sent_tensors(weights.specs, weights.tensors, hashed)
+        members = self.fleet.broadcast(weights.specs, tensors, weights.version, weights.probe)
+        if self.weight_log is None or hashed is None:
+            return None
+        digest = weights_checksum(hashed)
+        # members: server id -> epoch of each server that acknowledged this version
+        delivered = {str(server): epoch for server, epoch in sorted(members.items())}
+        self.weight_log.write(
+            {"version": weights.version, "checksum": digest, "members": delivered}
+        )
+        return digest
+
+    def record_weights(self, weights: Weights) -> None:
+        """Log the checksum of weights the servers hold already (learner.weight_checksum)."""
+        if self.weight_log is None:  # nothing to record: only the gathers
+            for _ in weights.tensors:
+                pass
+            return
+        pairs = zip(weights.specs, weights.tensors, strict=True)
+        sent = ((name, as_sent(t, spec.dtype)) for spec, (name, t) in pairs)
+        self.weight_log.write({"version": weights.version, "checksum": weights_checksum(sent)})
+
+    def publish_version(self, version: int) -> None:
+        self.replay.publish_version(version)
+
+    def validate(self, version: int) -> dict[str, float]:
+        """The validation set as an evaluation job (leased before any training prompt, never
+        trained on), waiting for every score."""
+        dc, job = self.cfg.data, f"val-{version}-{time.time_ns()}"
+        prompts = eval_prompts(self.val_rows, dc.val_n, dc.val_temperature, job)
+        summary = run_eval_job(self.replay, prompts, job, self.cfg.trainer.val_timeout_s)
+        log.info("validation at version %d: mean score %.4f", version, summary["mean_score"])
+        return {f"val/{k}": v for k, v in summary.items()}
+
+    def log(self, version: int, metrics: dict[str, float], step: StepOutcome | None = None) -> None:
+        """A record of `version`; a step's also gets its trace spans and its samples line."""
+        if step is None:
+            self.loggers.log(
+                {"step": version, "version": version, "time": time.time(), **metrics}, version
+            )
+            return
+        assert self._fetched is not None, "a step is logged after its batch was fetched"
+        msg, trained = self._fetched, step.version
+        self.loggers.log(step_record(step, msg, metrics, self.cfg.replay.max_staleness), version)
+        for name, start, took in step.timer.spans:
+            self.trace.record(name, "learner", start, took, step=version)
+        if self.samples is not None:
+            batch = step.batch
+            self.samples.write(
+                {
+                    "step": version,
+                    "learner_version": trained,
+                    "traj_ids": msg.traj_ids,
+                    "group_ids": sorted(set(msg.group_ids)),
+                    "oldest_versions": [
+                        int(v) for v in oldest_versions(batch.versions, batch.loss_mask, trained)
+                    ],
+                }
+            )
+
+    def checkpoint(self, path: str, version: int) -> None:
+        self.replay.checkpoint(path, version)
+
+    def shutdown(self) -> None:
+        self.fleet.shutdown()
+        self.loggers.close()
+        self.trace.flush()
+
+    def close(self) -> None:
+        write_json_atomic(self.run_dir / "stats" / "learner.json", {"peak_rss_mb": peak_rss_mb()})
+
+
+def step_record(
+    step: StepOutcome, msg: Batch, metrics: dict[str, float], max_staleness: int
+) -> dict[str, Any]:
+    """One training step's record (the keys of metrics.jsonl that tools and tests read)."""
+    batch, timer, version = step.batch, step.timer, step.version
+    lengths = [int(x) for x in msg.response_offsets[1:] - msg.response_offsets[:-1]]
+    gen_tokens = float(batch.loss_mask.sum())
+    record = {
+        "step": version + 1,
+        "version": version + 1,
+        "time": time.time(),
+        "reward_mean": float(batch.rewards.mean()),
+        "reward_std": float(batch.rewards.std()),
+        "samples": batch.size,
+        "response_len_mean": sum(lengths) / max(len(lengths), 1),
+        **version_stats(batch.versions, batch.loss_mask, version, max_staleness),
+        "stale_dropped": msg.stale_dropped,
+        **trajectory_metric_means(msg),
+        **dict(msg.fleet),
+        "response_len_p50": float(np.percentile(lengths, 50)),
+        "response_len_max": float(max(lengths)),
+        "train_tokens_per_s": float(batch.attention_mask.sum()) / timer.seconds["update"],
+        "weight_sync_s": timer.seconds["broadcast_weights"],
+        **metrics,
+        "step_time_s": step.step_time_s,
+        "samples_per_s": batch.size / step.step_time_s,
+        "gen_tokens_per_s": gen_tokens / step.step_time_s,
+        "learner_idle_ratio": timer.seconds["fetch_batch"] / step.step_time_s,
+        **{f"time_{k}_s": v for k, v in timer.seconds.items()},
+        "peak_rss_mb": peak_rss_mb(),
+    }
+    if step.checksum is not None:
+        record["weights_checksum"] = step.checksum
+    return record
+
+
+def trajectory_metric_means(msg: Batch) -> dict[str, float]:
+    """Per-step means of the samples' own metrics (tool calls, turns, reward parts), as
+    `traj/<name>`; a sample without a metric does not count toward its mean."""
+    if not msg.metric_names:
+        return {}
+    values = msg.metric_values.reshape(len(msg.traj_ids), len(msg.metric_names))
+    out = {}
+    for k, name in enumerate(msg.metric_names):
+        column = values[:, k]
+        column = column[np.isfinite(column)]
+        if len(column):
+            out[f"traj/{name}"] = float(column.mean())
+    return out
+
+
+def setup_leader(cfg: Config, spec: RunSpec, device: torch.device) -> Leader:
+    """Rank 0's coordinator for a run: the replay's client (signed with the learner's key), the
+    weight sync's fleet on the sync port, the loggers, trace and logs under the run directory,
+    and the validation rows (`data.val_files`, else the task's own)."""
+    run_dir = Path(spec.run_dir)
+    replay = ReplayClient(spec.replay_address, key_from_env("learner"))
+    return Leader(
+        cfg,
+        run_dir,
+        replay,
+        setup_sync_fleet(cfg, spec, device, replay),
+        setup_loggers(cfg.trainer.logger, run_dir, cfg.model_dump(mode="json")),
+        SpanWriter(run_dir / "trace" / "learner_0.jsonl"),
+        load_eval_rows(cfg.data.val_files, cfg.data),
+        JsonlWriter(run_dir / "samples.jsonl") if cfg.trainer.log_samples else None,
+        JsonlWriter(run_dir / "weights_learner.jsonl") if cfg.learner.weight_checksum else None,
+    )

@@ -1,0 +1,83 @@
+"""Policy losses are declared once (`asyncrl.policy_losses.POLICY_LOSSES`): config validation
+and the learner's update read that declaration, so a new loss is one `@policy_loss`."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from asyncrl.config import AlgorithmConfig, ConfigError, LearnerConfig, load_config
+from asyncrl.policy_losses import POLICY_LOSSES, PolicyLossInputs, policy_loss
+from learner.losses import gspo_policy_loss, importance_weights, ppo_policy_loss
+from learner.update import UpdateInputs, Updater
+
+TOY = "toy_reinforce"
+
+
+@pytest.fixture
+def toy_loss():
+    """One declaration: REINFORCE without a ratio, l_t = -A_t logp_t, and its own stat."""
+
+    @policy_loss(TOY)
+    def toy(x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        m = (x.mask > 0).to(x.logp.dtype)
+        return -x.advantages * x.logp * m, {"clipped_tokens": torch.zeros(())}
+
+    yield
+    POLICY_LOSSES.unregister(TOY)
+
+
+def test_the_builtins_are_declared_by_path_and_resolve_to_the_learners_functions():
+    assert POLICY_LOSSES.names() == ["ppo", "gspo"]
+    assert POLICY_LOSSES["ppo"] is ppo_policy_loss
+    assert POLICY_LOSSES["gspo"] is gspo_policy_loss
+
+
+def test_config_validation_accepts_a_declared_loss_and_names_the_declared_ones(toy_loss):
+    assert load_config(None, [f"algorithm.policy_loss={TOY}"]).algorithm.policy_loss == TOY
+    message = (
+        f"algorithm.policy_loss='nope' is not a registered policy loss: ['ppo', 'gspo', '{TOY}']"
+    )
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_config(None, ["algorithm.policy_loss=nope"])
+
+
+def _updater(**algo) -> Updater:
+    config = AlgorithmConfig(**algo)
+    lc = LearnerConfig(micro_batch_size=4)
+    return Updater(None, None, config, lc, 1.0, 1, 0, torch.device("cpu"))
+
+
+def _inputs():
+    """Two rows of three tokens, one masked; the proximal policy away from the behaviour."""
+    g = torch.Generator().manual_seed(0)
+    behaviour = -torch.rand(2, 3, generator=g) - 0.5
+    proximal = behaviour + 0.3 * torch.randn(2, 3, generator=g)
+    logp = (proximal + 0.1 * torch.randn(2, 3, generator=g)).requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0, 1.0], [-2.0, -2.0, -2.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    inputs = UpdateInputs(adv, behaviour, proximal, None, None, None, None, None)
+    return logp, inputs, mask
+
+
+def test_the_update_applies_the_declared_loss(toy_loss):
+    logp, inputs, mask = _inputs()
+    got, stats = _updater(policy_loss=TOY)._policy_loss(logp, torch.arange(2), inputs, mask)
+    expected = -inputs.advantages * logp * mask  # no ratio, no clip: the toy's own formula
+    torch.testing.assert_close(got, expected)
+    (grad,) = torch.autograd.grad(got.sum(), logp)
+    torch.testing.assert_close(grad, -inputs.advantages * mask)
+    ppo, _ = _updater(policy_loss="ppo")._policy_loss(logp, torch.arange(2), inputs, mask)
+    assert not torch.allclose(got, ppo)
+    assert float(stats["clipped_tokens"]) == 0.0
+
+
+def test_decoupled_weights_a_declared_loss_as_any_other(toy_loss):
+    """With decoupled=true the update hands the loss the proximal log-probs and multiplies in
+    the untruncated behaviour -> proximal token weights, whatever the loss."""
+    logp, inputs, mask = _inputs()
+    updater = _updater(policy_loss=TOY, decoupled=True)
+    got, _ = updater._policy_loss(logp, torch.arange(2), inputs, mask)
+    assert inputs.proximal is not None
+    w = importance_weights(inputs.proximal, inputs.old_logprobs, mask, "token", None)
+    torch.testing.assert_close(got, -inputs.advantages * logp * mask * w)
