@@ -6,7 +6,8 @@
 - `fleet`: what both backends share (the `Fleet` they return, the run directory, the model,
   each process's environment, the watch loop).
 - `failures`: which process died first, and which deaths followed it (the failure report).
-- `local`: the fleets as child processes; `ray_cluster` (with `ray_actors`): as Ray actors.
+- `local`: the fleets as child processes; `ray_cluster` (with `ray_placement`, `ray_actors`
+  and `ray_connect`): as Ray actors.
 - `worker`: every fleet process's entry point, dispatching a role to its fleet.
 - `progress`: the live progress line.
 """

@@ -213,18 +213,22 @@ def cmd_model(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _add_config_args(parser: argparse.ArgumentParser) -> None:
+    """The config file and `section.key=value` overrides that launch, serve and eval take."""
+    parser.add_argument("args", nargs="*", metavar="[CONFIG] [section.key=value ...]")
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     sub = parser.add_subparsers(dest="command", required=True)
-    cfg_args = {"nargs": "*", "metavar": "[CONFIG] [section.key=value ...]"}
     p = sub.add_parser("launch", help="train: start the replay, rollout servers and learner")
-    p.add_argument("args", **cfg_args)
+    _add_config_args(p)
     p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
     p.set_defaults(func=cmd_launch)
     p = sub.add_parser("serve", help="start only the replay and rollout servers (no training)")
-    p.add_argument("args", **cfg_args)
+    _add_config_args(p)
     p.set_defaults(func=cmd_serve)
     p = sub.add_parser("eval", help="score a dataset with the rollout servers (mean, pass@k)")
     p.add_argument("--data", nargs="+", required=True, help="parquet file(s) in the verl schema")
@@ -234,7 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--n", type=int, default=0, help="samples per prompt (default data.val_n)")
     p.add_argument("--temperature", type=float, help="default data.val_temperature")
     p.add_argument("--output", default="eval_results.json", help="where to save the summary")
-    p.add_argument("args", **cfg_args)
+    _add_config_args(p)
     p.set_defaults(func=cmd_eval)
     p = sub.add_parser(
         "plot", help="PNG figures and a Chrome trace of a run directory", add_help=False

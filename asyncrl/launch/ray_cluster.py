@@ -5,16 +5,9 @@ Ray schedules; it carries neither trajectories nor weights. Every fleet process 
 (`asyncrl.launch.worker.run_process`) on its main thread, so the data plane is ZeroMQ and
 torch.distributed exactly as under `launch.backend=local`.
 
-Placement (what `start_ray_fleets` asks Ray for):
-- `launch.allow_remote=false` (the default, loopback sockets): one STRICT_PACK placement group
-  with a bundle per rollout server (`launch.ray.server_num_cpus/gpus`) and per learner rank
-  (`launch.ray.learner_num_cpus/gpus`): the whole fleet on one node, every address
-  `launch.host`.
-- `launch.allow_remote=true`: the learner ranks in one placement group
-  (`launch.ray.learner_strategy`), the servers in another (PACK), and every service bound to
-  the IP address of its node as Ray reports it.
-The replay needs no reserved resources: it runs with 0 CPUs next to the first bundle (learner
-rank 0's when training, else server 0's).
+Placement (what `start_ray_fleets` asks Ray for) is `asyncrl.launch.ray_placement`: one
+STRICT_PACK placement group on loopback, two groups (learner ranks, servers) with
+`launch.allow_remote=true`; the replay reserves nothing and shares the first bundle.
 
 `start_ray_fleets` runs as stages: `plan_seats` (who reserves what), `connect` (an existing
 cluster, or a local one for the run), `place` (placement groups), `create_actor` and
@@ -37,8 +30,8 @@ bundle and runs the server role in it with its epoch in the environment.
 Stopping (at the end, on Ctrl-C, on a failure): SIGTERM to each running actor's process (by a
 zero-CPU task pinned to its node), so roles stop as they do locally and write their stats;
 after a grace period `ray.kill` for every actor (no interpreter teardown, see
-`asyncrl.launch.worker.exit_now`); the placement groups are removed; a local cluster started for the
-run is shut down.
+`asyncrl.launch.worker.exit_now`); the placement groups are removed; a local cluster started
+for the run is shut down.
 """
 
 from __future__ import annotations
@@ -53,10 +46,8 @@ from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
-from ray.util.scheduling_strategies import (
-    PlacementGroupSchedulingStrategy,
-)
+from ray.util.placement_group import PlacementGroup, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncrl.config import Config
 from asyncrl.launch.failures import Ending, death_order, log_written_at
@@ -78,51 +69,16 @@ from asyncrl.launch.ray_actors import (
     signal_processes,
 )
 from asyncrl.launch.ray_connect import connect
+from asyncrl.launch.ray_placement import Seat, Slot, place, plan_seats, reserved, spec_for_seat
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
 from asyncrl.transport import tcp_address
 
 
-@dataclass(frozen=True)
-class Seat:
-    """One fleet process as the launcher plans it, before Ray places it."""
-
-    name: str  # replay, server_<i>, learner_<rank>
-    role: str  # replay | server | learner
-    index: int  # server index or learner rank
-    bundle: dict[str, float]  # what it reserves ({} for the replay, which reserves nothing)
-
-
-def plan_seats(cfg: Config, with_learner: bool) -> list[Seat]:
-    """The replay, the servers and (when training) the learner ranks, with their bundles."""
-    rc = cfg.launch.ray
-    server = _bundle("server", rc.server_num_cpus, rc.server_num_gpus)
-    seats = [Seat("replay", "replay", 0, {})]
-    seats += [Seat(f"server_{i}", "server", i, server) for i in range(cfg.rollout.num_servers)]
-    if with_learner:
-        learner = _bundle("learner", rc.learner_num_cpus, rc.learner_num_gpus)
-        seats += [
-            Seat(f"learner_{r}", "learner", r, learner) for r in range(cfg.learner.world_size)
-        ]
-    return seats
-
-
-def _bundle(role: str, num_cpus: float, num_gpus: float) -> dict[str, float]:
-    bundle = {k: v for k, v in (("CPU", num_cpus), ("GPU", num_gpus)) if v > 0}
-    if not bundle:
-        raise LaunchError(
-            f"launch.ray.{role}_num_cpus and launch.ray.{role}_num_gpus are both 0: a "
-            "placement-group bundle must reserve something"
-        )
-    return bundle
-
-
-def _reserved(seats: list[Seat]) -> dict[str, float]:
-    return {k: sum(s.bundle.get(k, 0) for s in seats) for k in ("CPU", "GPU")}
-
-
 @dataclass
 class RayMember:
+    """One fleet process as Ray runs it: its actor, where it runs, and how its role ended."""
+
     seat: Seat
     actor: Any  # the FleetProcess handle
     log_path: Path  # on the actor's node
@@ -199,7 +155,7 @@ class RayFleet:
     cfg: Config
     members: list[RayMember] = field(default_factory=list)
     placement_groups: list[PlacementGroup] = field(default_factory=list)
-    slots: dict[str, tuple[PlacementGroup, int]] = field(default_factory=dict)  # by seat name
+    slots: dict[str, Slot] = field(default_factory=dict)  # by seat name
     stopped: bool = False
     checks: int = 0  # how many times every member's run has been polled
 
@@ -221,7 +177,7 @@ class RayFleet:
         create_actor(self, seat, slot, self.cfg)
         m = self.members[-1]
         m.locating = m.actor.locate.remote()
-        spec, env = _spec_for(self.spec, self.cfg, seat), server_env(self.cfg, epoch)
+        spec, env = spec_for_seat(self.spec, self.cfg, seat), server_env(self.cfg, epoch)
         m.running = m.actor.run.remote("server", spec, self.cfg, index, env)
 
     def server_health(self) -> list[ServerHealth] | None:
@@ -319,10 +275,10 @@ def start_ray_fleets(
         learner_master_port=0,
         threads=1,
     )
-    owns = connect(cfg.launch.ray, _reserved(seats), loopback=not cfg.launch.allow_remote)
+    owns = connect(cfg.launch.ray, reserved(seats), loopback=not cfg.launch.allow_remote)
     fleet = RayFleet(spec, owns_connection=owns, cfg=cfg)
     try:
-        slots = fleet.slots = place(fleet, seats, cfg)
+        slots = fleet.slots = place(seats, cfg, fleet.placement_groups)
         for seat in seats:
             create_actor(fleet, seat, slots[seat.name], cfg)
         locate_actors(fleet, cfg.launch.startup_timeout_s)
@@ -339,55 +295,7 @@ def start_ray_fleets(
     return fleet
 
 
-def place(fleet: RayFleet, seats: list[Seat], cfg: Config) -> dict[str, tuple[PlacementGroup, int]]:
-    """Create the placement groups and wait until Ray has placed them; returns each seat's
-    (group, bundle index). Loopback addresses need one node: one STRICT_PACK group. Otherwise
-    the learner ranks get a group of their own (launch.ray.learner_strategy)."""
-    servers = [s for s in seats if s.role == "server"]
-    learners = [s for s in seats if s.role == "learner"]
-    if cfg.launch.allow_remote:
-        groups = [(servers, "PACK"), (learners, cfg.launch.ray.learner_strategy)]
-    else:
-        groups = [(servers + learners, "STRICT_PACK")]
-    slots: dict[str, tuple[PlacementGroup, int]] = {}
-    for members, strategy in groups:
-        if members:
-            pg = placement_group([s.bundle for s in members], strategy=strategy)
-            fleet.placement_groups.append(pg)
-            slots |= {s.name: (pg, i) for i, s in enumerate(members)}
-    slots["replay"] = slots[(learners or servers)[0].name]  # shares a bundle, reserves nothing
-    _wait_placed(fleet.placement_groups, _reserved(seats), cfg)
-    return slots
-
-
-def _wait_placed(groups: list[PlacementGroup], reserved: dict, cfg: Config) -> None:
-    timeout_s = cfg.launch.startup_timeout_s
-    refs = [pg.ready() for pg in groups]
-    ready, _ = ray.wait(refs, num_returns=len(refs), timeout=timeout_s)
-    if len(ready) < len(refs):
-        one_node = (
-            ""
-            if cfg.launch.allow_remote
-            else "; with loopback addresses the whole fleet must fit on one node "
-            "(launch.allow_remote=true lets it spread)"
-        )
-        raise LaunchError(
-            f"Ray could not place the fleet within {timeout_s:.0f}s: it reserves {reserved}, "
-            f"the cluster has {ray.cluster_resources()} (launch.ray.*_num_cpus/_num_gpus)"
-            + one_node
-        )
-
-
-def _spec_for(spec: RunSpec, cfg: Config, seat: Seat) -> RunSpec:
-    """The spec one actor gets: torch threads = launch.threads_per_process, or the CPUs its
-    bundle reserves (at least 1)."""
-    threads = cfg.launch.threads_per_process or max(1, int(seat.bundle.get("CPU", 0)))
-    return replace(spec, threads=threads)
-
-
-def create_actor(
-    fleet: RayFleet, seat: Seat, slot: tuple[PlacementGroup, int], cfg: Config
-) -> None:
+def create_actor(fleet: RayFleet, seat: Seat, slot: Slot, cfg: Config) -> None:
     """Create (not yet run) the actor of one seat in its placement-group bundle."""
     pg, index = slot
     log_path = Path(fleet.spec.run_dir) / "logs" / f"{seat.name}.log"
@@ -397,7 +305,7 @@ def create_actor(
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=index
         ),
-        runtime_env={"env_vars": process_env(_spec_for(fleet.spec, cfg, seat), seat.name)},
+        runtime_env={"env_vars": process_env(spec_for_seat(fleet.spec, cfg, seat), seat.name)},
     ).remote(str(log_path), os.getcwd())
     fleet.members.append(RayMember(seat, actor, log_path))
 
@@ -466,4 +374,6 @@ def run_roles(fleet: RayFleet, cfg: Config) -> None:
             m.essential_until_end = False  # learner ranks finishing (code 0) ends the run
         if seat.role == "server":
             env = server_env(cfg, epoch=0)
-        m.running = m.actor.run.remote(seat.role, _spec_for(spec, cfg, seat), cfg, seat.index, env)
+        m.running = m.actor.run.remote(
+            seat.role, spec_for_seat(spec, cfg, seat), cfg, seat.index, env
+        )

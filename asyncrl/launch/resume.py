@@ -28,6 +28,7 @@ Records that are timelines, not steps, keep the dead attempt's events, as they h
 
 from __future__ import annotations
 
+import functools
 import json
 import shlex
 import shutil
@@ -108,7 +109,7 @@ def rewind_records(run_dir: Path, point: RestartPoint) -> dict[str, int]:
     for log in STEP_LOGS:
         path = run_dir / log.name
         if path.is_file():
-            dropped[log.name] = rewind_jsonl(path, lambda r, log=log: kept(r, log, point))
+            dropped[log.name] = rewind_jsonl(path, functools.partial(kept, log=log, point=point))
     for partial in (run_dir / "checkpoints").glob("step_*.partial"):  # never resumed from
         shutil.rmtree(partial)
     return dropped
