@@ -1,15 +1,18 @@
 """The replay fleet: one service between the rollout servers and the learner.
 
-Components (one module each), wired by `service.ReplayService` in one single-threaded loop:
+Components (one module each), built by `components.setup_replay_components` and driven by
+`service.ReplayService` in one single-threaded loop:
 - `prompts`: a `PromptSource` of verl-schema rows, turned into prompt leases (`PromptItem`).
 - `admission`: `AdmissionController`, how many leases a server at version s may start now
   (staleness rule, capacity back-pressure, and a fair share of the window while several
   servers ask).
 - `leases`: `LeaseDesk`, what one grant holds (evaluation prompts first, then training prompts,
   expired leases re-issued first) and the prompt stream's position for resume.
-- `buffer`: `GroupBuffer`, the samples of each lease kept together, deduplicated, and handed to
-  the learner as whole groups no older than `replay.max_staleness` versions.
+- `buffer`: `GroupBuffer`, the samples of each lease kept together and deduplicated.
+- `batches`: `BatchDesk`, the buffer's ready groups handed to the learner as whole groups no
+  older than `replay.max_staleness` versions.
 - `eval_jobs`: evaluation prompts, leased before training ones, and their scores.
+<<<<<<< HEAD
 - `health`: `FleetHealth`, which servers are alive (heartbeats, epochs, deaths by silence).
 - `fleet_stats`: what the replay tells the learner about the servers per batch.
 - `access`: who may send which message (`PERMISSIONS`), and where a checkpoint may be written.
@@ -19,4 +22,18 @@ Components (one module each), wired by `service.ReplayService` in one single-thr
 - `counters`: the counters it reports and logs.
 - `service`: the loop that answers (or holds) each request, and `run_replay`, the process entry
   point.
+=======
+- `health`: `FleetHealth`, which server epochs are alive (heartbeats, silence, the learner's
+  word).
+- `fleet_stats`: what the replay tells the learner about the servers per batch.
+- `access`: `AccessRules`, who signed a message, whether its role may send it, where a
+  checkpoint may be written; `endpoint` applies them to every message on the socket.
+- `held`: requests not answerable yet, one typed queue per kind, answered when an event that
+  may free them is counted.
+- `checkpoint`: the replay's part of a checkpoint.
+- `counters`: the counters it reports and logs.
+- `components`: the components above as one typed set, and `setup_replay_components`.
+- `service`: the ZeroMQ ROUTER loop, `setup_replay_service`, and `run_replay`, the process
+  entry point.
+>>>>>>> wp-replay
 """

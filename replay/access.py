@@ -4,15 +4,19 @@ Every message reaches the replay preceded by an authentication frame (`asyncrl.a
 kind of role whose key signed it decides which message types it may send (`PERMISSIONS`), and
 a server (`server_<i>`) speaks only for itself: the server_id of its leases and samples must be
 i, and a sample only fills a group leased to it (`replay.buffer`). A checkpoint
-is written only inside the run directory. Per-peer quotas (leases, evaluation jobs) live with
-the state they bound: `ReplayService._lease_quota` and `EvalJobs`.
+is written only inside the run directory. `AccessRules` holds these rules for one run (its
+keyring and run directory); `replay.endpoint` applies them to every message. Per-peer quotas
+(leases, evaluation jobs) live with the state they bound: `LeaseDesk.wanted` and `EvalJobs`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+from asyncrl.auth import Keyring, RoleKey, role_kind, server_index
 from asyncrl.protocol import (
     BatchRequest,
     CheckpointRequest,
@@ -58,12 +62,40 @@ class Peer:
     role: str | None
 
 
-def confine(path: str, run_dir: Path | None) -> Path:
-    """`path` resolved (symlinks followed), if it lies inside `run_dir`; ValueError if not."""
-    if run_dir is None:
-        raise ValueError("this replay has no run directory: it writes no checkpoints")
-    root = run_dir.resolve()
-    target = (root / path).resolve()
-    if target == root or not target.is_relative_to(root):
-        raise ValueError(f"checkpoint path {path[:200]!r} is outside the run directory {root}")
-    return target
+class AccessRules:
+    """The access rules of one run: which role signed a message (its keyring), whether that
+    role may send it, and where checkpoints may be written (inside `run_dir`; None: nowhere)."""
+
+    def __init__(self, secret: bytes, num_servers: int, run_dir: Path | None) -> None:
+        self.keyring = Keyring(secret, num_servers)
+        self.run_dir = run_dir
+
+    def authenticate(self, auth_frame: bytes, frames: Sequence[bytes | memoryview]) -> str:
+        """The role whose key signed `frames`; AuthError if none did."""
+        return self.keyring.verify(auth_frame, frames)
+
+    def key(self, role: str) -> RoleKey:
+        """The key a reply to `role` is signed with."""
+        return self.keyring.key(role)
+
+    def forbidden(self, role: str, msg: Any) -> str:
+        """Why `role` may not send `msg` ("" when it may): its role kind may not send that
+        type (`PERMISSIONS`), or a server speaks for another server."""
+        kind = role_kind(role)
+        if type(msg) not in PERMISSIONS[kind]:
+            return f"a {kind} may not send {type(msg).TYPE!r}"
+        index = server_index(role)
+        if index is not None and getattr(msg, "server_id", index) != index:
+            return f"{role} may not speak for server {msg.server_id}"
+        return ""
+
+    def checkpoint_path(self, path: str) -> Path:
+        """Where a checkpoint asked for as `path` is written: `path` resolved (symlinks
+        followed), if it lies inside the run directory; ValueError if not."""
+        if self.run_dir is None:
+            raise ValueError("this replay has no run directory: it writes no checkpoints")
+        root = self.run_dir.resolve()
+        target = (root / path).resolve()
+        if target == root or not target.is_relative_to(root):
+            raise ValueError(f"checkpoint path {path[:200]!r} is outside the run directory {root}")
+        return target

@@ -60,7 +60,8 @@ a server may hold at most its fair share in flight:
    (S + 1) * B - held). A share waits unused only for an asking server too old to use it,
    until its engine moves on (item 4).
 
-Counting asking servers is the caller's (`replay.service`); this class only applies the share.
+Counting asking servers is the caller's (`replay.held.HeldLeases.asking`); this class only
+applies the share.
 
 Invariant kept by the caller: `issued == groups trained (consumed) + groups held` (in flight
 plus ready), because every lease is either consumed, or reported with `on_never_trained`.

@@ -9,7 +9,7 @@ exactly one outcome:
     rejected_unauthenticated   no valid authentication frame (`asyncrl.auth`); answered with
                                an unsigned Error and nothing else
     rejected_unexpected        a type this endpoint does not accept
-    rejected_forbidden         its role may not send it (`replay.access.PERMISSIONS`), or it
+    rejected_forbidden         its role may not send it (`replay.access.AccessRules`), or it
                                asks for something outside the run (a checkpoint path)
     rejected_invalid           it decoded but cannot be done (an unknown job, an untrainable
                                trajectory, ...); set by the handler through `_reject`
@@ -32,11 +32,11 @@ from typing import Any
 
 import zmq
 
-from asyncrl.auth import AuthError, Keyring, role_kind, server_index
+from asyncrl.auth import AuthError
 from asyncrl.codec import ProtocolError, encode
 from asyncrl.protocol import Error
 from asyncrl.transport import decode_frames, send_msg, setup_socket
-from replay.access import PERMISSIONS, Peer
+from replay.access import AccessRules, Peer
 from replay.counters import OUTCOMES
 
 log = logging.getLogger("asyncrl.replay")
@@ -53,13 +53,12 @@ class Endpoint:
     def __init__(
         self,
         address: str,
-        secret: bytes,
-        num_servers: int,
+        access: AccessRules,
         max_bytes: int,
         allow_remote: bool,
-        counters: Counter,
+        counters: Counter[str],
     ) -> None:
-        self.keyring = Keyring(secret, num_servers)
+        self.access = access
         self.max_bytes = max_bytes
         self.counters = counters
         self._handlers: dict[type, Callable[[Peer, Any], None]] = {}
@@ -113,7 +112,7 @@ class Endpoint:
             self._reject(peer, "rejected_oversized", reason)
             return
         try:
-            role = self.keyring.verify(body[0].bytes, [f.buffer for f in body[1:]])
+            role = self.access.authenticate(body[0].bytes, [f.buffer for f in body[1:]])
         except AuthError as e:
             self._reject(peer, "rejected_unauthenticated", f"not authenticated: {e}")
             return
@@ -127,12 +126,7 @@ class Endpoint:
         handler = self._handlers.get(type(msg))
         if handler is None:
             self._reject(peer, "rejected_unexpected", f"the replay does not accept {kind!r}")
-        elif type(msg) not in PERMISSIONS[role_kind(role)]:
-            self._reject(peer, "rejected_forbidden", f"a {role_kind(role)} may not send {kind!r}")
-        elif (index := server_index(role)) is not None and getattr(
-            msg, "server_id", index
-        ) != index:
-            reason = f"{role} may not speak for server {msg.server_id}"
+        elif reason := self.access.forbidden(role, msg):
             self._reject(peer, "rejected_forbidden", reason)
         else:
             handler(peer, msg)
@@ -142,7 +136,7 @@ class Endpoint:
         if peer.role is None:
             self._sock.send_multipart([peer.identity, b"", *encode(msg)], copy=False)
         else:
-            send_msg(self._sock, msg, peer.identity, auth=self.keyring.key(peer.role))
+            send_msg(self._sock, msg, peer.identity, auth=self.access.key(peer.role))
 
     def _reject(self, peer: Peer, counter: str, reason: str, reply: bool = True) -> None:
         reason = reason if len(reason) <= 500 else reason[:500] + "..."  # it echoes sender input

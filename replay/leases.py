@@ -11,8 +11,9 @@ The desk also takes and restores the replay's state for a checkpoint (`data_stat
 the format in `replay.checkpoint`), and measures how a batch's groups spread over the servers
 (`lease_spread`, part of each batch's fleet metrics).
 
-Wiring: `replay.service.ReplayService` builds one desk over its buffer, evaluation jobs and
-counters, and tells it how many servers are asking with every grant.
+Wiring: `replay.components.setup_replay_components` builds one desk over the prompt source,
+buffer, evaluation jobs and counters; the service grants through it, and its held lease requests
+(`replay.held.HeldLeases`) tell it how many servers are asking with every grant.
 """
 
 from __future__ import annotations

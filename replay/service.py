@@ -1,10 +1,24 @@
 """The replay service: one process, one ZeroMQ ROUTER, one single-threaded poll loop.
 
-Wiring: a `LeaseDesk` grants leases (prompts from a `PromptSource`, as many as an
-`AdmissionController` allows), a `GroupBuffer` holds the groups until the learner takes them.
-Requests are answered at once when they can be; otherwise they are held and answered as soon as
-something changes (a group completes, the learner moves on or consumes, a group is dropped), or
-answered empty after `replay.wait_timeout_s` so clients simply ask again.
+Components (`replay.components`, built by `setup_replay_components`; `setup_replay_service`
+hands them to a `ReplayService`, whose loop drives them):
+- access rules (`replay.access`): who signed a message, whether its role may send it, where a
+  checkpoint may be written. The service is an `replay.endpoint.Endpoint`, which applies them.
+- lease desk (`replay.leases`): grants leases, prompts from a `PromptSource` (`replay.prompts`),
+  as many as its `AdmissionController` allows (`replay.admission`), evaluation prompts first.
+- buffer (`replay.buffer`): holds each lease's samples until the learner takes its group.
+- batch desk (`replay.batches`): batches out of the buffer, too-stale groups dropped first.
+- evaluation jobs (`replay.eval_jobs`): evaluation prompts and their scores.
+- health (`replay.health`): which server epochs are alive; a dead epoch's leases are re-issued.
+- fleet stats (`replay.fleet_stats`): the servers' counters, told to the learner per batch.
+- held requests (`replay.held`, built by the service over its socket): a lease or batch request
+  is answered at once when it can be; otherwise held, one queue per kind, and answered as soon
+  as something changes (a group completes, the learner moves on or consumes, a group is
+  dropped: `replay.held.Changes` sees one of the counters of those events move), or answered
+  empty after `replay.wait_timeout_s` so clients simply ask again.
+
+One tick (`poll_once`): handle the messages that arrived, expire leases and silent servers,
+answer the held requests if something changed, then those whose wait is over.
 
 Messages (see `asyncrl.protocol`):
 - LeaseRequest -> LeaseGrant: admission judges a server by the version its engine holds (the
@@ -34,14 +48,11 @@ exactly one outcome counter, and nothing a peer sends stops the loop (`replay.en
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import math
 import signal
 import threading
 import time
-from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
@@ -61,7 +72,6 @@ from asyncrl.protocol import (
     EvalSubmit,
     GroupFailed,
     Heartbeat,
-    LeaseGrant,
     LeaseRequest,
     Stats,
     StatsRequest,
@@ -69,16 +79,15 @@ from asyncrl.protocol import (
     Trajectory,
     VersionUpdate,
 )
-from replay.access import Peer, confine
-from replay.buffer import GroupBuffer, MalformedTrajectory, TokenLimits, check_trajectory, to_batch
+from replay.access import Peer
+from replay.buffer import MalformedTrajectory, check_trajectory
 from replay.checkpoint import ReplayState, read_state, write_state
-from replay.counters import COUNTERS, summarize
+from replay.components import ReplayComponents, setup_replay_components
+from replay.counters import summarize
 from replay.endpoint import Endpoint
-from replay.eval_jobs import EvalJobs, EvalQuotaExceeded
-from replay.fleet_stats import FleetStats
-from replay.health import FleetHealth
-from replay.leases import LeaseDesk, lease_spread
-from replay.prompts import PromptSource, setup_prompt_source
+from replay.eval_jobs import EvalQuotaExceeded
+from replay.held import Changes, HeldBatches, HeldLeases
+from replay.prompts import PromptSource
 
 log = logging.getLogger("asyncrl.replay")
 
@@ -89,57 +98,26 @@ _EVAL_COUNTERS = {"accepted": "eval_samples"}
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-@dataclass
-class _Held:
-    """A request that could not be answered yet."""
-
-    peer: Peer
-    request: LeaseRequest | BatchRequest
-    deadline: float  # monotonic time of the empty answer
-    stale_dropped: int = 0  # batch requests: groups dropped as stale while it waited
-
-
 class ReplayService(Endpoint):
     """The replay's main loop over an authenticated ROUTER socket (see the module docstring)."""
 
-    def __init__(
-        self,
-        cfg: Config,
-        address: str,
-        prompts: PromptSource,
-        secret: bytes,
-        run_dir: str | Path | None = None,
-        limits: TokenLimits | None = None,
-    ) -> None:
-        """`secret`: the run secret every peer's key derives from; `run_dir`: where checkpoint
-        files may be written (None: nowhere); `limits`: the model's vocabulary and context,
-        checked on every sample."""
-        rc = cfg.replay  # (Config checks that capacity_groups holds a batch)
-        super().__init__(
-            address,
-            secret,
-            cfg.rollout.num_servers,
-            int(rc.max_message_mb * 2**20),
-            cfg.launch.allow_remote,
-            Counter(dict.fromkeys(COUNTERS, 0)),
-        )
+    def __init__(self, cfg: Config, address: str, parts: ReplayComponents) -> None:
+        """Bind `address` and drive `parts` (`setup_replay_components`)."""
+        rc = cfg.replay
+        max_bytes = int(rc.max_message_mb * 2**20)
+        super().__init__(address, parts.access, max_bytes, cfg.launch.allow_remote, parts.counters)
         self.cfg = cfg
         self.address = address
-        self.run_dir = None if run_dir is None else Path(run_dir)
-        self.buffer = GroupBuffer(
-            seen_ids_limit=max(1 << 16, 16 * rc.capacity_groups * cfg.rollout.n), limits=limits
-        )
-        self.eval_jobs = EvalJobs(forget_after_s=rc.lease_timeout_s)
-        failed_log = None if self.run_dir is None else self.run_dir / "failed_groups.jsonl"
-        self.leases = LeaseDesk(
-            cfg, prompts, self.buffer, self.eval_jobs, self.counters, failed_log
-        )
-        self.admission = self.leases.admission
-        self.health = FleetHealth(cfg.launch.server_timeout_s, self.counters)
+        self.buffer = parts.buffer
+        self.eval_jobs = parts.eval_jobs
+        self.leases = parts.leases
+        self.batches = parts.batches
+        self.health = parts.health
+        self.fleet = parts.fleet
         self.learner_version = 0
-        self._held_leases: list[_Held] = []
-        self._held_batches: list[_Held] = []
-        self._changed = False  # something happened that may let a held request be answered
+        self.held_leases = HeldLeases(self._send, self.counters, rc.wait_timeout_s)
+        self.held_batches = HeldBatches(self._send, self.counters, rc.wait_timeout_s)
+        self._changes = Changes(self.counters)
         self._next_expire_at = 0.0
         self._handlers = {
             LeaseRequest: self._on_lease_request,
@@ -155,8 +133,6 @@ class ReplayService(Endpoint):
             EvalPoll: self._on_eval_poll,
             CheckpointRequest: self._on_checkpoint,
         }
-        # per server: (engine busy s, weight-apply pause s, uptime s), latest and at last batch
-        self.fleet = FleetStats()
         log.info(
             "replay listening on %s (max_staleness=%d, groups/batch=%d, capacity=%d groups)",
             address,
@@ -184,16 +160,15 @@ class ReplayService(Endpoint):
                 self._handle(frames)
         now = time.monotonic()
         self._maybe_expire(now)
-        if self._changed:
-            self._changed = False
-            self._answer_held()
-        self._answer_timed_out(now)
+        if self._changes.since_last_look():  # batches first: consuming frees capacity
+            self.held_batches.answer(self.batches)
+            self.held_leases.answer(self.leases)
+        self.held_batches.time_out(now)
+        self.held_leases.time_out(now)
 
     def _poll_timeout(self) -> float:
-        deadlines = [h.deadline for h in self._held_leases + self._held_batches]
-        if not deadlines:
-            return POLL_INTERVAL_S
-        return min(POLL_INTERVAL_S, max(0.0, min(deadlines) - time.monotonic()))
+        due = min(self.held_leases.earliest_deadline(), self.held_batches.earliest_deadline())
+        return min(POLL_INTERVAL_S, max(0.0, due - time.monotonic()))
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges (see `Stats`)."""
@@ -201,9 +176,9 @@ class ReplayService(Endpoint):
             **{k: float(v) for k, v in self.counters.items()},
             "groups_ready": float(self.buffer.num_ready),
             "groups_in_flight": float(self.buffer.num_in_flight),
-            "groups_issued": float(self.admission.issued),
-            "held_lease_requests": float(len(self._held_leases)),
-            "held_batch_requests": float(len(self._held_batches)),
+            "groups_issued": float(self.leases.admission.issued),
+            "held_lease_requests": float(len(self.held_leases)),
+            "held_batch_requests": float(len(self.held_batches)),
             "learner_version": float(self.learner_version),
             "eval_jobs_freed": float(self.eval_jobs.freed),
             "servers_forgotten": float(self.fleet.forgotten),
@@ -211,28 +186,27 @@ class ReplayService(Endpoint):
             "peak_rss_mb": peak_rss_mb(),
         }
 
-    def close(self) -> None:
+    def restore(self, state: ReplayState) -> None:
+        """Resume from `LeaseDesk.data_state`, before any lease is granted: ready groups are
+        trained, not generated again; incomplete leases are leased again first."""
+        self.learner_version = self.leases.restore(state)
+
+    def close(self, linger_ms: int = 100) -> None:
         """Answer every held request empty (so no client waits for nothing) and close, giving
-        those answers at most 100 ms to leave."""
-        for held in self._held_leases + self._held_batches:
-            self._answer_empty(held)
-        self._held_leases, self._held_batches = [], []
-        super().close(linger_ms=100)
+        those answers at most `linger_ms` to leave."""
+        self.held_leases.close()
+        self.held_batches.close()
+        super().close(linger_ms)
 
     # ---- one message ------------------------------------------------------------------------
     def _on_lease_request(self, peer: Peer, req: LeaseRequest) -> None:
+        now = time.monotonic()
         self.counters["lease_requests"] += 1
-        self.health.touch(req.server_id, time.monotonic())
-        self.fleet.report(
-            req.server_id, req.engine_busy_s, req.weight_apply_s, req.uptime_s, time.monotonic()
-        )
+        self.health.touch(req.server_id, now)
+        self.fleet.report(req.server_id, req.engine_busy_s, req.weight_apply_s, req.uptime_s, now)
         # a newer request from the same server carries its current version and free slots
-        self._held_leases = self._supersede(self._held_leases, peer, req.server_id)
-        prompts = self.leases.grant(req, 1 + self._asking())
-        if prompts or req.max_groups == 0:
-            self._send(peer, LeaseGrant(req.request_id, prompts))
-        else:
-            self._hold(self._held_leases, peer, req)
+        self.held_leases.supersede(req.server_id, peer.identity)
+        self.held_leases.grant_or_hold(peer, req, self.leases, now)
 
     def _on_trajectory(self, peer: Peer, traj: Trajectory) -> None:
         self.health.touch(traj.server_id, time.monotonic())
@@ -265,7 +239,6 @@ class ReplayService(Endpoint):
         except (MalformedTrajectory, ProtocolError) as e:
             self.counters["untrainable"] += 1
             return "rejected", f"trajectory {short_repr(traj.traj_id)}: {e}"
-        self._changed |= status == "accepted"
         return status, ""
 
     def _on_batch_request(self, peer: Peer, req: BatchRequest) -> None:
@@ -277,10 +250,8 @@ class ReplayService(Endpoint):
             self._reject(peer, "rejected_invalid", reason)
             return
         self.counters["batch_requests"] += 1
-        self._held_batches = self._supersede(self._held_batches, peer)
-        held = _Held(peer, req, time.monotonic() + self.cfg.replay.wait_timeout_s)
-        if not self._maybe_serve_batch(held):
-            self._held_batches.append(held)
+        self.held_batches.supersede(peer.identity)
+        self.held_batches.serve_or_hold(peer, req, self.batches, time.monotonic())
 
     def _on_version_update(self, peer: Peer, msg: VersionUpdate) -> None:
         if msg.version < self.learner_version:
@@ -289,7 +260,6 @@ class ReplayService(Endpoint):
             )
         self.learner_version = msg.version
         self.counters["version_updates"] += 1
-        self._changed = True
         self._send(peer, Ack(request_id=msg.request_id, traj_id="", status="ok"))
 
     def _on_eval_submit(self, peer: Peer, msg: EvalSubmit) -> None:
@@ -301,8 +271,7 @@ class ReplayService(Endpoint):
         except ValueError as e:
             self._reject(peer, "rejected_invalid", str(e))
             return
-        self.counters["eval_jobs"] += 1
-        self._changed = True  # held lease requests can now be answered with these prompts
+        self.counters["eval_jobs"] += 1  # held lease requests can now be granted these prompts
         self._send(peer, Ack(request_id=msg.request_id, traj_id="", status="ok"))
 
     def _on_eval_poll(self, peer: Peer, msg: EvalPoll) -> None:
@@ -316,7 +285,7 @@ class ReplayService(Endpoint):
 
     def _on_checkpoint(self, peer: Peer, msg: CheckpointRequest) -> None:
         try:
-            path = confine(msg.path, self.run_dir)
+            path = self.access.checkpoint_path(msg.path)
         except ValueError as e:
             self._reject(peer, "rejected_forbidden", str(e))
             return
@@ -356,31 +325,16 @@ class ReplayService(Endpoint):
     def _on_group_failed(self, peer: Peer, msg: GroupFailed) -> None:
         self.health.touch(msg.server_id, time.monotonic())
         outcome = self.leases.fail(msg.server_id, msg.group_id, msg.error)
-        self._changed |= outcome != "late"  # a lease slot (and capacity) was freed
         self._send(peer, Ack(msg.request_id, "", "late" if outcome == "late" else "ok"))
 
+    # ---- timers and dead servers ------------------------------------------------------------
     def _take_back(self, server_id: int, why: str) -> None:
         """A dead or replaced epoch: its incomplete leases are re-issued, and a lease request
         of it still held is answered empty."""
         self.leases.reissue_server(server_id, why)
         self.eval_jobs.reissue_server(server_id)  # validation prompts too
         self.fleet.forget(server_id)  # a new epoch's counters start from 0
-        self._held_leases = self._supersede(self._held_leases, Peer(b"", None), server_id)
-        self._changed = True  # admission slots and capacity were freed
-
-    def restore(self, state: ReplayState) -> None:
-        """Resume from `LeaseDesk.data_state`, before any lease is granted: ready groups are
-        trained, not generated again; incomplete leases are leased again first."""
-        self.learner_version = self.leases.restore(state)
-
-    # ---- leases -----------------------------------------------------------------------------
-    def _asking(self) -> int:
-        """Servers with a lease request held that could take work now (one held per server)."""
-        return sum(
-            1
-            for h in self._held_leases
-            if isinstance(h.request, LeaseRequest) and self.leases.wanted(h.request) > 0
-        )
+        self.held_leases.supersede(server_id)
 
     def _maybe_expire(self, now: float) -> None:
         if now < self._next_expire_at:
@@ -392,88 +346,28 @@ class ReplayService(Endpoint):
             silent = self.cfg.launch.server_timeout_s
             self._take_back(server_id, f"server_{server_id} declared dead (silent > {silent}s)")
         self.eval_jobs.expire(now)
-        if self.leases.expire(now):
-            self._changed = True  # admission slots and capacity were freed
+        self.leases.expire(now)
 
-    # ---- batches ----------------------------------------------------------------------------
-    def _maybe_serve_batch(self, held: _Held) -> bool:
-        """Answer `held` with a batch if one is ready; True if it was answered."""
-        req = held.request
-        assert isinstance(req, BatchRequest)
-        groups, stale = self.buffer.pop_batch(
-            req.learner_version, req.num_groups, self.cfg.replay.max_staleness
-        )
-        if stale:
-            self.counters["stale_dropped"] += stale
-            self.admission.on_never_trained(stale)
-            held.stale_dropped += stale
-            self._changed = True  # capacity and admission slots were freed
-        if not groups:
-            return False
-        fleet = self.fleet.for_batch(
-            (x for g in groups for x in g.latencies),
-            self.buffer.num_ready,
-            self.buffer.num_in_flight,
-        ) | lease_spread(g.server_id for g in groups)
-        batch = dataclasses.replace(
-            to_batch(req.request_id, groups, held.stale_dropped), fleet=fleet
-        )
-        self.counters["batches_served"] += 1
-        self.counters["groups_served"] += len(groups)
-        self.counters["samples_served"] += len(batch.traj_ids)
-        self._changed = True  # capacity was freed
-        self._send(held.peer, batch)
-        return True
 
-    # ---- held requests ----------------------------------------------------------------------
-    def _hold(self, queue: list[_Held], peer: Peer, req: LeaseRequest) -> None:
-        queue.append(_Held(peer, req, time.monotonic() + self.cfg.replay.wait_timeout_s))
-
-    def _supersede(self, queue: list[_Held], peer: Peer, server_id: int = -1) -> list[_Held]:
-        """Answer empty any request still waiting in `queue` from `peer`, or for `server_id`
-        (at most one held lease per server, whatever identity asks: held leases stay at most
-        rollout.num_servers); return the rest."""
-        keep = []
-        for held in queue:
-            same_server = isinstance(held.request, LeaseRequest) and (
-                held.request.server_id == server_id
-            )
-            if held.peer.identity == peer.identity or same_server:
-                self._answer_empty(held)
-            else:
-                keep.append(held)
-        return keep
-
-    def _answer_held(self) -> None:
-        """Batches first (consuming frees capacity), then leases, each in arrival order; the
-        servers asking are counted once, before any is answered, so an early grant never
-        widens the shares of the later ones in the same pass."""
-        self._held_batches = [h for h in self._held_batches if not self._maybe_serve_batch(h)]
-        asking = self._asking()
-        waiting = []
-        for held in self._held_leases:
-            assert isinstance(held.request, LeaseRequest)
-            prompts = self.leases.grant(held.request, asking)
-            if prompts:
-                self._send(held.peer, LeaseGrant(held.request.request_id, prompts))
-            else:
-                waiting.append(held)
-        self._held_leases = waiting
-
-    def _answer_timed_out(self, now: float) -> None:
-        for queue in (self._held_batches, self._held_leases):
-            for held in [h for h in queue if h.deadline <= now]:
-                queue.remove(held)
-                self._answer_empty(held)
-
-    def _answer_empty(self, held: _Held) -> None:
-        req = held.request
-        if isinstance(req, BatchRequest):
-            self.counters["empty_batches"] += 1
-            self._send(held.peer, to_batch(req.request_id, [], held.stale_dropped))
-        else:
-            self.counters["empty_grants"] += 1
-            self._send(held.peer, LeaseGrant(req.request_id, []))
+def setup_replay_service(
+    cfg: Config,
+    address: str,
+    run_dir: str | Path | None,
+    model_path: str | None = None,
+    secret: bytes | None = None,
+    prompts: PromptSource | None = None,
+) -> ReplayService:
+    """A replay bound to `address`, its components built for `cfg` (`setup_replay_components`:
+    `run_dir` for checkpoints, `model_path` for the token limits and the prompts' tokenizer,
+    `prompts` to override the config's prompt source) and, when `trainer.resume_from` is set,
+    resumed from that checkpoint. `secret`: the run secret (default: from the environment,
+    `asyncrl.auth`)."""
+    secret = secret_from_env() if secret is None else secret
+    parts = setup_replay_components(cfg, secret, run_dir, model_path, prompts)
+    service = ReplayService(cfg, address, parts)
+    if cfg.trainer.resume_from is not None:
+        service.restore(read_state(Path(cfg.trainer.resume_from) / REPLAY_FILE))
+    return service
 
 
 def run_replay(cfg: Config, address: str, run_dir: str, model_path: str | None = None) -> None:
@@ -481,12 +375,7 @@ def run_replay(cfg: Config, address: str, run_dir: str, model_path: str | None =
     counters to `run_dir/stats/replay.json` (atomically) and log a one-line summary.
     `model_path` gives the tokenizer for `data.max_prompt_length`; the run secret comes from
     the environment (`asyncrl.auth`)."""
-    prompts = setup_prompt_source(cfg, model_path)
-    limits = TokenLimits.of_model(model_path)
-    service = ReplayService(cfg, address, prompts, secret_from_env(), run_dir, limits)
-    stats_path = Path(run_dir) / "stats" / "replay.json"
-    if cfg.trainer.resume_from is not None:
-        service.restore(read_state(Path(cfg.trainer.resume_from) / REPLAY_FILE))
+    service = setup_replay_service(cfg, address, run_dir, model_path)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _STOP_SIGNALS}
     try:
@@ -496,5 +385,5 @@ def run_replay(cfg: Config, address: str, run_dir: str, model_path: str | None =
         service.close()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-        write_json_atomic(stats_path, counters)
+        write_json_atomic(Path(run_dir) / "stats" / "replay.json", counters)
         log.info("replay done: %s", summarize(counters))

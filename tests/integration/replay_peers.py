@@ -16,8 +16,7 @@ from asyncrl.codec import decode, encode
 from asyncrl.config import Config
 from asyncrl.protocol import LeaseRequest, Trajectories, Trajectory
 from asyncrl.transport import decode_signed, free_port, tcp_address
-from replay.prompts import setup_prompt_source
-from replay.service import ReplayService
+from replay.service import setup_replay_service
 
 SECRET = bytes(range(32))  # the test run's secret
 KEYRING = Keyring(SECRET, num_servers=4)
@@ -28,7 +27,7 @@ _SERVER_TYPES = (LeaseRequest, Trajectory, Trajectories)
 def running_replay(cfg: Config, run_dir: Path | None = None) -> Iterator[str]:
     """A ReplayService looping in a thread on a free loopback port; yields its address."""
     address = tcp_address("127.0.0.1", free_port())
-    service = ReplayService(cfg, address, setup_prompt_source(cfg), SECRET, run_dir)
+    service = setup_replay_service(cfg, address, run_dir, secret=SECRET)
     stop = threading.Event()
     thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
     thread.start()

@@ -37,8 +37,7 @@ from asyncrl.protocol import (
 from asyncrl.transport import free_port, tcp_address
 from replay.endpoint import accounted
 from replay.eval_jobs import MAX_OPEN_JOBS
-from replay.prompts import setup_prompt_source
-from replay.service import ReplayService
+from replay.service import setup_replay_service
 
 pytestmark = pytest.mark.integration
 
@@ -274,7 +273,7 @@ def test_silent_servers_are_forgotten():
 def test_an_exception_in_a_handler_is_counted_and_the_loop_goes_on():
     cfg = _config()
     address = tcp_address("127.0.0.1", free_port())
-    service = ReplayService(cfg, address, setup_prompt_source(cfg), SECRET)
+    service = setup_replay_service(cfg, address, None, secret=SECRET)
 
     def broken(peer, msg):
         raise KeyError("a bug")
@@ -348,7 +347,7 @@ def test_samples_must_fit_the_model(tmp_path):
     assert limits == TokenLimits(100, 64)
     cfg = _config()
     address = tcp_address("127.0.0.1", free_port())
-    service = ReplayService(cfg, address, setup_prompt_source(cfg), SECRET, None, limits)
+    service = setup_replay_service(cfg, address, None, str(tmp_path), secret=SECRET)
     stop = threading.Event()
     thread = threading.Thread(target=service.run, args=(stop,), daemon=True)
     thread.start()

@@ -111,8 +111,8 @@ def test_the_replay_refreshes_a_server_on_its_lease_requests_and_samples(monkeyp
             "launch": {"heartbeat_s": 1.0, "server_timeout_s": 3.0},
         }
     )
-    service = replay.service.ReplayService(
-        cfg, "inproc://test-health-refresh", setup_prompt_source(cfg), new_secret()
+    service = replay.service.setup_replay_service(
+        cfg, "inproc://test-health-refresh", None, secret=new_secret()
     )
     try:
         peers = [Peer(f"s{i}".encode(), f"server_{i}") for i in range(2)]

@@ -23,8 +23,7 @@ from asyncrl.launch.fleet import (
     replay_health,
 )
 from asyncrl.protocol import ServerHealth
-from replay.prompts import setup_prompt_source
-from replay.service import ReplayService
+from replay.service import setup_replay_service
 
 
 @dataclass
@@ -130,7 +129,7 @@ def test_the_replays_report_tells_no_answer_from_no_server_heard():
     with tempfile.TemporaryDirectory(prefix="asyncrl-") as short:  # ipc paths are short
         assert replay_health(f"ipc://{short}/nobody", key, timeout_s=0.2) is None
         address = f"ipc://{short}/replay"
-        service = ReplayService(cfg, address, setup_prompt_source(cfg), secret)
+        service = setup_replay_service(cfg, address, None, secret=secret)
         stop = threading.Event()
         loop = threading.Thread(target=service.run, args=(stop,), daemon=True)
         loop.start()

@@ -15,7 +15,6 @@ from asyncrl.protocol import DeclareDead, Heartbeat, LeaseRequest, ServerHealth
 from asyncrl.transport import free_port
 from learner.sync_fleet import SyncFleet
 from replay.health import FleetHealth
-from replay.prompts import setup_prompt_source
 
 
 def test_the_learner_declares_only_the_epoch_alive_dead():
@@ -36,12 +35,12 @@ def test_the_learner_declares_only_the_epoch_alive_dead():
 def test_the_replay_takes_back_the_leases_of_a_server_the_learner_declares_dead():
     from asyncrl.auth import new_secret
     from replay.access import Peer
-    from replay.service import ReplayService
+    from replay.service import setup_replay_service
 
     cfg = Config.model_validate(
         {"rollout": {"n": 2, "num_servers": 2}, "data": {"train_batch_size": 2}}
     )
-    service = ReplayService(cfg, "inproc://test-give-up", setup_prompt_source(cfg), new_secret())
+    service = setup_replay_service(cfg, "inproc://test-give-up", None, secret=new_secret())
     try:
         servers = [Peer(f"s{i}".encode(), f"server_{i}") for i in range(2)]
         for i, peer in enumerate(servers):

@@ -35,7 +35,7 @@ import msgpack
 
 from asyncrl.auth import secret_from_env
 from asyncrl.config import Config
-from replay.prompts import setup_prompt_source
+from replay.components import setup_replay_components
 from replay.service import ReplayService
 
 EXIT_CRASHED = 3
@@ -45,8 +45,8 @@ class RecordingReplay(ReplayService):
     """The replay, with every exception that escapes a message's handling written down."""
 
     def __init__(self, cfg: Config, address: str, args: argparse.Namespace) -> None:
-        prompts = setup_prompt_source(cfg)
-        super().__init__(cfg, address, prompts, secret_from_env(), args.run_dir)
+        parts = setup_replay_components(cfg, secret_from_env(), args.run_dir)
+        super().__init__(cfg, address, parts)
         self.report_path, self.survive = args.report, args.survive
         self.recent: collections.deque[list[Any]] = collections.deque(maxlen=8)
         self.recorded: BaseException | None = None  # the last exception written down
