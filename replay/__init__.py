@@ -12,28 +12,18 @@ Components (one module each), built by `components.setup_replay_components` and 
 - `batches`: `BatchDesk`, the buffer's ready groups handed to the learner as whole groups no
   older than `replay.max_staleness` versions.
 - `eval_jobs`: evaluation prompts, leased before training ones, and their scores.
-<<<<<<< HEAD
-- `health`: `FleetHealth`, which servers are alive (heartbeats, epochs, deaths by silence).
-- `fleet_stats`: what the replay tells the learner about the servers per batch.
-- `access`: who may send which message (`PERMISSIONS`), and where a checkpoint may be written.
-- `endpoint`: `Endpoint`, the authenticated ROUTER socket that takes every message to exactly
-  one outcome.
-- `checkpoint`: the replay's whole state in a checkpoint (`ReplayState`), one MessagePack file.
-- `counters`: the counters it reports and logs.
-- `service`: the loop that answers (or holds) each request, and `run_replay`, the process entry
-  point.
-=======
 - `health`: `FleetHealth`, which server epochs are alive (heartbeats, silence, the learner's
   word).
 - `fleet_stats`: what the replay tells the learner about the servers per batch.
 - `access`: `AccessRules`, who signed a message, whether its role may send it, where a
-  checkpoint may be written; `endpoint` applies them to every message on the socket.
+  checkpoint may be written.
+- `endpoint`: `Endpoint`, the authenticated ROUTER socket that applies them and takes every
+  message to exactly one outcome.
 - `held`: requests not answerable yet, one typed queue per kind, answered when an event that
   may free them is counted.
-- `checkpoint`: the replay's part of a checkpoint.
+- `checkpoint`: the replay's whole state in a checkpoint (`ReplayState`), one MessagePack file.
 - `counters`: the counters it reports and logs.
 - `components`: the components above as one typed set, and `setup_replay_components`.
 - `service`: the ZeroMQ ROUTER loop, `setup_replay_service`, and `run_replay`, the process
   entry point.
->>>>>>> wp-replay
 """
