@@ -9,7 +9,7 @@ What is checked, reading each file's metadata, its first row and its `data_sourc
 (the replay and the learner read the files in full; this does not do it again):
 1. the file exists and is parquet;
 2. it has the columns every row needs (`REQUIRED_COLUMNS`) and at least one row;
-3. its first row fits the schema (`asyncrl.data.validate_row`, as the replay checks every row;
+3. its first row fits the schema (`asyncrl.data_rows.validate_row`, as the replay checks every row;
    a column of the wrong type fails here) - for training files only without
    `data.skip_bad_rows`, under which bad rows are the replay's to skip and count;
 4. no row lacks a `data_source` (with the same exception);

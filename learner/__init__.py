@@ -1,6 +1,6 @@
 """The learner fleet: N ranks under FSDP2, one optimizer step per batch.
 
-Components, wired by `trainer.setup_learner` and driven by `trainer.Learner.train_step`
+Components, wired by `learner.trainer.setup_learner` and driven by `trainer.Learner.train_step`
 (fetch_batch, compute_logprobs, compute_advantages, update, broadcast_weights, publish_version),
 whose stages every rank runs in step:
 - `coordinator`: what a rank asks of the world outside the learner group, behind one interface;

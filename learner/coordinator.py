@@ -6,7 +6,7 @@ the samples and weight-checksum logs). `trainer.Learner` runs the SPMD stages on
 hands everything that leaves the learner group to its `Coordinator`: rank 0 gets the `Leader`
 (`learner.leader`), which does the talking; every other rank gets a `Follower`, which talks to
 nobody and only takes part in the collectives the stages need (draining the weight gathers).
-Both are built in `trainer.setup_learner`; neither knows the `Learner`.
+Both are built in `learner.trainer.setup_learner`; neither knows the `Learner`.
 
 The `Learner` calls every method on every rank, in step, so no stage branches on the rank, and
 a test drives `Learner.train_step` with a fake coordinator (tests/unit/test_learner_coordinator.py).

@@ -46,6 +46,7 @@ import torch.distributed as dist
 
 from asyncrl.binds import bind_collectives_to, setup_store
 from asyncrl.config import Config
+from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.metrics import JsonlWriter
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
@@ -115,7 +116,7 @@ class SyncFleet:
         specs: list[ParamSpec],
         tensors: Iterator[torch.Tensor],
         version: int,
-        probe: torch.Tensor | None = None,
+        probe: DeliveryProbe | None = None,
     ) -> dict[int, int]:
         """Join new server epochs, then send `version` to every member (`WeightBroadcaster`);
         returns the members that have it (server id -> epoch)."""

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from asyncrl.advantages import ESTIMATORS, compute_advantages, outcome_token_rewards
 from asyncrl.config import Config
+from asyncrl.dtypes import torch_dtype
 from asyncrl.metrics import StageTimer
 from asyncrl.run_spec import RunSpec
 from learner.batch import TrainBatch, from_message, share_batch
@@ -66,7 +67,7 @@ class Learner:
         lc = cfg.learner
         self.model = setup_model(spec.model_path, device, lc)  # in training mode
         self.optimizer = setup_optimizer(self.model, lc.lr, lc)
-        self.sync_dtype = getattr(torch, cfg.rollout.dtype)  # weights go out in the engine's
+        self.sync_dtype = torch_dtype(cfg.rollout.dtype)  # weights go out in the engine's
         self.specs = sync_specs(self.model, self.sync_dtype)  # LoRA: the adapters only
         self.temperature = cfg.rollout.temperature or 1.0
         algo = cfg.algorithm

@@ -2,7 +2,7 @@
 
 A `PromptSource` hands out rows in the verl schema (`data_source`, `prompt`, `reward_model`,
 `extra_info`, ...); the replay turns each row into a `PromptItem` with a fresh group id when it
-grants a lease (`asyncrl.data.row_to_prompt_item`). The protocol is one method so that any row
+grants a lease (`asyncrl.data_rows.row_to_prompt_item`). The protocol is one method so that any row
 stream (a registered `Task`, parquet files through `asyncrl.data.PromptReader`) plugs in without
 the replay knowing where rows live.
 

@@ -28,6 +28,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 from transformers.utils import logging as hf_logging  # noqa: E402
 
 from asyncrl.config import AlgorithmConfig, LearnerConfig  # noqa: E402
+from asyncrl.dtypes import torch_dtype  # noqa: E402
 from asyncrl.metrics import peak_rss_mb  # noqa: E402
 from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, WeightReceiver, specs_of  # noqa: E402
 from learner.batch import TrainBatch  # noqa: E402
@@ -199,7 +200,7 @@ def sync_send_worker(job: dict) -> None:
     group = SyncGroup("127.0.0.1", job["port"], 0, 2, device)
     broadcaster = WeightBroadcaster(group, int(lc.bucket_mb * 2**20))
     out = {
-        name: send_versions(model, broadcaster, group, getattr(torch, name), job["reps"])
+        name: send_versions(model, broadcaster, group, torch_dtype(name), job["reps"])
         for name in job["dtypes"]
     }
     broadcaster.shutdown()
@@ -237,7 +238,7 @@ def sync_recv_worker(job: dict) -> None:
 
     group = SyncGroup("127.0.0.1", job["port"], 1, 2, torch.device("cpu"))
     out = {
-        name: receive_versions(job["model"], group, getattr(torch, name), job["reps"])
+        name: receive_versions(job["model"], group, torch_dtype(name), job["reps"])
         for name in job["dtypes"]
     }
     if WeightReceiver(group, []).receive() is not None:  # the learner's shutdown comes last

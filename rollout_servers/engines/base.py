@@ -135,7 +135,7 @@ class Engine(ABC):
         Blocking: the server runs it in a thread of its own."""
 
     def weights_checksum(self) -> str | None:
-        """`asyncrl.weight_sync.weights_checksum` of the live weights in the learner's naming,
+        """`asyncrl.weight_layout.weights_checksum` of the live weights in the learner's naming,
         or None where the engine cannot read them back (vLLM repacks them)."""
         return None
 

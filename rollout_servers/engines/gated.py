@@ -31,8 +31,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any, Literal, TypeVar
 
-import torch
-
+from asyncrl.delivery_probe import DeliveryProbe
 from rollout_servers.engines.base import Engine, GenerationOutput, SamplingParams, check_delivery
 
 T = TypeVar("T")
@@ -158,7 +157,7 @@ class GatedEngine(Engine):
 
     # ---- weights ----------------------------------------------------------------------------
     def _apply_version(
-        self, version: int, load: Coroutine[Any, Any, None], probe: torch.Tensor | None
+        self, version: int, load: Coroutine[Any, Any, None], probe: DeliveryProbe | None
     ) -> float:
         """Run `load` on the engine loop (it closes the gate with `_close_and_drain` and loads
         the version), check delivery, reopen; seconds taken. When loading or the delivery check

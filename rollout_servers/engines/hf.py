@@ -28,6 +28,7 @@ from typing import Literal, cast
 import torch
 from transformers import AutoModelForCausalLM
 
+from asyncrl.dtypes import torch_dtype
 from asyncrl.learner_config import LoraConfig
 from rollout_servers.engines.base import (
     AppliedVersion,
@@ -133,7 +134,7 @@ class HFEngine(HFVersionGate):
         self.max_batch_size = max_batch_size
         where = torch.device(device)
         model = AutoModelForCausalLM.from_pretrained(
-            model_path, dtype=getattr(torch, dtype), attn_implementation=ATTN_IMPLEMENTATION
+            model_path, dtype=torch_dtype(dtype), attn_implementation=ATTN_IMPLEMENTATION
         ).to(where)
         model.eval()
         self._init_gate(model, where, version, lora, weight_update_mode)

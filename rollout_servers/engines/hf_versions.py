@@ -26,6 +26,7 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
+from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.learner_config import LoraConfig
 from asyncrl.lora import AdapterMerger, adapter_specs
 from asyncrl.weight_sync import WeightReceiver, join_sync_group, specs_of, weights_checksum
@@ -46,7 +47,7 @@ class _Incoming:
 
     weights: list[tuple[str, torch.Tensor]]
     version: int
-    probe: torch.Tensor | None
+    probe: DeliveryProbe | None
     subset: bool
     adapters_checksum: str | None
     applied: bool = False

@@ -50,6 +50,8 @@ import zmq
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 from asyncrl.config import VLLMConfig
+from asyncrl.delivery_probe import DeliveryProbe
+from asyncrl.dtypes import torch_dtype
 from asyncrl.learner_config import LoraConfig
 from asyncrl.lora import adapter_specs, adapter_targets
 from asyncrl.transport import decode_frames
@@ -75,7 +77,7 @@ def meta_model(model_path: str | Path, dtype: str = "float32") -> torch.nn.Modul
     """The Hugging Face model of `model_path`'s config on the meta device (no weights)."""
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(config, dtype=getattr(torch, dtype))
+        return AutoModelForCausalLM.from_config(config, dtype=torch_dtype(dtype))
 
 
 def learner_weight_specs(model_path: str | Path, dtype: str = "float32") -> list[ParamSpec]:
@@ -158,7 +160,7 @@ class VLLMEngine(GatedEngine):
         self._specs = specs_of(meta.state_dict().items())
         self._lora: LoraMerge | None = None
         if lora is not None and lora.rank:  # versions carry adapters (`vllm_lora`)
-            self._specs = adapter_specs(meta, lora, getattr(torch, dtype))
+            self._specs = adapter_specs(meta, lora, torch_dtype(dtype))
             targets = adapter_targets(meta, lora)
             check_targets(self.model_path, targets)  # refused now, not when the worker joins
             self._lora = LoraMerge(self.model_path, targets, lora.scale, dtype)
@@ -226,7 +228,7 @@ class VLLMEngine(GatedEngine):
     def _apply(self, notice: WeightsStaged) -> float:
         """Close the gate, drain, load, reset the prefix cache, check delivery, reopen
         (`GatedEngine._apply_version`); seconds taken."""
-        probe = torch.tensor(notice.probe) if notice.probe else None
+        probe = DeliveryProbe.from_wire(torch.tensor(notice.probe)) if notice.probe else None
         return self._apply_version(notice.version, self._load(notice.version), probe)
 
     async def _load(self, version: int) -> None:

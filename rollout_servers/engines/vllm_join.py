@@ -10,7 +10,7 @@ validated field by field on decode): vLLM's `collective_rpc` carries its argumen
 MessagePack to its engine core, where a dataclass arrives as a plain map, and from there to the
 workers through vLLM's own channel; bytes arrive as they were sent, and the worker gets the
 typed message back. Dtypes travel as their names ("float32", "bfloat16"), turned into torch
-dtypes on the worker side in one place (`torch_dtype`).
+dtypes on the worker side by `asyncrl.dtypes.torch_dtype`, the project's one such helper.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.codec import ProtocolError, check, decode, encode, message, struct
+from asyncrl.dtypes import torch_dtype
 from asyncrl.weight_sync import ParamSpec
 from rollout_servers.engines.base import SyncTarget
 
@@ -93,14 +94,6 @@ def unpack_join(payload: bytes) -> JoinWeightSync:
     if not isinstance(join, JoinWeightSync):
         raise ProtocolError(f"expected the worker's join, got a {type(join).__name__}")
     return join
-
-
-def torch_dtype(name: str) -> torch.dtype:
-    """The torch dtype a message names; ValueError for a name that is not one."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ValueError(f"{name!r} names no torch dtype")
-    return dtype
 
 
 def param_specs(join: JoinWeightSync) -> list[ParamSpec]:

@@ -16,7 +16,9 @@ from asyncrl.codec import message
 class WeightsStaged:
     version: int  # the policy version now staged in the vLLM worker, ready to apply
     receive_s: float  # seconds the broadcast of this version took
-    probe: list[float]  # the version's delivery probe (log-probs, then tolerance); [] if none
+    probe: list[
+        float
+    ]  # the delivery probe as `DeliveryProbe.to_wire()` (log-probs, then tolerance); [] if none
 
 
 @message("weight_receiver_closed")

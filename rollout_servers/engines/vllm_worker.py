@@ -120,7 +120,7 @@ class WeightSyncExtension:
                     return
                 self._asyncrl_staged, staged = got, got.version
                 self._asyncrl_applied.clear()
-                probe = [] if got.probe is None else got.probe.cpu().tolist()
+                probe = [] if got.probe is None else got.probe.to_wire().tolist()
                 took = time.perf_counter() - start
                 send_msg(notify, WeightsStaged(got.version, took, probe), auth=None)
                 self._asyncrl_applied.wait()  # the learner's next broadcast waits for this one

@@ -16,7 +16,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("asyncrl", "rollout_servers", "replay", "learner")
 FLEETS = ("rollout_servers", "replay", "learner")
-MAX_FILE_LINES = 500
+MAX_FILE_LINES = 450
+"""For the four packages; tools/ and tests/ may reach `MAX_SCRIPT_LINES`."""
+MAX_SCRIPT_LINES = 500
 MAX_FUNCTION_LINES = 80
 
 
@@ -164,10 +166,11 @@ def _long_functions(path: Path) -> list[str]:
 @pytest.mark.parametrize("top", [*PACKAGES, "tools", "tests"])
 def test_files_and_functions_stay_readable(top):
     files = sorted((ROOT / top).rglob("*.py"))
+    limit = MAX_FILE_LINES if top in PACKAGES else MAX_SCRIPT_LINES
     long_files = [
         f"{p.relative_to(ROOT)} ({n} lines)"
         for p in files
-        if (n := len(p.read_text().splitlines())) > MAX_FILE_LINES
+        if (n := len(p.read_text().splitlines())) > limit
     ]
     assert long_files == []
     assert [f for p in files for f in _long_functions(p)] == []

@@ -109,13 +109,6 @@ def test_a_lora_join_names_what_the_worker_merges_the_adapters_into(model_path):
     assert worker._asyncrl_specs == _specs_as_before(specs)
 
 
-def test_a_dtype_name_converts_in_one_place_and_a_wrong_one_is_refused():
-    assert torch_dtype("float32") is torch.float32 and torch_dtype("bfloat16") is torch.bfloat16
-    for bad in ("torch.float32", "nn", "no_such_dtype"):
-        with pytest.raises(ValueError, match="names no torch dtype"):
-            torch_dtype(bad)
-
-
 def test_a_malformed_or_foreign_payload_is_refused_by_the_worker(model_path):
     join = join_message(TARGET, [ParamSpec("w", (2, 3), torch.float32)], ADDRESS, None)
     with pytest.raises(
