@@ -22,10 +22,22 @@ from __future__ import annotations
 import dataclasses
 import reprlib
 import types
-from typing import Annotated, Any, ClassVar, Literal, Union, get_args, get_origin, get_type_hints
+from collections.abc import Callable
+from typing import (
+    Annotated,
+    Any,
+    ClassVar,
+    Literal,
+    TypeVar,
+    Union,
+    get_args,
+    get_origin,
+    get_type_hints,
+)
 
 import msgpack
 import numpy as np
+from typing_extensions import dataclass_transform
 
 WIRE_VERSION = 1
 
@@ -33,14 +45,18 @@ _REGISTRY: dict[str, type] = {}
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
+_T = TypeVar("_T")
+
+
 class ProtocolError(ValueError):
     """A message that cannot be decoded; the text says what is wrong with it."""
 
 
-def message(name: str):
+@dataclass_transform(frozen_default=True)
+def message(name: str) -> Callable[[type[_T]], type[_T]]:
     """Class decorator: make a frozen dataclass a wire message called `name`."""
 
-    def wrap(cls):
+    def wrap(cls: Any) -> Any:
         cls = dataclasses.dataclass(frozen=True)(cls)
         cls.TYPE = name
         if name in _REGISTRY:
@@ -51,15 +67,20 @@ def message(name: str):
     return wrap
 
 
-def struct(cls):
+@dataclass_transform(frozen_default=True)
+def struct(cls: type[_T]) -> type[_T]:
     """Class decorator for a nested record inside a message (no arrays allowed)."""
     return dataclasses.dataclass(frozen=True)(cls)
 
 
-def Array(dtype: str) -> Any:  # noqa: N802 - reads like a type in annotations
-    """Annotation for a 1-D array field carried as a raw frame: `ids: Array("int32")` (every
-    array of the protocol is a flat vector; other shapes are refused on both ends)."""
-    return Annotated[np.ndarray, ("array", np.dtype(dtype).str)]
+# Annotations for a 1-D array field carried as a raw frame, one per dtype the protocol uses:
+# `ids: Int32Array` (every array of the protocol is a flat vector; other shapes are refused on
+# both ends). Spelled out, not built by a function, so a type checker reads them as types.
+Int32Array = Annotated[np.ndarray, ("array", np.dtype("int32").str)]
+Int64Array = Annotated[np.ndarray, ("array", np.dtype("int64").str)]
+Float32Array = Annotated[np.ndarray, ("array", np.dtype("float32").str)]
+Float64Array = Annotated[np.ndarray, ("array", np.dtype("float64").str)]
+UInt8Array = Annotated[np.ndarray, ("array", np.dtype("uint8").str)]
 
 
 JsonObject = Annotated[dict, ("json",)]
@@ -308,7 +329,10 @@ def registered_types() -> dict[str, type]:
 
 
 __all__ = [
-    "Array",
+    "Float32Array",
+    "Float64Array",
+    "Int32Array",
+    "Int64Array",
     "JsonObject",
     "ProtocolError",
     "WIRE_VERSION",
@@ -318,4 +342,5 @@ __all__ = [
     "message",
     "short_repr",
     "struct",
+    "UInt8Array",
 ]

@@ -33,7 +33,7 @@ import math
 from dataclasses import field
 from typing import Literal
 
-from asyncrl.codec import Array, JsonObject, check, message, struct
+from asyncrl.codec import Float32Array, Int32Array, JsonObject, check, message, struct
 from asyncrl.protocol_bounds import MAX_ABS_REWARD as MAX_ABS_REWARD
 from asyncrl.protocol_bounds import (
     MAX_SAMPLES_PER_PROMPT,
@@ -230,9 +230,9 @@ class EvalResults:
     expected: int  # samples the job will produce in all (not the empty slots of failed_groups)
     group_ids: list[str]  # [S] samples scored so far
     data_sources: list[str]  # [S]
-    scores: Array("float32")  # [S] reward of each sample
-    response_lengths: Array("int32")  # [S] response tokens of each sample
-    versions: Array("int32")  # [S] oldest policy version of each sample
+    scores: Float32Array  # [S] reward of each sample
+    response_lengths: Int32Array  # [S] response tokens of each sample
+    versions: Int32Array  # [S] oldest policy version of each sample
     failed_groups: list[str] = field(default_factory=list)  # given up (`replay.max_group_failures`)
 
     def validate(self) -> None:

@@ -4,7 +4,7 @@
     rollout server -> replay   Trajectories   -> Acks         (several at once: one status each)
     learner rank 0 -> replay   BatchRequest   -> Batch        (whole groups; may be empty)
 
-Their token ids, masks, log-probs and versions travel as raw array frames (`codec.Array`). Every
+Their token ids, masks, log-probs and versions travel as raw array frames (`asyncrl.codec.Int32Array` and its siblings). Every
 message is importable from `asyncrl.protocol`, which lists them all.
 """
 
@@ -14,7 +14,15 @@ from typing import Literal
 
 import numpy as np
 
-from asyncrl.codec import Array, check, message
+from asyncrl.codec import (
+    Float32Array,
+    Float64Array,
+    Int32Array,
+    Int64Array,
+    UInt8Array,
+    check,
+    message,
+)
 from asyncrl.protocol_bounds import (
     MAX_METRICS,
     MAX_TRAJECTORIES_PER_MESSAGE,
@@ -31,13 +39,11 @@ class Trajectory:
     group_id: str  # the lease this sample belongs to
     sample_index: int  # 0..n-1 within the group
     server_id: int  # which server generated it
-    prompt_ids: Array("int32")  # [P] prompt token ids (after the chat template)
-    response_ids: Array("int32")  # [R] everything after the prompt: sampled and tool tokens
-    loss_mask: Array("uint8")  # [R] 1 where the policy sampled the token, 0 elsewhere
-    behaviour_logprobs: Array(
-        "float32"
-    )  # [R] engine log-prob of each sampled token (0 where mask 0)
-    versions: Array("int32")  # [R] policy version that sampled each token (-1 where mask 0)
+    prompt_ids: Int32Array  # [P] prompt token ids (after the chat template)
+    response_ids: Int32Array  # [R] everything after the prompt: sampled and tool tokens
+    loss_mask: UInt8Array  # [R] 1 where the policy sampled the token, 0 elsewhere
+    behaviour_logprobs: Float32Array  # [R] engine log-prob of each sampled token (0 where mask 0)
+    versions: Int32Array  # [R] policy version that sampled each token (-1 where mask 0)
     reward: float  # scalar reward of the whole trajectory
     baseline_reward: float  # reward of the group's greedy answer (ReMax); NaN when not sampled
     finish_reason: str  # "stop" | "length" | agent-specific
@@ -70,17 +76,17 @@ class Trajectories:
     group_ids: list[str]  # [B]
     finish_reasons: list[str]  # [B]
     metrics: list[dict[str, float]]  # [B]
-    attempts: Array("int32")  # [B]
-    sample_indices: Array("int32")  # [B]
-    rewards: Array("float64")  # [B]
-    baseline_rewards: Array("float64")  # [B]
-    prompt_offsets: Array("int64")  # [B+1]
-    response_offsets: Array("int64")  # [B+1]
-    prompt_ids: Array("int32")  # [sum P]
-    response_ids: Array("int32")  # [sum R]
-    loss_mask: Array("uint8")  # [sum R]
-    behaviour_logprobs: Array("float32")  # [sum R]
-    versions: Array("int32")  # [sum R]
+    attempts: Int32Array  # [B]
+    sample_indices: Int32Array  # [B]
+    rewards: Float64Array  # [B]
+    baseline_rewards: Float64Array  # [B]
+    prompt_offsets: Int64Array  # [B+1]
+    response_offsets: Int64Array  # [B+1]
+    prompt_ids: Int32Array  # [sum P]
+    response_ids: Int32Array  # [sum R]
+    loss_mask: UInt8Array  # [sum R]
+    behaviour_logprobs: Float32Array  # [sum R]
+    versions: Int32Array  # [sum R]
 
     @classmethod
     def pack(cls, trajs: list[Trajectory]) -> Trajectories:
@@ -198,17 +204,17 @@ class Batch:
     group_ids: list[str]  # [B] group of each sample (consecutive samples share a group)
     data_sources: list[str]  # [B]
     finish_reasons: list[str]  # [B]
-    rewards: Array("float32")  # [B]
-    baseline_rewards: Array("float32")  # [B] greedy-baseline reward (ReMax), NaN when absent
-    prompt_offsets: Array("int64")  # [B+1]
-    response_offsets: Array("int64")  # [B+1]
-    prompt_ids: Array("int32")  # [sum P]
-    response_ids: Array("int32")  # [sum R]
-    loss_mask: Array("uint8")  # [sum R]
-    behaviour_logprobs: Array("float32")  # [sum R]
-    versions: Array("int32")  # [sum R]
+    rewards: Float32Array  # [B]
+    baseline_rewards: Float32Array  # [B] greedy-baseline reward (ReMax), NaN when absent
+    prompt_offsets: Int64Array  # [B+1]
+    response_offsets: Int64Array  # [B+1]
+    prompt_ids: Int32Array  # [sum P]
+    response_ids: Int32Array  # [sum R]
+    loss_mask: UInt8Array  # [sum R]
+    behaviour_logprobs: Float32Array  # [sum R]
+    versions: Int32Array  # [sum R]
     metric_names: list[str]  # [K] union of the samples' Trajectory.metrics keys
-    metric_values: Array("float32")  # [B * K] row-major; NaN where a sample lacks a metric
+    metric_values: Float32Array  # [B * K] row-major; NaN where a sample lacks a metric
     fleet: dict[str, float]  # replay occupancy, servers' idle ratio and pause, sample latency
     stale_dropped: int  # groups dropped as too stale while assembling this batch
 

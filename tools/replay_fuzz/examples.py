@@ -97,7 +97,7 @@ def field_types(cls: type) -> dict[str, Any]:
 
 
 def array_dtype(tp: Any) -> str | None:
-    """The dtype of an `Array(...)` annotation, None for any other annotation."""
+    """The dtype of an array annotation (`asyncrl.codec.Int32Array`, ...), None for any other annotation."""
     if get_origin(tp) is Annotated:
         meta = get_args(tp)[1]
         if isinstance(meta, tuple) and meta and meta[0] == "array":
