@@ -16,7 +16,8 @@ no launch code and no demo:
   `gsm8k`: GSM8K preparation and its final-answer parser.
 - `checkpoints`: the layout of a checkpoint directory, shared by its writers and readers.
 - `estimators`: the advantage estimators, each declared once in `ESTIMATORS` (torch-free);
-  `advantages`: their tensor math and `compute_advantages`.
+  `advantages`: their tensor math and `compute_advantages`; `policy_losses`: the policy
+  losses, each declared once in `POLICY_LOSSES` (their tensor math in `learner.losses`).
 - `evaluation`: pass@k and the evaluation job the learner and `asyncrl eval` run.
 - `registry`: the one `Registry` class behind every family users extend.
 - `metrics`, `trace`, `loggers`, `run_spec`: what a run writes and where things are.

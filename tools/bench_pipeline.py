@@ -174,8 +174,8 @@ def measure_decode(model_path: str, threads: int) -> dict[str, float]:
     import asyncio
 
     import torch
-    from simulate import _nnls
 
+    from asyncrl.analysis.pipeline_calibration import nnls
     from rollout_servers.engines.base import SamplingParams
     from rollout_servers.engines.hf import HFEngine
 
@@ -198,7 +198,7 @@ def measure_decode(model_path: str, threads: int) -> dict[str, float]:
         await engine.close()
         return x, y
 
-    coef = _nnls(*asyncio.run(run()))
+    coef = nnls(*asyncio.run(run()))
     torch.set_num_threads(before)
     return {"gen_batch_s": coef[0], "gen_step_s": coef[1], "gen_seq_step_s": coef[2]}
 

@@ -36,7 +36,6 @@ from asyncrl.config import Config, ConfigError, load_config
 
 # the model and its calibration, re-exported
 __all__ = ["Costs", "Fleet", "Lengths", "Result", "expected_max", "fit_costs", "simulate"]
-_nnls = nnls  # the name tools/bench_pipeline.py imports it by
 
 
 # ---- fleets and results ----------------------------------------------------------------------
