@@ -92,6 +92,15 @@ class Group:
     def ready(self) -> bool:
         return self.filled == len(self.samples)
 
+    def complete_samples(self) -> list[Trajectory]:
+        """All n samples, by sample_index; ValueError if one has not arrived (not `ready`)."""
+        out: list[Trajectory] = []
+        for s in self.samples:
+            if s is None:
+                raise ValueError(f"group {self.item.group_id!r} is not complete")
+            out.append(s)
+        return out
+
 
 @dataclass(frozen=True)
 class SavedGroup:
@@ -135,7 +144,9 @@ class GroupBuffer:
         resume those prompts are leased again) and the trajectory ids remembered for
         `duplicate` answers."""
         ready = [
-            SavedGroup(g.item, g.lease_version, g.server_id, list(g.samples), list(g.latencies))
+            SavedGroup(
+                g.item, g.lease_version, g.server_id, g.complete_samples(), list(g.latencies)
+            )
             for g in self._groups.values()
             if g.ready
         ]
@@ -342,12 +353,10 @@ def to_batch(request_id: int, groups: list[Group], stale_dropped: int) -> Batch:
     group_ids: list[str] = []
     data_sources: list[str] = []
     for g in groups:
-        for s in g.samples:
-            if s is None:
-                raise ValueError(f"group {g.item.group_id!r} is not complete")
-            samples.append(s)
-            group_ids.append(g.item.group_id)
-            data_sources.append(g.item.data_source)
+        whole = g.complete_samples()
+        samples += whole
+        group_ids += [g.item.group_id] * len(whole)
+        data_sources += [g.item.data_source] * len(whole)
 
     names = sorted({k for s in samples for k in s.metrics})
 

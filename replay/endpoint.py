@@ -118,7 +118,7 @@ class Endpoint:
             return
         peer = self._peer = Peer(peer.identity, role)
         try:
-            msg = decode_frames(body[1:], max_bytes=self.max_bytes)
+            msg = decode_frames([f.bytes for f in body[1:]], max_bytes=self.max_bytes)
         except ProtocolError as e:
             self._reject(peer, "rejected_malformed", str(e))
             return

@@ -19,12 +19,11 @@ from __future__ import annotations
 import dataclasses
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 
 from asyncrl.protocol import EvalResults, PromptItem, Trajectory
-from replay.buffer import MalformedTrajectory
+from replay.buffer import AddStatus, MalformedTrajectory
 
 MAX_OPEN_JOBS = 16
 MAX_JOBS = 64  # open and finished: the oldest finished job makes room for a new one
@@ -167,7 +166,7 @@ class EvalJobs:
     def owns(self, group_id: str) -> bool:
         return group_id in self._group_job
 
-    def add(self, traj: Trajectory, now: float) -> Literal["accepted", "duplicate", "late"]:
+    def add(self, traj: Trajectory, now: float) -> AddStatus:
         """Score one sample of an owned group (`owns`); the caller checked it is well formed.
         `late`: its sender held the group before but not now (the sender died or could not
         sample it, and the group went back to the queue), as for a training group.

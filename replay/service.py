@@ -54,6 +54,7 @@ import signal
 import threading
 import time
 from pathlib import Path
+from typing import Literal
 
 import zmq
 
@@ -80,7 +81,7 @@ from asyncrl.protocol import (
     VersionUpdate,
 )
 from replay.access import Peer
-from replay.buffer import MalformedTrajectory, check_trajectory
+from replay.buffer import AddStatus, MalformedTrajectory, check_trajectory
 from replay.checkpoint import ReplayState, read_state, write_state
 from replay.components import ReplayComponents, setup_replay_components
 from replay.counters import summarize
@@ -95,6 +96,8 @@ POLL_INTERVAL_S = 0.1  # longest the loop sleeps, so a stop request is seen with
 MAX_MESSAGES_PER_TICK = 1000  # messages handled between two looks at timers and held requests
 _ACK_COUNTERS = {"accepted": "accepted", "duplicate": "duplicates", "late": "late"}
 _EVAL_COUNTERS = {"accepted": "eval_samples"}
+# a sample's Ack status: where it went, or "rejected" (untrainable)
+SampleStatus = Literal[AddStatus, "rejected"]
 _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
@@ -223,7 +226,7 @@ class ReplayService(Endpoint):
             log.warning("rejected sample: %s", why)
         self._send(peer, Acks(traj_ids=msg.traj_ids, statuses=[status for status, _ in taken]))
 
-    def _take(self, traj: Trajectory, alone: bool = True) -> tuple[str, str]:
+    def _take(self, traj: Trajectory, alone: bool = True) -> tuple[SampleStatus, str]:
         """One sample into its group or evaluation job: (Ack status, why untrainable or "").
         A sample of a batch gets its own checks here: a bad one fails alone."""
         try:
@@ -312,7 +315,7 @@ class ReplayService(Endpoint):
             self._reject(peer, "rejected_invalid", why, reply=False)
         elif verdict == "replaced":
             self._take_back(msg.server_id, why)
-        status = "rejected" if verdict == "refused" else "ok"
+        status: Literal["rejected", "ok"] = "rejected" if verdict == "refused" else "ok"
         self._send(peer, Ack(request_id=msg.request_id, traj_id="", status=status))
 
     def _on_declare_dead(self, peer: Peer, msg: DeclareDead) -> None:
