@@ -28,6 +28,7 @@ from typing import (
     Any,
     ClassVar,
     Literal,
+    Protocol,
     TypeVar,
     Union,
     get_args,
@@ -41,7 +42,14 @@ from typing_extensions import dataclass_transform
 
 WIRE_VERSION = 1
 
-_REGISTRY: dict[str, type] = {}
+
+class _Message(Protocol):
+    """What `message` gives a class: its wire name."""
+
+    TYPE: ClassVar[str]
+
+
+_REGISTRY: dict[str, type[_Message]] = {}
 _HINTS: dict[type, dict[str, Any]] = {}
 
 
@@ -141,7 +149,7 @@ def encode(msg: Any) -> list[bytes | memoryview]:
         if arr.ndim != 1:
             raise ValueError(f"{cls.TYPE}.{name}: arrays are 1-D, got shape {list(arr.shape)}")
         arrays.append([name, arr.dtype.str, list(arr.shape)])
-        frames.append(memoryview(arr).cast("B"))
+        frames.append(arr.data.cast("B"))
     header = msgpack.packb(
         {"v": WIRE_VERSION, "type": cls.TYPE, "fields": fields, "arrays": arrays}, use_bin_type=True
     )
@@ -223,7 +231,14 @@ def _too_deep(value: Any, limit: int) -> bool:
     return False
 
 
-def _decode_array(cls, spec, frame, hints, array_names, seen) -> dict[str, np.ndarray]:
+def _decode_array(
+    cls: type[_Message],
+    spec: Any,
+    frame: bytes,
+    hints: dict[str, Any],
+    array_names: set[str],
+    seen: dict[str, Any],
+) -> dict[str, np.ndarray]:
     if not (
         isinstance(spec, list)
         and len(spec) == 3
@@ -294,7 +309,7 @@ def _check(value: Any, tp: Any, path: str) -> Any:
                 _check(k, args[0], f"{path}.key"): _check(v, args[1], f"{path}[{short_repr(k)}]")
                 for k, v in value.items()
             }
-    elif dataclasses.is_dataclass(tp):
+    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
         if isinstance(value, dict):
             hints = _hints(tp)
             if set(value) != set(hints):

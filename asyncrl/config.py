@@ -386,10 +386,13 @@ def _format_errors(err: ValidationError) -> str:
         key = ".".join(str(x) for x in e["loc"]) or "(config)"
         msg = e["msg"]
         if e["type"] == "extra_forbidden":
-            section = Config
+            section: type[pydantic.BaseModel] = Config
             for part in e["loc"][:-1]:
-                section = section.model_fields[str(part)].annotation  # type: ignore[assignment]
-            allowed = ", ".join(sorted(section.model_fields))  # type: ignore[union-attr]
+                field = section.model_fields[str(part)].annotation
+                # an unknown key's parents are sections (Config has no unions of sections)
+                assert isinstance(field, type) and issubclass(field, pydantic.BaseModel), field
+                section = field
+            allowed = ", ".join(sorted(section.model_fields))
             msg = f"unknown key (allowed here: {allowed})"
         elif "input" in e and e["type"] != "missing" and e["loc"]:  # not the whole tree
             msg = f"{msg} (got {e['input']!r})"

@@ -53,9 +53,9 @@ def summarize(
     n_min = min(len(v) for v in by_group.values())
     ks = [k for k in (2**i for i in range(11)) if k <= n_min]
     out: dict[str, float] = {}
-    for source in [*sorted(set(source_of.values())), None]:
-        groups = [g for g in by_group if source is None or source_of[g] == source]
-        prefix = "" if source is None else f"{source}/"
+    for only in [*sorted(set(source_of.values())), None]:  # None: every source
+        groups = [g for g in by_group if only is None or source_of[g] == only]
+        prefix = "" if only is None else f"{only}/"
         samples = [s for g in groups for s in by_group[g]]
         out[f"{prefix}mean_score"] = sum(samples) / len(samples)
         out[f"{prefix}num_prompts"] = float(len(groups))

@@ -40,10 +40,16 @@ def adapter_specs(model: torch.nn.Module, lora: LoraConfig, dtype: torch.dtype) 
     """The sync layout of the adapters of `model` (a plain Hugging Face model)."""
     specs = []
     for name in adapter_targets(model, lora):
-        layer = model.get_submodule(name)
+        layer = _linear(model, name)
         specs.append(ParamSpec(f"{name}.lora_A", (lora.rank, layer.in_features), dtype))
         specs.append(ParamSpec(f"{name}.lora_B", (layer.out_features, lora.rank), dtype))
     return specs
+
+
+def _linear(model: torch.nn.Module, name: str) -> torch.nn.Linear:
+    layer = model.get_submodule(name)
+    assert isinstance(layer, torch.nn.Linear), name  # adapter_targets names linear layers only
+    return layer
 
 
 def merged_weight(
@@ -83,9 +89,7 @@ class AdapterMerger:
     def of_model(cls, model: torch.nn.Module, lora: LoraConfig) -> AdapterMerger:
         """Keeps a copy of the targeted layers' current weights of `model` as the base."""
         targets = adapter_targets(model, lora)
-        base = {
-            f"{name}.weight": model.get_submodule(name).weight.detach().clone() for name in targets
-        }
+        base = {f"{name}.weight": _linear(model, name).weight.detach().clone() for name in targets}
         return cls(targets, base, lora.scale)
 
     def check(self, adapters: dict[str, torch.Tensor]) -> None:

@@ -46,7 +46,7 @@ class JsonlWriter:
 
 def read_jsonl(path: str | Path) -> list[dict[str, Any]]:
     """Every complete line of a JSON-lines file (a half-written last line is ignored)."""
-    out = []
+    out: list[dict[str, Any]] = []
     p = Path(path)
     if not p.exists():
         return out

@@ -12,7 +12,7 @@ import dataclasses
 import itertools
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import zmq
 
@@ -40,6 +40,16 @@ class ReplayUnavailable(RuntimeError):
     """The replay did not answer in time."""
 
 
+class _Reply(Protocol):
+    """A reply of the replay, matched to its request by id."""
+
+    @property
+    def request_id(self) -> int: ...
+
+
+_R = TypeVar("_R", bound=_Reply)
+
+
 class ReplayClient:
     def __init__(
         self,
@@ -49,12 +59,12 @@ class ReplayClient:
         max_bytes: int = 1 << 30,
     ):
         self.auth = auth
-        self._ctx = zmq.Context.instance()
+        self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         self._sock = setup_socket(self._ctx, zmq.DEALER, connect=address)
         self._ids = itertools.count(1)
         self.address, self.reply_timeout_s, self.max_bytes = address, reply_timeout_s, max_bytes
 
-    def _request(self, make: Callable[[int], Any], reply_type: type) -> Any:
+    def _request(self, make: Callable[[int], Any], reply_type: type[_R]) -> _R:
         request_id = next(self._ids)
         send_msg(self._sock, make(request_id), auth=self.auth)
         deadline = time.monotonic() + self.reply_timeout_s

@@ -48,6 +48,7 @@ import logging
 import time
 from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass, field
+from typing import Generic, Protocol, TypeVar, cast, overload
 
 import torch
 import torch.distributed as dist
@@ -71,6 +72,20 @@ JOIN, ABANDON = b"join", b"abandon"
 def sync_prefix(server_id: int, epoch: int) -> str:
     """The store prefix of one server epoch's group with learner rank 0."""
     return f"server_{server_id}/epoch_{epoch}"
+
+
+K = TypeVar("K", bound=Hashable)
+"""How a broadcaster's owner keys its members (`learner.sync_fleet`: (server id, epoch))."""
+
+
+class _Backend(Protocol):
+    """The collectives of a gloo or NCCL backend used here (torch's stubs for its `Backend`
+    omit `broadcast` and `allreduce`, which it has at runtime)."""
+
+    def broadcast(self, tensor: torch.Tensor, root: int) -> dist.Work: ...
+    def allreduce(self, tensor: torch.Tensor) -> dist.Work: ...
+    def abort(self) -> None: ...
+    def _set_default_timeout(self, timeout: datetime.timedelta) -> None: ...
 
 
 class GaveUp(RuntimeError):
@@ -102,9 +117,11 @@ class SyncGroup:
         if device.type == "cuda":  # (not run here: no GPU)
             options = dist.ProcessGroupNCCL.Options()
             options._timeout = self.timeout
-            self._pg = dist.ProcessGroupNCCL(store, rank, world_size, options)
+            nccl = dist.ProcessGroupNCCL(store, rank, world_size, options)
+            self._pg: _Backend = nccl  # type: ignore[assignment]  # stubs lack its collectives
         else:
-            self._pg = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+            gloo = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
+            self._pg = gloo  # type: ignore[assignment]  # (as above)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Broadcast `tensor` in place from rank 0."""
@@ -167,7 +184,7 @@ def join_sync_group(
 
 
 @dataclass
-class _Fanout:
+class _Fanout(Generic[K]):
     """One version's collectives on every member's group at once. A member whose collective
     fails or times out is aborted and left out of the rest of the version (`failed`).
 
@@ -179,15 +196,15 @@ class _Fanout:
     blocks until they end; so the group and its collectives go to `abandoned`, to be let go
     once they have ended (they fail when the peer dies, or at their timeout)."""
 
-    live: dict[Hashable, SyncGroup]
-    give_up: Callable[[], dict[Hashable, str]] | None = None
-    failed: dict[Hashable, BaseException] = field(default_factory=dict)
+    live: dict[K, SyncGroup]
+    give_up: Callable[[], dict[K, str]] | None = None
+    failed: dict[K, BaseException] = field(default_factory=dict)
     abandoned: list[tuple[SyncGroup, list[dist.Work]]] = field(default_factory=list)
-    _works: dict[Hashable, list[dist.Work]] = field(default_factory=dict)
-    _given_up: dict[Hashable, str] = field(default_factory=dict)
+    _works: dict[K, list[dist.Work]] = field(default_factory=dict)
+    _given_up: dict[K, str] = field(default_factory=dict)
 
-    def start(self, op: Callable[[SyncGroup], dist.Work]) -> list[tuple[Hashable, dist.Work]]:
-        started = []
+    def start(self, op: Callable[[SyncGroup], dist.Work]) -> list[tuple[K, dist.Work]]:
+        started: list[tuple[K, dist.Work]] = []
         for key, group in list(self.live.items()):
             try:
                 started.append((key, op(group)))
@@ -198,7 +215,7 @@ class _Fanout:
                 self._works.setdefault(key, []).append(started[-1][1])
         return started
 
-    def finish(self, started: list[tuple[Hashable, dist.Work]]) -> None:
+    def finish(self, started: list[tuple[K, dist.Work]]) -> None:
         for key, work in started:
             if key not in self.live:
                 continue
@@ -215,7 +232,7 @@ class _Fanout:
     def run(self, op: Callable[[SyncGroup], dist.Work]) -> None:
         self.finish(self.start(op))
 
-    def _wait(self, key: Hashable, work: dist.Work) -> None:
+    def _wait(self, key: K, work: dist.Work) -> None:
         group = self.live[key]
         if self.give_up is None:
             return group.wait(work)
@@ -233,12 +250,12 @@ class _Fanout:
             nap = min(2 * nap, 0.002)
         return group.wait(work)  # raises if it failed
 
-    def _fail(self, key: Hashable, error: BaseException) -> None:
+    def _fail(self, key: K, error: BaseException) -> None:
         self.failed[key] = error
         self.live.pop(key).abort()
 
 
-class WeightBroadcaster:
+class WeightBroadcaster(Generic[K]):
     """Learner rank 0's side: streams full tensors into buckets and broadcasts each to every
     member's group, concurrently.
 
@@ -247,19 +264,32 @@ class WeightBroadcaster:
     sending and no version pays for fresh memory. A bucket of one tensor (one larger than the
     bucket size, e.g. an embedding) already in the engine's dtype is sent as it is, uncopied."""
 
+    @overload
     def __init__(
-        self,
-        members: SyncGroup | dict[Hashable, SyncGroup],
+        self: WeightBroadcaster[int],
+        members: SyncGroup,
         bucket_bytes: int,
         device: torch.device | None = None,
-    ):
-        self.members = members if isinstance(members, dict) else {0: members}
+    ) -> None: ...
+    @overload
+    def __init__(
+        self, members: dict[K, SyncGroup], bucket_bytes: int, device: torch.device | None = None
+    ) -> None: ...
+    def __init__(
+        self,
+        members: SyncGroup | dict[K, SyncGroup],
+        bucket_bytes: int,
+        device: torch.device | None = None,
+    ) -> None:
+        # a lone group is member 0 (K is int then: the first overload)
+        keyed = members if isinstance(members, dict) else {0: members}
+        self.members = cast("dict[K, SyncGroup]", keyed)
         """The groups a version goes to, by key (the owner may add some between versions); a
         member that fails is removed."""
         self.bucket_bytes = bucket_bytes
         self.device = device or next(iter(self.members.values())).device
         self._staging: dict[torch.dtype, list[torch.Tensor]] = {}
-        self.give_up: Callable[[], dict[Hashable, str]] | None = None
+        self.give_up: Callable[[], dict[K, str]] | None = None
         """Asked while a wait lasts, which members to stop waiting for (`_Fanout`); None: a
         member is waited for up to its group's timeout."""
         self._abandoned: list[tuple[SyncGroup, list[dist.Work]]] = []
@@ -279,7 +309,7 @@ class WeightBroadcaster:
         tensors: Iterator[torch.Tensor],
         version: int,
         probe: DeliveryProbe | None = None,
-    ) -> dict[Hashable, BaseException]:
+    ) -> dict[K, BaseException]:
         """Send one version to every member; returns the members that failed (aborted and
         removed from `members`) with their errors. `tensors` yields the full tensors in `specs`
         order (it may gather them lazily: one bucket's full tensors are alive at a time; it is
@@ -295,15 +325,15 @@ class WeightBroadcaster:
         fan.run(lambda g: g.broadcast_async(header))
         buckets = plan_buckets(specs, self.bucket_bytes)
         staging = self._buffers(buckets)
-        in_flight: dict[int, list] = {}  # id of a staging buffer -> its broadcasts
-        sent_whole: list[tuple[torch.Tensor, list]] = []
+        in_flight: dict[int, list[tuple[K, dist.Work]]] = {}  # id of a staging buffer -> its sends
+        sent_whole: list[tuple[torch.Tensor, list[tuple[K, dist.Work]]]] = []
         for i, bucket in enumerate(buckets):
             parts = [_checked(spec, next(tensors)) for spec in bucket.params]
             if not fan.live:
                 continue  # nobody to send to: the tensors are still gathered (a collective)
             if len(parts) == 1 and parts[0].dtype == bucket.dtype and parts[0].is_contiguous():
                 flat = parts[0].reshape(-1)
-                sent_whole.append((flat, fan.start(lambda g, t=flat: g.broadcast_async(t))))
+                sent_whole.append((flat, fan.start(_broadcast_of(flat))))
                 continue  # one tensor already as the engine wants it: sent uncopied
             buffer = staging[bucket.dtype][i % 2]
             fan.finish(in_flight.pop(id(buffer), []))
@@ -311,7 +341,7 @@ class WeightBroadcaster:
             for spec, t in zip(bucket.params, parts, strict=True):
                 flat[offset : offset + spec.numel].copy_(t.reshape(-1))  # casts to spec.dtype
                 offset += spec.numel
-            in_flight[id(buffer)] = fan.start(lambda g, t=flat: g.broadcast_async(t))
+            in_flight[id(buffer)] = fan.start(_broadcast_of(flat))
         for started in [*in_flight.values(), *(w for _, w in sent_whole)]:
             fan.finish(started)
         if probe is not None:
@@ -323,13 +353,19 @@ class WeightBroadcaster:
         self._abandoned += fan.abandoned
         return fan.failed
 
-    def shutdown(self) -> dict[Hashable, BaseException]:
+    def shutdown(self) -> dict[K, BaseException]:
         """Tell every receiver that no more versions will come; returns the members that
         failed to hear it."""
         fan = _Fanout(dict(self.members))
         header = torch.tensor([SHUTDOWN, 0, 0, 0, 0], dtype=torch.int64).to(self.device)
         fan.run(lambda g: g.broadcast_async(header))
         return fan.failed
+
+
+def _broadcast_of(tensor: torch.Tensor) -> Callable[[SyncGroup], dist.Work]:
+    """The op that starts broadcasting `tensor` on a member's group (bound now, not when the
+    op runs)."""
+    return lambda g: g.broadcast_async(tensor)
 
 
 def all_ended(works: list[dist.Work]) -> bool:

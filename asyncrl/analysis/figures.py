@@ -8,15 +8,17 @@ import json
 import math
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.axis import Axis
     from matplotlib.figure import Figure
+    from matplotlib.typing import RcKeyType
 
 DPI = 150
 # Font sizes chosen to stay legible when a 150-dpi PNG is shown at half size in a report.
-FONT_RC = {
+FONT_RC: dict[RcKeyType, Any] = {
     "font.size": 11,
     "axes.titlesize": 13,
     "axes.labelsize": 11,
@@ -61,7 +63,7 @@ def read_traces(run_dir: Path) -> dict[str, list[Span]]:
     return traces
 
 
-def is_number(value: Any) -> bool:
+def is_number(value: Any) -> TypeGuard[float]:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
@@ -89,6 +91,16 @@ def new_figure(nrows: int = 1, ncols: int = 1, size: tuple[float, float] = (8, 4
     FigureCanvasAgg(fig)
     fig.subplots(nrows, ncols, squeeze=False)
     return fig
+
+
+def integer_ticks(axis: Axis) -> None:
+    """Ticks at whole numbers only (counts, versions) on an axis with matplotlib's default
+    locator."""
+    from matplotlib.ticker import MaxNLocator
+
+    locator = axis.get_major_locator()
+    assert isinstance(locator, MaxNLocator), locator  # the default, AutoLocator, is one
+    locator.set_params(integer=True)
 
 
 def finish_axes(ax: Axes, title: str, xlabel: str, ylabel: str) -> None:

@@ -24,6 +24,7 @@ from typing import Any
 from asyncrl.analysis.figures import (
     FONT_RC,
     finish_axes,
+    integer_ticks,
     is_number,
     new_figure,
     plot_lines,
@@ -91,12 +92,12 @@ def plot_staleness(rows: list[dict[str, Any]], path: Path) -> Path | None:
         # Max is drawn wide and faint underneath, so mean stays visible where the two coincide.
         plot_lines(ax, rows, [("staleness_max", "max")], color="tab:red", linewidth=4, alpha=0.4)
         plot_lines(ax, rows, [("staleness_mean", "mean")], color="tab:blue", marker=".")
-        ax.yaxis.get_major_locator().set_params(integer=True)
+        integer_ticks(ax.yaxis)
         finish_axes(ax, "Staleness of trained samples", "learner step", "staleness (versions)")
     if hist:
         ax = axes.pop(0)
         ax.bar(range(len(hist)), hist, color="tab:purple")
-        ax.xaxis.get_major_locator().set_params(integer=True)
+        integer_ticks(ax.xaxis)
         finish_axes(
             ax, "Staleness histogram (all steps)", "staleness (versions behind)", "trained samples"
         )

@@ -189,9 +189,9 @@ def setup_embedded_task(
 
 def setup_arith_task(data_cfg: Any) -> ArithmeticTask:
     """`data.task=arith`: operands 0..data.task_max_operand, seeded by data.seed."""
-    return setup_embedded_task("arith", data_cfg.task_max_operand, data_cfg.seed)
+    return ArithmeticTask(max_operand=data_cfg.task_max_operand, seed=data_cfg.seed)
 
 
 def setup_arith_tool_task(data_cfg: Any) -> ToolArithmeticTask:
     """`data.task=arith_tool` (for rollout.agent_loop=tool_agent), seeded by data.seed."""
-    return setup_embedded_task("arith_tool", data_cfg.task_max_operand, data_cfg.seed)
+    return ToolArithmeticTask(seed=data_cfg.seed)

@@ -104,7 +104,8 @@ def build_tiny_model(
     )
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = LlamaForCausalLM(config).to(torch.float32)
+        # transformers wraps `to` with functools.wraps(Module.to), which mypy reads unbound
+        model = LlamaForCausalLM(config).to(torch.float32)  # type: ignore[arg-type]
     gen = model.generation_config
     gen.bos_token_id = tokenizer.bos_token_id
     gen.eos_token_id = tokenizer.eos_token_id
