@@ -131,8 +131,8 @@ class _Split(ast.NodeTransformer):
     def visit(self, node: ast.AST) -> Any:
         if not _free_names(node) - _TRUSTED_NAMES:
             return node  # trusted as it is: literals and safe builtins only
-        splittable = (ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Compare, ast.IfExp, ast.Tuple)
-        splittable += (ast.List, ast.Set, ast.Dict, ast.Starred, ast.keyword)
+        splittable: tuple[type[ast.AST], ...] = (ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Compare)
+        splittable += (ast.IfExp, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.Starred, ast.keyword)
         if isinstance(node, splittable):
             return self.generic_visit(node)
         if isinstance(node, ast.Call) and not _free_names(node.func) - _TRUSTED_NAMES:

@@ -223,9 +223,9 @@ class AsyncReplayClient:
                 for traj_id, status in zip(msg.traj_ids, msg.statuses, strict=True):
                     self._acknowledged(traj_id, status)
             elif isinstance(msg, LeaseGrant):
-                fut = self._waiting.get(msg.request_id)
-                if fut is not None and not fut.done():
-                    fut.set_result(msg)
+                waiter = self._waiting.get(msg.request_id)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(msg)
             elif isinstance(msg, Error):
                 self.counters["errors"] += 1
                 log.error("replay rejected a message: %s", msg.reason)

@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import ctypes
+import functools
 import inspect
 import json
 import logging
@@ -414,7 +415,7 @@ class RewardComputer:
             except RuntimeError as e:  # the pool was closed under us (shutdown)
                 batch = loop.create_future()
                 batch.set_exception(e)
-            batch.add_done_callback(lambda done, part=part: _answer(part, done))
+            batch.add_done_callback(functools.partial(_answer, part))
 
     def _call_batch(self, items: list[tuple[FnRef, dict[str, Any]]]) -> list[tuple[Any, ...]]:
         """On a pool thread: borrow an idle worker (there is one per thread), call, give back."""

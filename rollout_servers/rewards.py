@@ -83,8 +83,8 @@ def math_equal(answer: str, ground_truth: str) -> bool:
     # math-verify times itself out with SIGALRM, which only the main thread may use; elsewhere
     # the caller's own timeout (the worker pool's) is the bound
     limit = 5 if threading.current_thread() is threading.main_thread() else None
-    gold = parse(f"${ground_truth}$", parsing_timeout=limit)  # type: ignore[arg-type]
-    pred = parse(f"${answer}$", parsing_timeout=limit)  # type: ignore[arg-type]
+    gold = parse(f"${ground_truth}$", parsing_timeout=limit)
+    pred = parse(f"${answer}$", parsing_timeout=limit)
     return bool(gold and pred and verify(gold, pred, timeout_seconds=limit))
 
 

@@ -156,6 +156,7 @@ class RolloutServer:
         it too."""
         running: list[asyncio.Future] = []
         try:
+            baseline: asyncio.Future[float]
             if ESTIMATORS[self.cfg.algorithm.adv_estimator].greedy_baseline:
                 baseline = asyncio.ensure_future(self._greedy_baseline(prompt))
             else:

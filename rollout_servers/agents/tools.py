@@ -334,11 +334,18 @@ class CalculatorTool(Tool):
 class CodeRunResult(Protocol):
     """What a sandbox run returns (`rollout_servers.sandbox.SandboxResult` has this shape)."""
 
-    status: str  # "ok" | "error" | "timeout" | "oom" | "killed"
-    stdout: str
-    stderr: str
-    exit_code: int | None
-    wall_s: float
+    # Read-only properties, not attributes: a protocol attribute would have to accept any `str`
+    # written to it, which `SandboxResult.status` (a Literal) does not.
+    @property
+    def status(self) -> str: ...  # "ok" | "error" | "timeout" | "oom" | "killed"
+    @property
+    def stdout(self) -> str: ...
+    @property
+    def stderr(self) -> str: ...
+    @property
+    def exit_code(self) -> int | None: ...
+    @property
+    def wall_s(self) -> float: ...
 
 
 class CodeRunner(Protocol):
@@ -392,8 +399,9 @@ class PythonTool(Tool):
                 text = truncate_middle(stream.rstrip("\n"), self.max_output_chars)
                 parts.append(f"{label}:\n{text}")
         metrics = {f"status_{result.status}": 1.0, "wall_s": float(result.wall_s)}
-        if getattr(result, "peak_memory_mb", None) is not None:
-            metrics["peak_memory_mb"] = float(result.peak_memory_mb)
+        peak_memory_mb = getattr(result, "peak_memory_mb", None)  # only the real sandbox has it
+        if peak_memory_mb is not None:
+            metrics["peak_memory_mb"] = float(peak_memory_mb)
         return ToolResponse("\n".join(parts), metrics=metrics)
 
     def close(self) -> None:

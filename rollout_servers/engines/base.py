@@ -112,11 +112,15 @@ class AppliedVersion:
 class Engine(ABC):
     """Samples responses for many concurrent callers and swaps in new weights atomically."""
 
-    busy_s: float = 0.0
-    """Cumulative seconds spent sampling (engines add to it; the server reports idle time)."""
     on_batch: Callable[[float, float, int, int], None] | None = None
     """Called after each busy period (from the first sequence in flight to none; both engines
     batch continuously) with (unix start, seconds, sequences admitted, version at its start)."""
+
+    @property
+    def busy_s(self) -> float:
+        """Cumulative seconds spent sampling (the server reports idle time); engines override
+        it with a counter they add to or a property, one that does not measure it reports 0."""
+        return 0.0
 
     @property
     @abstractmethod

@@ -29,7 +29,7 @@ import time
 from abc import abstractmethod
 from collections.abc import Callable, Coroutine
 from dataclasses import replace
-from typing import Any, Literal, TypeVar
+from typing import Any, Literal, TypeGuard, TypeVar
 
 from asyncrl.delivery_probe import DeliveryProbe
 from rollout_servers.engines.base import Engine, GenerationOutput, SamplingParams, check_delivery
@@ -37,10 +37,16 @@ from rollout_servers.engines.base import Engine, GenerationOutput, SamplingParam
 T = TypeVar("T")
 
 
+def _finished(reason: str) -> TypeGuard[Literal["stop", "length"]]:
+    """A finish reason a `GenerationOutput` may carry (not an abort, nor an engine's own)."""
+    return reason in ("stop", "length")
+
+
 class GatedEngine(Engine):
     """An engine on a private event loop behind a version gate (module docstring)."""
 
     name = "the engine"  # in error messages
+    _vocab: int  # the model's vocabulary size (the delivery check's bound); set by the subclass
 
     def _init_gate(self, version: int, weight_update_mode: Literal["drain", "inflight"]) -> None:
         self._version = version
@@ -124,7 +130,7 @@ class GatedEngine(Engine):
                 if len(tokens) < params.max_new_tokens:
                     continue
                 reason = "length"
-            if reason not in ("stop", "length"):
+            if not _finished(reason):
                 raise RuntimeError(f"{self.name} finished a request with reason {reason!r}")
             first = versions[0] if versions else version
             mixed = versions if len(set(versions)) > 1 else None

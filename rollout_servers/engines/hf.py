@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Literal, cast
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, PreTrainedModel
 
 from asyncrl.dtypes import torch_dtype
 from asyncrl.learner_config import LoraConfig
@@ -118,6 +118,9 @@ class HFEngine(HFVersionGate):
     requests cannot hold a version back: drain mode stops admitting until it is applied.
     """
 
+    busy_s: float = 0.0
+    """Seconds the sampling loop spent admitting and stepping rows (`Engine.busy_s`)."""
+
     def __init__(
         self,
         model_path: str | Path,
@@ -133,9 +136,10 @@ class HFEngine(HFVersionGate):
         self.inflight_kv = inflight_kv
         self.max_batch_size = max_batch_size
         where = torch.device(device)
-        model = AutoModelForCausalLM.from_pretrained(
+        # transformers wraps `PreTrainedModel.to` in a decorator its stubs type as unbound
+        model: PreTrainedModel = AutoModelForCausalLM.from_pretrained(
             model_path, dtype=torch_dtype(dtype), attn_implementation=ATTN_IMPLEMENTATION
-        ).to(where)
+        ).to(where)  # type: ignore[arg-type]
         model.eval()
         self._init_gate(model, where, version, lora, weight_update_mode)
         config = model.config

@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import DynamicCache
-from transformers.cache_utils import DynamicLayer
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import CacheLayerMixin, DynamicLayer
 
 Prefilled = tuple[torch.Tensor, DynamicCache, torch.Tensor]
 """Next-token logits, KV cache and attention mask of left-padded rows."""
@@ -43,24 +43,27 @@ class GrowingLayer(DynamicLayer):
         if not self.is_initialized or self.keys is None or self.keys.numel() == 0:
             self.lazy_initialization(key_states, value_states)
             self._rebuffer(key_states[..., :0, :], value_states[..., :0, :], new)
-        elif not self._views_current() or self._end + new > self._keys_buf.shape[-2]:
-            self._rebuffer(self.keys, self.values, new)
-        self._keys_buf[..., self._end : self._end + new, :] = key_states
-        self._values_buf[..., self._end : self._end + new, :] = value_states
+        elif not self._views_current() or self._end + new > self._buffers()[0].shape[-2]:
+            self._rebuffer(*_filled(self), new)
+        keys_buf, values_buf = self._buffers()
+        keys_buf[..., self._end : self._end + new, :] = key_states
+        values_buf[..., self._end : self._end + new, :] = value_states
         self._end += new
-        self.keys = self._keys_buf[..., self._start : self._end, :]
-        self.values = self._values_buf[..., self._start : self._end, :]
+        self.keys = keys_buf[..., self._start : self._end, :]
+        self.values = values_buf[..., self._start : self._end, :]
         return self.keys, self.values
 
     def trim_front(self, columns: int) -> None:
         """Drop the first `columns` sequence columns (padding no row needs any more)."""
         if self._views_current():
             self._start += columns
-        self.keys, self.values = self.keys[..., columns:, :], self.values[..., columns:, :]
+        keys, values = _filled(self)
+        self.keys, self.values = keys[..., columns:, :], values[..., columns:, :]
 
     def batch_select_indices(self, indices: torch.Tensor) -> None:
         if self._views_current():  # select from the buffers, keeping their room
-            self._keys_buf, self._values_buf = self._keys_buf[indices], self._values_buf[indices]
+            keys_buf, values_buf = self._buffers()
+            self._keys_buf, self._values_buf = keys_buf[indices], values_buf[indices]
             self.keys = self._keys_buf[..., self._start : self._end, :]
             self.values = self._values_buf[..., self._start : self._end, :]
         else:
@@ -78,6 +81,11 @@ class GrowingLayer(DynamicLayer):
             )
         )
 
+    def _buffers(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The key and value buffers: `_rebuffer` makes both before any view into them."""
+        assert self._keys_buf is not None and self._values_buf is not None
+        return self._keys_buf, self._values_buf
+
     def _rebuffer(self, keys: torch.Tensor, values: torch.Tensor, adding: int) -> None:
         have = keys.shape[-2]
         room = have + adding + max(64, (have + adding) // 2)
@@ -89,7 +97,7 @@ class GrowingLayer(DynamicLayer):
         self._start, self._end = 0, have
 
 
-def merges_caches(model: torch.nn.Module) -> bool:
+def merges_caches(model: PreTrainedModel) -> bool:
     """Whether the model's caches can be padded and merged: only plain full-attention layers
     can (sliding windows and linear attention cannot; such models batch statically)."""
     probe = DynamicCache(config=model.config)
@@ -97,7 +105,7 @@ def merges_caches(model: torch.nn.Module) -> bool:
 
 
 def forward_whole(
-    model: torch.nn.Module, seq: torch.Tensor, mask: torch.Tensor
+    model: PreTrainedModel, seq: torch.Tensor, mask: torch.Tensor
 ) -> tuple[torch.Tensor, DynamicCache]:
     """The next-token logits of every row after a forward of its whole sequence, and the cache
     that forward filled."""
@@ -133,8 +141,10 @@ def concat_prefilled(a: Prefilled, b: Prefilled) -> Prefilled:
     (logits_a, cache_a, mask_a), (logits_b, cache_b, mask_b) = a, b
     width = max(mask_a.shape[1], mask_b.shape[1])
     for mine, theirs in zip(cache_a.layers, cache_b.layers, strict=True):
-        mine.keys = torch.cat([pad_left(mine.keys, width), pad_left(theirs.keys, width)])
-        mine.values = torch.cat([pad_left(mine.values, width), pad_left(theirs.values, width)])
+        assert isinstance(mine, DynamicLayer) and isinstance(theirs, DynamicLayer), "merges_caches"
+        (keys_a, values_a), (keys_b, values_b) = _filled(mine), _filled(theirs)
+        mine.keys = torch.cat([pad_left(keys_a, width), pad_left(keys_b, width)])
+        mine.values = torch.cat([pad_left(values_a, width), pad_left(values_b, width)])
     mask = torch.cat([pad_left(mask_a, width), pad_left(mask_b, width)])
     return torch.cat([logits_a, logits_b]), cache_a, mask
 
@@ -145,7 +155,16 @@ def trim_front(cache: DynamicCache, columns: int) -> None:
         if isinstance(layer, GrowingLayer):
             layer.trim_front(columns)
         else:
-            layer.keys, layer.values = layer.keys[..., columns:, :], layer.values[..., columns:, :]
+            assert isinstance(layer, CacheLayerMixin), "only attention layers trim (merges_caches)"
+            keys, values = _filled(layer)
+            layer.keys, layer.values = keys[..., columns:, :], values[..., columns:, :]
+
+
+def _filled(layer: CacheLayerMixin) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of an attention layer a forward has filled (caches are merged and
+    trimmed only after `forward_whole`)."""
+    assert layer.keys is not None and layer.values is not None, "an empty cache layer"
+    return layer.keys, layer.values
 
 
 def pad_left(x: torch.Tensor, width: int) -> torch.Tensor:

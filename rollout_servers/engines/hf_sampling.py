@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
+from transformers import PreTrainedModel
 
 from rollout_servers.engines.base import SamplingParams
 from rollout_servers.engines.hf_kv_cache import (
@@ -150,7 +151,7 @@ class Cohort:
             self.mask = self.mask[:, lead:]
             trim_front(self.cache, lead)
 
-    def advance(self, model: torch.nn.Module) -> None:
+    def advance(self, model: PreTrainedModel) -> None:
         """Feed the tokens just sampled: one decode step over the cache."""
         assert self.next_ids is not None, "advance after sample"
         self.mask = torch.cat([self.mask, self.mask.new_ones((len(self.rows), 1))], dim=1)
@@ -189,7 +190,7 @@ class LiveBatch:
 
     def __init__(
         self,
-        model: torch.nn.Module,
+        model: PreTrainedModel,
         eos_ids: frozenset[int],
         pad_id: int,
         generator: torch.Generator,
@@ -277,7 +278,7 @@ class LiveBatch:
 
 
 def _prefill(
-    model: torch.nn.Module,
+    model: PreTrainedModel,
     seqs: list[list[int]],
     pad_id: int,
     device: torch.device,

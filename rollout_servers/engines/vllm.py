@@ -47,7 +47,7 @@ from typing import Any, Literal
 
 import torch
 import zmq
-from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from asyncrl.config import VLLMConfig
 from asyncrl.delivery_probe import DeliveryProbe
@@ -73,7 +73,7 @@ from rollout_servers.engines.vllm_notices import (
 WORKER_EXTENSION = "rollout_servers.engines.vllm_worker.WeightSyncExtension"
 
 
-def meta_model(model_path: str | Path, dtype: str = "float32") -> torch.nn.Module:
+def meta_model(model_path: str | Path, dtype: str = "float32") -> PreTrainedModel:
     """The Hugging Face model of `model_path`'s config on the meta device (no weights)."""
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
@@ -199,7 +199,7 @@ class VLLMEngine(GatedEngine):
 
     # ---- weights ----------------------------------------------------------------------------
     def follow_learner(self, target: SyncTarget) -> Iterator[AppliedVersion]:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         notices = ctx.socket(zmq.PULL)
         # in a directory only this uid can enter: no other local user can send a notice
         private = Path(tempfile.mkdtemp(prefix="asyncrl-vllm-"))

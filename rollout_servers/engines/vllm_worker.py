@@ -29,7 +29,8 @@ import logging
 import threading
 import time
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import zmq
@@ -67,6 +68,11 @@ def _quiet_partial(lora: MergedVersions | None) -> Iterator[None]:
 class WeightSyncExtension:
     """Methods vLLM adds to its worker; `self` is the worker (model_runner, device, vllm_config)."""
 
+    # the worker's attributes these methods use (annotations only: vLLM's worker sets them)
+    model_runner: Any  # vLLM's GPU/CPU model runner (`.model`, `.model_config`)
+    device: torch.device
+    vllm_config: Any
+
     def asyncrl_join_sync_group(self, payload: bytes) -> None:
         """Start the receiver thread: it joins the weight sync as `payload` says (a packed
         `vllm_join.JoinWeightSync`: as server `server_id`, `epoch`, or as `rank` of a plain
@@ -93,7 +99,7 @@ class WeightSyncExtension:
         self._asyncrl_thread.start()
 
     def _asyncrl_receive_loop(self, join: JoinWeightSync) -> None:
-        ctx = zmq.Context.instance()
+        ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
         notify = ctx.socket(zmq.PUSH)
         notify.setsockopt(zmq.LINGER, 2000)
         notify.connect(join.notify_address)
@@ -144,7 +150,7 @@ class WeightSyncExtension:
             raise RuntimeError(f"asyncrl_apply({version}): the staged version is {have}")
         start = time.perf_counter()
         lora = self._asyncrl_lora
-        buckets = staged.buckets
+        buckets: Sequence[Iterable[tuple[str, torch.Tensor]]] = staged.buckets
         if lora is not None:  # adapters checked before the model is touched, merged lazily
             buckets = [lora.weights(staged.weights)]
         model = self.model_runner.model
