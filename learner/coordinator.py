@@ -20,6 +20,7 @@ from typing import Protocol
 
 import torch
 
+from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.metrics import StageTimer
 from asyncrl.protocol import Batch
 from asyncrl.weight_sync import ParamSpec
@@ -36,7 +37,7 @@ class Weights:
     tensors: Iterator[tuple[str, torch.Tensor]]
     """(name, full tensor) in `specs` order (`learner.fsdp.sync_tensors`). Gathering them is a
     collective: every rank must drain this iterator, in step."""
-    probe: torch.Tensor | None = None
+    probe: DeliveryProbe | None = None
     """The delivery probe the engines check the version against (`learner.delivery`)."""
 
 
