@@ -9,6 +9,7 @@ from asyncrl.config import Config, LearnerConfig
 from asyncrl.delivery_probe import DeliveryProbe, probe_ids
 from learner.batch import TrainBatch
 from learner.forward import layout_of, policy_forward
+from learner.fsdp import hf_config
 
 FP32_TOLERANCE = 1e-4
 """Mean absolute log-prob difference allowed when learner and engine both compute in fp32."""
@@ -32,7 +33,7 @@ def delivery_probe(
     """The policy's log-probs of the probe ids after the first, and the tolerance its precision
     and the engine's allow. A forward of the policy: under FSDP every rank must call it, in
     step."""
-    ids = torch.tensor([probe_ids(model.config.vocab_size)])
+    ids = torch.tensor([probe_ids(hf_config(model).vocab_size)])
     n = ids.shape[1]
     batch = TrainBatch(
         input_ids=ids,

@@ -15,9 +15,20 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
 from torch.distributed.tensor import DTensor
-from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForTokenClassification
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForTokenClassification,
+    PreTrainedConfig,
+)
 
 from asyncrl.binds import bind_collectives_to, setup_store
 from asyncrl.config import LearnerConfig
@@ -90,19 +101,26 @@ def setup_model(
             )
     if dist.get_world_size() == 1 and lc.dtype == "float32" and not lc.offload:
         return model  # nothing to shard or cast: FSDP's hooks would be pure cost (~13% here)
-    options = {}
+    mp_policy = MixedPrecisionPolicy()  # fully_shard's defaults: no cast, no offload
     if lc.dtype == "bfloat16":
-        options["mp_policy"] = MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32
-        )
+        mp_policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    offload_policy = OffloadPolicy()
     if lc.offload:
-        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        offload_policy = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     layer_classes = set(getattr(model, "_no_split_modules", None) or [])
     for module in model.modules():
         if type(module).__name__ in layer_classes:
-            fully_shard(module, **options)
-    fully_shard(model, **options)
+            fully_shard(module, mp_policy=mp_policy, offload_policy=offload_policy)
+    fully_shard(model, mp_policy=mp_policy, offload_policy=offload_policy)
     return model
+
+
+def hf_config(model: torch.nn.Module) -> PreTrainedConfig:
+    """The Hugging Face config of a model from `setup_model` (or `learner.lora.add_adapters`:
+    peft forwards `config` to the model it wraps)."""
+    config = model.config
+    assert isinstance(config, PreTrainedConfig), f"{type(model).__name__} has no HF config"
+    return config
 
 
 def attention_implementation(lc: LearnerConfig, device: torch.device) -> str:

@@ -148,7 +148,7 @@ def step_record(
     batch, timer, version = step.batch, step.timer, step.version
     lengths = [int(x) for x in msg.response_offsets[1:] - msg.response_offsets[:-1]]
     gen_tokens = float(batch.loss_mask.sum())
-    record = {
+    record: dict[str, Any] = {
         "step": version + 1,
         "version": version + 1,
         "time": time.time(),

@@ -26,7 +26,7 @@ def add_adapters(model: torch.nn.Module, lora: LoraConfig) -> torch.nn.Module:
     targets = adapter_targets(model, lora)  # fails early, naming the option, when none match
     config = PeftLoraConfig(
         r=lora.rank,
-        lora_alpha=lora.alpha,
+        lora_alpha=lora.alpha,  # type: ignore[arg-type]  # peft says int; it only divides by it
         lora_dropout=lora.dropout,
         target_modules=sorted({t.rsplit(".", 1)[-1] for t in targets}),
         bias="none",

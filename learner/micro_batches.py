@@ -110,7 +110,10 @@ def plan_micro_batches(
     rank gets the same number of them (their tensors on `tokens`' device). Pass `groups` and
     `prompts` when a group's rows share their prompt in the forward."""
     tokens_ = tokens.tolist()
-    shared = (groups.tolist(), prompts.tolist()) if groups is not None else (None, None)
+    shared: tuple[list[int] | None, list[int] | None] = (None, None)
+    if groups is not None:
+        assert prompts is not None, "groups and prompts are passed together"
+        shared = (groups.tolist(), prompts.tolist())
     units = make_units(rows.tolist(), tokens_, micro_rows, max_tokens, *shared)
     per_rank = [cut(part, micro_rows, max_tokens) for part in balance(units, world)]
     count = max(1, max(len(bins) for bins in per_rank))

@@ -106,7 +106,7 @@ def pack_rows(
     device, b = input_ids.device, len(lengths)
     rows_ = torch.arange(b, device=device)
     share = prompt_lengths is not None and group_index is not None
-    if share:
+    if prompt_lengths is not None and group_index is not None:  # i.e. share
         prompt = torch.minimum(prompt_lengths.to(device), lengths)
         owner = prompt_owners(input_ids, prompt, group_index)
     else:

@@ -204,7 +204,7 @@ class SyncFleet:
         return wanted
 
     def _join(self, server: int, epoch: int, store: dist.Store, version: int) -> None:
-        store.set("answer", JOIN)
+        store.set("answer", JOIN)  # type: ignore[arg-type]  # torch stubs say str; bytes work
         try:
             # connecting is bounded by the join bound: a server that died between `ready` and
             # the rendezvous must not hold the learner for the long op bound
@@ -218,7 +218,8 @@ class SyncFleet:
 
     def _abandon(self, server: int, epoch: int, version: int, reason: str) -> None:
         """Answer `abandon`, so that the server fails at once should it come later."""
-        dist.PrefixStore(sync_prefix(server, epoch), self.store).set("answer", ABANDON)
+        store = dist.PrefixStore(sync_prefix(server, epoch), self.store)
+        store.set("answer", ABANDON)  # type: ignore[arg-type]  # torch stubs say str; bytes work
         self._event("not_joined", server, epoch, version, reason)
 
     def _event(self, event: str, server: int, epoch: int, version: int, reason: str = "") -> None:

@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from asyncrl.advantages import ESTIMATORS, compute_advantages, outcome_token_rewards
 from asyncrl.config import Config
+from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.dtypes import torch_dtype
 from asyncrl.metrics import StageTimer
 from asyncrl.run_spec import RunSpec
@@ -38,7 +39,7 @@ from learner.checkpoint import load_checkpoint, save_checkpoint, save_final_weig
 from learner.coordinator import Coordinator, Follower, StepOutcome, Weights
 from learner.delivery import delivery_probe, wants_probe
 from learner.forward import policy_forward, value_forward
-from learner.fsdp import setup_distributed, setup_model, sync_specs, sync_tensors
+from learner.fsdp import hf_config, setup_distributed, setup_model, sync_specs, sync_tensors
 from learner.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from learner.leader import setup_leader
 from learner.losses import importance_weights, mismatch_kl, rejection_mask
@@ -96,7 +97,7 @@ class Learner:
             self.critic,
             self.critic_optimizer,
         )
-        self.pad_id = self.model.config.pad_token_id or 0
+        self.pad_id = hf_config(self.model).pad_token_id or 0
         self._last_step_end = time.perf_counter()
 
     # ---- stages -------------------------------------------------------------------------
@@ -223,7 +224,7 @@ class Learner:
             probe = delivery_probe(self.model, lc, self.cfg.rollout.dtype, self.device)
         return self.coordinator.deliver_weights(self.weights(version, probe))
 
-    def weights(self, version: int, probe: torch.Tensor | None = None) -> Weights:
+    def weights(self, version: int, probe: DeliveryProbe | None = None) -> Weights:
         """The weights a version carries (a collective to drain: every rank, in step)."""
         return Weights(version, self.specs, sync_tensors(self.model), probe)
 

@@ -150,6 +150,8 @@ class Updater:
         plan = self.plan(batch, rows)
         sums = torch.zeros(9, device=self.device)
         ratio_max = torch.zeros((), device=self.device)
+        anchor = inputs.proximal if algo.decoupled else inputs.old_logprobs
+        assert anchor is not None, "decoupled: the proximal log-probs were recomputed"
         for i, micro in enumerate(plan):
             idx, mb, w = micro.rows, batch.select(micro.rows), micro.weights
             set_gradient_sync(self.model, i == len(plan) - 1)
@@ -157,6 +159,7 @@ class Updater:
             logp, entropy = policy_forward(
                 self.model, mb, self.temperature, True, self.layout, algo.entropy_coeff > 0
             )
+            assert entropy is not None  # asked for (with_entropy=True)
             per_token, st = self._policy_loss(logp, idx, inputs, m)
             num, _ = aggregate_loss(per_token, m, algo.loss_agg_mode, horizon)
             loss = num
@@ -170,7 +173,6 @@ class Updater:
                 loss = loss + algo.kl_loss_coef * kl_num
             (loss * scale).backward()
             with torch.no_grad():
-                anchor = inputs.proximal if algo.decoupled else inputs.old_logprobs
                 ratio = torch.exp(logp - anchor[idx])
                 sums += torch.stack(
                     [
@@ -245,6 +247,8 @@ class Updater:
     def _critic_step(self, batch, inputs: UpdateInputs, rows, plan: list[MicroBatch]):
         """One optimizer step of the critic on `value_token_loss`, token-mean over the rows."""
         c = self.algo.value_clip
+        old_values, returns = inputs.old_values, inputs.returns
+        assert old_values is not None and returns is not None, "a critic's inputs have them (gae)"
         tokens = float(batch.loss_mask[:, 1:][rows].sum().clamp(min=1))
         scale = self.world / tokens
         sums = torch.zeros(3, device=self.device)
@@ -253,7 +257,7 @@ class Updater:
             set_gradient_sync(self.critic, i == len(plan) - 1)
             m = batch.loss_mask[:, 1:][idx] * w[:, None]
             v = value_forward(self.critic, mb, self.layout)
-            per_token, st = value_token_loss(v, inputs.old_values[idx], inputs.returns[idx], m, c)
+            per_token, st = value_token_loss(v, old_values[idx], returns[idx], m, c)
             (per_token.sum() * scale).backward()
             with torch.no_grad():
                 sums += torch.stack([per_token.sum(), st["clipped_tokens"], (v * m).sum()])
