@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -113,7 +114,7 @@ class MultiLogger:
             lg.close()
 
 
-def setup_loggers(names: list[str], run_dir: Path, config: dict[str, Any]) -> MultiLogger:
+def setup_loggers(names: Sequence[str], run_dir: Path, config: dict[str, Any]) -> MultiLogger:
     """The loggers named in `trainer.logger` (metrics.jsonl always included)."""
     loggers: list[MetricsLogger] = [JsonlLogger(run_dir / "metrics.jsonl")]
     for name in dict.fromkeys(names):

@@ -13,7 +13,7 @@ import ipaddress
 import random
 import socket
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import zmq
 
@@ -112,16 +112,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     return free_ports(host, 1)[0]
 
 
+_S = TypeVar("_S", bound="zmq.Socket[Any]")
+
+
 def setup_socket(
-    ctx: zmq.Context,
+    ctx: zmq.Context[_S],
     kind: int,
     *,
     bind: str | None = None,
     connect: str | None = None,
     allow_remote: bool = False,
     max_frame_bytes: int = -1,
-) -> zmq.Socket:
-    """A socket that never blocks process exit (LINGER 0), bound or connected. A peer that
+) -> _S:
+    """A socket (of the context's kind: an asyncio context gives an asyncio socket) that never
+    blocks process exit (LINGER 0), bound or connected. A peer that
     sends a frame over `max_frame_bytes` (-1: no limit) is disconnected by ZeroMQ before the
     frame is buffered (MAXMSGSIZE: set before bind, as a listener copies its options)."""
     sock = ctx.socket(kind)

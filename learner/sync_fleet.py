@@ -100,7 +100,9 @@ class SyncFleet:
         bind_collectives_to(host)
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = setup_store(host, port, None, True, timeout)
-        self.broadcaster = WeightBroadcaster({}, bucket_bytes, device)
+        self.broadcaster: WeightBroadcaster[tuple[int, int]] = WeightBroadcaster(
+            {}, bucket_bytes, device
+        )
         if health is not None:
             self.broadcaster.give_up = self._silent_members
         self._tried: dict[int, int] = {}  # server id -> newest epoch asked to join

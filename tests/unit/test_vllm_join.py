@@ -25,7 +25,6 @@ from rollout_servers.engines.vllm_join import (
     join_message,
     pack_join,
     param_specs,
-    torch_dtype,
     unpack_join,
 )
 from rollout_servers.engines.vllm_lora import MergedVersions
