@@ -246,7 +246,8 @@ def main() -> int:
     import torch
     from transformers import AutoTokenizer
 
-    from rollout_servers.engines.hf import HFEngine, SamplingParams
+    from rollout_servers.engines.base import SamplingParams
+    from rollout_servers.engines.hf import HFEngine
 
     torch.manual_seed(args.seed)
     tokenizer = AutoTokenizer.from_pretrained(args.model)

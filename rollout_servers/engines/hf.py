@@ -31,24 +31,12 @@ from transformers import AutoModelForCausalLM, PreTrainedModel
 from asyncrl.dtypes import torch_dtype
 from asyncrl.learner_config import LoraConfig
 from rollout_servers.engines.base import (
-    AppliedVersion,
     DeliveryError,
-    Engine,
     GenerationOutput,
     SamplingParams,
-    SyncTarget,
 )
 from rollout_servers.engines.hf_sampling import AdmitError, InflightKV, LiveBatch, Row
 from rollout_servers.engines.hf_versions import HFVersionGate
-
-__all__ = [  # the engine interface's types come with the engine
-    "AppliedVersion",
-    "Engine",
-    "GenerationOutput",
-    "HFEngine",
-    "SamplingParams",
-    "SyncTarget",
-]
 
 ATTN_IMPLEMENTATION = "sdpa"
 """Attention kernel of the HF engine; its log-probs match a right-padded sdpa or eager forward

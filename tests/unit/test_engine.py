@@ -12,7 +12,8 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
-from rollout_servers.engines.hf import GenerationOutput, HFEngine, SamplingParams
+from rollout_servers.engines.base import GenerationOutput, SamplingParams
+from rollout_servers.engines.hf import HFEngine
 
 EMIT_ID = 50  # the token the "always emits" model samples; not EOS
 

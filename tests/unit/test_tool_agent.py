@@ -38,7 +38,7 @@ from rollout_servers.agents.tool_agent import (
     parse_tool_calls,
 )
 from rollout_servers.agents.tools import CalculatorTool, Tool, ToolResponse, ToolSet
-from rollout_servers.engines.hf import (
+from rollout_servers.engines.base import (
     AppliedVersion,
     Engine,
     GenerationOutput,
