@@ -194,6 +194,12 @@ class LaunchConfig(_Section):
     """Replay service port; 0 picks a free one."""
     weight_sync_port: int = Field(0, ge=0, le=65535)
     """Weight broadcast rendezvous port; 0 picks a free one."""
+    weight_transport: Literal["auto", "cuda_ipc", "shm", "nccl", "gloo"] = "auto"
+    """How each version reaches each rollout server (docs/gpus.md). `auto` picks per server at
+    its join: `cuda_ipc` when it shares learner rank 0's GPU, `shm` (a shared-memory staging
+    buffer) when it shares the host otherwise, `nccl` between GPUs of different hosts, `gloo`
+    otherwise. Naming one forces it for every server; one that cannot work for a server fails
+    its join, naming this key."""
     threads_per_process: int = Field(0, ge=0)
     """Torch intra-op threads per compute process; 0 splits the cores between them."""
     startup_timeout_s: float = Field(300.0, gt=0)
