@@ -297,6 +297,9 @@ def _check(value: Any, tp: Any, path: str) -> Any:
     elif tp is str:
         if isinstance(value, str):
             return value
+    elif tp is bytes:
+        if isinstance(value, bytes):
+            return value
     elif origin is Literal:
         if value in args:
             return value

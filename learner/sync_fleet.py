@@ -50,14 +50,10 @@ from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.metrics import JsonlWriter
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
-from asyncrl.weight_sync import (
-    ABANDON,
-    JOIN,
-    ParamSpec,
-    SyncGroup,
-    WeightBroadcaster,
-    sync_prefix,
-)
+from asyncrl.sync_group import SyncGroup, answer, read_place, sync_prefix
+from asyncrl.weight_layout import plan_buckets
+from asyncrl.weight_sync import ParamSpec, WeightBroadcaster
+from asyncrl.weight_transport import choose_transport, place_of, slot_offsets
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -85,18 +81,23 @@ class SyncFleet:
         health: Callable[[], list[ServerHealth]] | None = None,
         give_up_s: float = float("inf"),
         declare_dead: Callable[[int, int, str], None] | None = None,
+        transport: str = "auto",
     ):
         """`server_epochs`: server id -> epoch of each server alive now (the replay's view).
         `timeout_s`: a later join waits this long; `first_join_s`: the first version's join;
         `op_timeout_s`: a member's collective (default `timeout_s`). `health`: the replay's
         report of every server (`ReplayClient.server_health`), asked while a wait lasts; a
         member silent for `give_up_s` is given up. `declare_dead(server, epoch, reason)`: told
-        of every member dropped."""
+        of every member dropped. `transport`: `launch.weight_transport` (each member's is
+        chosen at its join from where it is and where this process is:
+        `asyncrl.weight_transport.choose_transport`)."""
         self.host, self.num_servers, self.device = host, num_servers, device
         self.server_epochs, self.events = server_epochs, events
         self.health, self.give_up_s, self.declare_dead = health, give_up_s, declare_dead
         self.timeout_s, self.first_join_s = timeout_s, first_join_s
         self.op_timeout_s = op_timeout_s or timeout_s
+        self.transport, self.place = transport, place_of(device)
+        self._version_bytes = 0  # of the version being sent (whether /dev/shm can hold one)
         bind_collectives_to(host)
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = setup_store(host, port, None, True, timeout)
@@ -122,6 +123,7 @@ class SyncFleet:
     ) -> dict[int, int]:
         """Join new server epochs, then send `version` to every member (`WeightBroadcaster`);
         returns the members that have it (server id -> epoch)."""
+        self._version_bytes = slot_offsets(plan_buckets(specs, self.broadcaster.bucket_bytes))[1]
         self.maybe_join(version)
         failed = self.broadcaster.broadcast(specs, tensors, version, probe)
         for (server, epoch), error in failed.items():
@@ -206,25 +208,45 @@ class SyncFleet:
         return wanted
 
     def _join(self, server: int, epoch: int, store: dist.Store, version: int) -> None:
-        store.set("answer", JOIN)  # type: ignore[arg-type]  # torch stubs say str; bytes work
+        """Choose the member's transport from its place and answer; a place that cannot be
+        read, or a forced transport that cannot join it, abandons it (its own failure)."""
+        try:
+            place = read_place(store)
+            transport, why = choose_transport(
+                self.place, place, self.transport, self._version_bytes
+            )
+        except ValueError as e:  # a garbled place (ProtocolError), or no transport
+            self._abandon(server, epoch, version, str(e))
+            return
+        answer(store, True, transport, why)
         try:
             # connecting is bounded by the join bound: a server that died between `ready` and
             # the rendezvous must not hold the learner for the long op bound
-            group = SyncGroup(self.host, 0, 0, 2, self.device, self.timeout_s, store=store)
+            group = SyncGroup(
+                self.host, 0, 0, 2, self.device, self.timeout_s, store=store, transport=transport
+            )
         except Exception as e:  # it left between `ready` and the rendezvous: its own failure
             self._event("not_joined", server, epoch, version, _reason(e, self.timeout_s))
             return
         group.set_op_timeout(self.op_timeout_s)
         self.broadcaster.members[(server, epoch)] = group
-        self._event("joined", server, epoch, version)
+        self._event("joined", server, epoch, version, f"over {transport}: {why}", transport)
 
     def _abandon(self, server: int, epoch: int, version: int, reason: str) -> None:
-        """Answer `abandon`, so that the server fails at once should it come later."""
+        """Answer abandon, so that the server fails at once should it come later."""
         store = dist.PrefixStore(sync_prefix(server, epoch), self.store)
-        store.set("answer", ABANDON)  # type: ignore[arg-type]  # torch stubs say str; bytes work
+        answer(store, False, "gloo", reason)
         self._event("not_joined", server, epoch, version, reason)
 
-    def _event(self, event: str, server: int, epoch: int, version: int, reason: str = "") -> None:
+    def _event(
+        self,
+        event: str,
+        server: int,
+        epoch: int,
+        version: int,
+        reason: str = "",
+        transport: str = "",
+    ) -> None:
         level = logging.INFO if event == "joined" else logging.WARNING
         why = f": {reason}" if reason else ""
         line = "weight sync: server %d epoch %d %s at version %d%s"
@@ -238,6 +260,7 @@ class SyncFleet:
                     "epoch": epoch,
                     "version": version,
                     "reason": reason,
+                    "transport": transport,
                 }
             )
 
@@ -268,6 +291,7 @@ def setup_sync_fleet(cfg: Config, spec: RunSpec, device: torch.device, replay) -
         health=replay.server_health,
         give_up_s=min(cfg.launch.sync_give_up_s, cfg.launch.server_timeout_s),
         declare_dead=replay.declare_dead,
+        transport=cfg.launch.weight_transport,
     )
 
 

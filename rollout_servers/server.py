@@ -5,7 +5,7 @@ Components (built by `rollout_servers.factories.setup_rollout_server`, driven by
 - engine (`engines/`, behind `engines/base.py`'s `Engine`): batched sampling shared by every
   agent loop; applies a weight version atomically and tags each sampled token with the version
   that produced it.
-- weight receiver (a thread over `asyncrl.weight_sync.WeightReceiver`): joins the learner's
+- weight receiver (a thread over `asyncrl.weight_receiver.WeightReceiver`): joins the learner's
   weight sync as this server's epoch (`ASYNCRL_SERVER_EPOCH`, 0 at the first start, one more
   per restart: a restarted server rejoins without stopping the others) and hands each complete
   version to the engine.

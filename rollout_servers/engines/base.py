@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # the launcher checks agent-loop names through this module: n
     import torch
 
     from asyncrl.delivery_probe import DeliveryProbe
+    from asyncrl.weight_transport import Transport
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,7 @@ class GenerationOutput:
 
 @dataclass(frozen=True)
 class SyncTarget:
-    """Where an engine joins the learner's weight sync (`asyncrl.weight_sync.join_sync_group`).
+    """Where an engine joins the learner's weight sync (`asyncrl.sync_group.join_sync_group`).
 
     A rollout server names itself (`server_id`, `epoch`) and joins its own group with learner
     rank 0, as rank 1 of 2, on the learner's store at host:port. Without `server_id` (tests and
@@ -99,6 +100,9 @@ class SyncTarget:
     epoch: int = 0
     """Which start of this server this is (0 first, one more per restart): a restarted server
     joins under a new prefix, without stopping the others."""
+    transport: Transport | None = None
+    """Without `server_id`: the plain group's transport (`asyncrl.weight_transport`; default
+    nccl on a GPU, gloo on the CPU). With it, the learner chooses at the join."""
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,9 @@ from transformers import PreTrainedModel
 from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.learner_config import LoraConfig
 from asyncrl.lora import AdapterMerger, adapter_specs
-from asyncrl.weight_sync import WeightReceiver, join_sync_group, specs_of, weights_checksum
+from asyncrl.sync_group import join_sync_group
+from asyncrl.weight_receiver import WeightReceiver
+from asyncrl.weight_sync import specs_of, weights_checksum
 from rollout_servers.engines.base import (
     AppliedVersion,
     DeliveryError,
@@ -131,6 +133,7 @@ class HFVersionGate(Engine):
             target.timeout_s,
             target.server_id,
             target.epoch,
+            target.transport,
         )
         specs = specs_of(self.named_weights())
         if self._lora is not None:

@@ -46,7 +46,8 @@ from typing import Any, Literal
 import torch
 
 from asyncrl.config import SGLangConfig
-from asyncrl.weight_sync import ReceivedVersion, WeightReceiver, join_sync_group
+from asyncrl.sync_group import join_sync_group
+from asyncrl.weight_receiver import ReceivedVersion, WeightReceiver
 from rollout_servers.engines.base import (
     AppliedVersion,
     SamplingParams,
@@ -196,7 +197,10 @@ class SGLangEngine(GatedEngine):
         )
         from sglang.srt.utils.common import MultiprocessingSerializer
 
-        payload = MultiprocessingSerializer.serialize(got.weights)  # shared, not copied
+        weights = got.weights
+        if got.borrowed:  # the learner's slot cannot be re-shared with SGLang's processes
+            weights = [(name, t.clone()) for name, t in weights]
+        payload = MultiprocessingSerializer.serialize(weights)  # shared, not copied
         await self._close_and_drain()
         version, manager = got.version, self.llm.tokenizer_manager
         steps = [

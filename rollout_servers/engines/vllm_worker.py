@@ -35,8 +35,9 @@ from typing import Any
 import torch
 import zmq
 
+from asyncrl.sync_group import join_sync_group
 from asyncrl.transport import send_msg
-from asyncrl.weight_sync import ReceivedVersion, WeightReceiver, join_sync_group
+from asyncrl.weight_receiver import ReceivedVersion, WeightReceiver
 from rollout_servers.engines.vllm_join import (
     JoinWeightSync,
     param_specs,

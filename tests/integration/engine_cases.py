@@ -32,8 +32,9 @@ from asyncrl.gsm8k import gsm8k_row
 from asyncrl.launch.run import launch
 from asyncrl.learner_config import LearnerConfig, LoraConfig
 from asyncrl.metrics import read_jsonl
+from asyncrl.sync_group import SyncGroup
 from asyncrl.transport import free_port
-from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, specs_of
+from asyncrl.weight_sync import WeightBroadcaster, specs_of
 from learner.delivery import delivery_probe
 from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters
 from rollout_servers.engines.base import DeliveryError, GenerationOutput, SamplingParams, SyncTarget

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.weight_sync import ParamSpec, WeightReceiver, join_sync_group, weights_checksum
+from asyncrl.sync_group import join_sync_group
+from asyncrl.weight_receiver import WeightReceiver
+from asyncrl.weight_sync import ParamSpec, weights_checksum
 
 SPECS = [
     ParamSpec("embed", (64, 8), torch.float32),  # a bucket of its own: sent uncopied

@@ -26,8 +26,8 @@ import psutil
 import pytest
 import torch
 
+from asyncrl.sync_group import SyncGroup
 from asyncrl.transport import free_port
-from asyncrl.weight_sync import SyncGroup
 
 pytestmark = pytest.mark.integration
 

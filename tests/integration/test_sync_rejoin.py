@@ -190,7 +190,7 @@ def test_a_listed_server_that_never_connects_is_given_up_after_the_join_bound(tm
         fleet.wait_received(0, 0, [1, 2])
         late = fleet.start(1, 1, listed=False)
         assert late.wait(timeout=30) == 3
-        assert "stopped waiting for server_1/epoch_1" in fleet.ended(1, 1)
+        assert "abandoned server_1/epoch_1" in fleet.ended(1, 1)
         assert fleet.events() == [
             ("joined", 0, 0, 1),
             ("not_joined", 1, 0, 1),
@@ -208,7 +208,7 @@ def test_a_server_gone_between_ready_and_connecting_costs_the_join_bound_not_the
     get (`startup_timeout_s`: a draining server may take that long to take a version)."""
     import torch.distributed as dist
 
-    from asyncrl.weight_sync import sync_prefix
+    from asyncrl.sync_group import sync_prefix
 
     f = Fleet(tmp_path)
     f.fleet.op_timeout_s = 120.0

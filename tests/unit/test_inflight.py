@@ -18,8 +18,9 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config import ConfigError, load_config
 from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from asyncrl.learner_config import LearnerConfig
+from asyncrl.sync_group import SyncGroup
 from asyncrl.transport import free_port
-from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, specs_of
+from asyncrl.weight_sync import WeightBroadcaster, specs_of
 from learner.delivery import delivery_probe
 from rollout_servers.engines.base import (
     DeliveryError,

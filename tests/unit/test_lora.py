@@ -15,8 +15,9 @@ from transformers import AutoModelForCausalLM
 from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from asyncrl.learner_config import LearnerConfig, LoraConfig
 from asyncrl.lora import adapter_specs
+from asyncrl.sync_group import SyncGroup
 from asyncrl.transport import free_port
-from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, specs_of
+from asyncrl.weight_sync import WeightBroadcaster, specs_of
 from learner.delivery import delivery_probe, wants_probe
 from learner.lora import (
     adapter_sync_specs,
@@ -75,26 +76,48 @@ def test_only_the_adapters_train_and_a_sync_carries_only_them(model_path):
     assert adapter_bytes < 0.2 * full_bytes  # a tiny model; SmolLM2's ratio is in the docs
 
 
-async def test_the_engine_samples_the_learners_merged_policy_after_each_sync(model_path):
-    engine = HFEngine(model_path, seed=0, lora=LORA)
+def full_learner(model_path: Path, seed: int) -> torch.nn.Module:
+    """The plain model, every weight moved by a seeded step (a full-weights version)."""
+    model = AutoModelForCausalLM.from_pretrained(model_path).eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.05)
+    return model
+
+
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+@pytest.mark.parametrize("lora", [LORA, None], ids=["lora", "full"])
+async def test_the_engine_samples_the_learners_policy_after_each_sync(model_path, lora, transport):
+    """Three versions, each replacing the last (nothing accumulates): after each, the engine's
+    log-probs of what it samples equal the learner's, over either transport on one host."""
+    engine = HFEngine(model_path, seed=0, lora=lora)
     port = free_port("127.0.0.1")
     applied = []
+    cpu = torch.device("cpu")
 
     def server_side():  # what the rollout server's weight-receiver thread does
-        target = SyncTarget("127.0.0.1", port, 1, 2, torch.device("cpu"), timeout_s=60)
+        target = SyncTarget("127.0.0.1", port, 1, 2, cpu, timeout_s=60, transport=transport)
         applied.extend(engine.follow_learner(target))
 
     receiver = threading.Thread(target=server_side, daemon=True)
     receiver.start()
-    group = await asyncio.to_thread(SyncGroup, "127.0.0.1", port, 0, 2, torch.device("cpu"), 60.0)
+    group = await asyncio.to_thread(
+        SyncGroup, "127.0.0.1", port, 0, 2, cpu, 60.0, transport=transport
+    )
     broadcaster = WeightBroadcaster(group, bucket_bytes=4096)  # several buckets
     prompt = [5, 6, 7]
     try:
-        for version in (1, 2):  # versions replace each other: nothing accumulates
-            learner = adapted(model_path, seed=version)
-            specs = adapter_sync_specs(learner, torch.float32)
-            tensors = (t for _, t in adapter_tensors(learner))
-            probe = delivery_probe(learner, PADDED, "float32", torch.device("cpu"))
+        for version in (1, 2, 3):
+            if lora is not None:
+                learner = adapted(model_path, seed=version)
+                specs = adapter_sync_specs(learner, torch.float32)
+                tensors = (t for _, t in adapter_tensors(learner))
+            else:
+                learner = full_learner(model_path, seed=version)
+                named = list(learner.state_dict().items())
+                specs, tensors = specs_of(named), (t for _, t in named)
+            probe = delivery_probe(learner, PADDED, "float32", cpu)
             await asyncio.to_thread(broadcaster.broadcast, specs, tensors, version, probe)
             while engine.version != version:
                 await asyncio.sleep(0.02)
@@ -105,7 +128,7 @@ async def test_the_engine_samples_the_learners_merged_policy_after_each_sync(mod
         await asyncio.to_thread(receiver.join, 30)
     finally:
         await engine.close()
-    assert [a.version for a in applied] == [1, 2]
+    assert [a.version for a in applied] == [1, 2, 3]
 
 
 def test_the_final_output_is_the_merged_model_and_a_peft_adapter(model_path, tmp_path):
@@ -134,14 +157,19 @@ class IgnoringEngine(HFEngine):
         self._version = version
 
 
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
 @pytest.mark.parametrize("lora", [LORA, None], ids=["lora", "full"])
-async def test_the_delivery_probe_fails_an_engine_that_keeps_the_old_policy(model_path, lora):
+async def test_the_delivery_probe_fails_an_engine_that_keeps_the_old_policy(
+    model_path, lora, transport
+):
     engine = IgnoringEngine(model_path, seed=0, lora=lora)
     port = free_port("127.0.0.1")
     errors: list[BaseException] = []
 
     def server_side():
-        target = SyncTarget("127.0.0.1", port, 1, 2, torch.device("cpu"), timeout_s=60)
+        target = SyncTarget(
+            "127.0.0.1", port, 1, 2, torch.device("cpu"), timeout_s=60, transport=transport
+        )
         try:
             list(engine.follow_learner(target))
         except BaseException as e:  # the server's receiver thread hands it to its main loop
@@ -149,16 +177,15 @@ async def test_the_delivery_probe_fails_an_engine_that_keeps_the_old_policy(mode
 
     receiver = threading.Thread(target=server_side, daemon=True)
     receiver.start()
-    group = await asyncio.to_thread(SyncGroup, "127.0.0.1", port, 0, 2, torch.device("cpu"), 60.0)
+    group = await asyncio.to_thread(
+        SyncGroup, "127.0.0.1", port, 0, 2, torch.device("cpu"), 60.0, transport=transport
+    )
     broadcaster = WeightBroadcaster(group, bucket_bytes=1 << 20)
     if lora is not None:
         learner = adapted(model_path, seed=5)
         specs, named = adapter_sync_specs(learner, torch.float32), list(adapter_tensors(learner))
     else:
-        learner = AutoModelForCausalLM.from_pretrained(model_path).eval()
-        with torch.no_grad():
-            for p in learner.parameters():
-                p.add_(torch.randn_like(p) * 0.05)
+        learner = full_learner(model_path, seed=5)
         named = list(learner.state_dict().items())
         specs = specs_of(named)
     probe = delivery_probe(learner, PADDED, "float32", torch.device("cpu"))

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from asyncrl.weight_sync import ParamSpec, layout_hash, plan_buckets, specs_of, weights_checksum
@@ -28,16 +29,20 @@ def test_layout_hash_and_checksum_detect_differences():
     assert weights_checksum(a.items()) != weights_checksum(c.items())
 
 
-def test_sync_reuses_released_staging_and_never_overwrites_an_unreleased_version():
-    """A real gloo pair (sender thread, receiver here) sends three versions in 4 buckets:
-    [a, b] and [d] (int64) packed into the sender's staging, [c] and [big] (one tensor each)
-    sent uncopied. Version 1 is kept unreleased while version 2 arrives: it must stay intact
-    (fresh staging); version 2 is released, so version 3 lands in its memory."""
+@pytest.mark.parametrize("transport", ["gloo", "shm"])
+def test_sync_reuses_released_staging_and_never_overwrites_an_unreleased_version(transport):
+    """A real pair (sender thread, receiver here) sends three versions in 4 buckets: [a, b] and
+    [d] (int64) packed, [c] and [big] (one tensor each) sent uncopied by gloo. Version 1 is kept
+    unreleased while version 2 arrives: it must stay intact (gloo: fresh staging; shm: copied
+    out of the slot before the claim lets the learner write it again); version 2 is released,
+    so version 3 lands in its memory (gloo: the receiver's staging; shm: the learner's slot)."""
     import threading
 
     from asyncrl.delivery_probe import PROBE_LEN, DeliveryProbe
+    from asyncrl.sync_group import SyncGroup
     from asyncrl.transport import free_port
-    from asyncrl.weight_sync import SyncGroup, WeightBroadcaster, WeightReceiver
+    from asyncrl.weight_receiver import WeightReceiver
+    from asyncrl.weight_sync import WeightBroadcaster
 
     shapes = {"a": (8,), "b": (8,), "c": (8,), "big": (64,), "d": (8,)}
     dtypes = {"d": torch.int64}
@@ -48,7 +53,7 @@ def test_sync_reuses_released_staging_and_never_overwrites_an_unreleased_version
 
     def send():
         try:
-            group = SyncGroup("127.0.0.1", port, 0, 2, cpu, timeout_s=60)
+            group = SyncGroup("127.0.0.1", port, 0, 2, cpu, timeout_s=60, transport=transport)
             broadcaster = WeightBroadcaster(group, bucket_bytes=64)  # 16 floats a bucket
             for v in (1, 2, 3):
                 tensors = (torch.full(s.shape, v, dtype=s.dtype) for s in specs)
@@ -59,11 +64,13 @@ def test_sync_reuses_released_staging_and_never_overwrites_an_unreleased_version
 
     sender = threading.Thread(target=send)
     sender.start()
-    receiver = WeightReceiver(SyncGroup("127.0.0.1", port, 1, 2, cpu, timeout_s=60), specs)
+    group = SyncGroup("127.0.0.1", port, 1, 2, cpu, timeout_s=60, transport=transport)
+    receiver = WeightReceiver(group, specs)
     first = receiver.receive()
     second = receiver.receive()  # `first` was not released: it must not be overwritten
     assert all(bool((t == 1).all()) for _, t in first.weights)
     assert all(bool((t == 2).all()) for _, t in second.weights)
+    assert first.borrowed is False and second.borrowed is (transport == "shm")
     assert first.probe is None and isinstance(second.probe, DeliveryProbe)
     assert torch.equal(second.probe.logprobs, probe.logprobs)
     assert second.probe.tolerance == torch.tensor(1e-4).item()  # as float32 carries it

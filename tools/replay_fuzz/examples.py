@@ -164,6 +164,7 @@ def valid_value(tp: Any, rng: random.Random) -> Any:
         int: lambda: rng.randint(1, 100),
         float: lambda: rng.choice([0.0, 1.0, 0.5, 3.25]),
         str: lambda: rng.choice(["a", "stop", "user", "x" * 30]),
+        bytes: lambda: rng.randbytes(rng.randint(1, 64)),
     }
     if tp in simple:
         return simple[tp]()
