@@ -1,20 +1,25 @@
 """A rollout server's weight receiver without an engine, as a process of its own, for the
-weight-sync membership tests: `python sync_peers.py PORT SERVER_ID EPOCH OUT`.
+weight-sync membership tests: `python sync_peers.py PORT SERVER_ID EPOCH OUT [DIE_AT]`.
 
 It joins the learner's weight sync as (SERVER_ID, EPOCH) exactly as `HFEngine.follow_learner`
 does (`join_sync_group`, then `WeightReceiver`) and appends to OUT (JSON lines): `started`
 before it joins, each version it receives with the checksum of the weights as received, and
 how it ended (`closed`: the learner shut the sync down; `error`: the group failed, exit code 3).
+With DIE_AT, it SIGKILLs itself in the middle of that version over a staged transport: after its
+claim (the learner is writing its slot), before it reads the slot's handle.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import torch
 
+import asyncrl.weight_receiver as weight_receiver
 from asyncrl.sync_group import join_sync_group
 from asyncrl.weight_receiver import WeightReceiver
 from asyncrl.weight_sync import ParamSpec, weights_checksum
@@ -43,6 +48,20 @@ def version_checksum(version: int) -> str:
     return weights_checksum(zip((s.name for s in SPECS), version_tensors(version), strict=True))
 
 
+def die_at(version: int) -> None:
+    """SIGKILL this process when it is about to read the slot handle of `version` (its n-th)."""
+    read = weight_receiver.read_handle_frame
+    calls = []
+
+    def reading(frame):
+        calls.append(1)
+        if len(calls) == version:
+            os.kill(os.getpid(), signal.SIGKILL)
+        return read(frame)
+
+    weight_receiver.read_handle_frame = reading  # type: ignore[assignment]
+
+
 def main(port: int, server_id: int, epoch: int, out: Path) -> int:
     torch.set_num_threads(1)
 
@@ -67,5 +86,7 @@ def main(port: int, server_id: int, epoch: int, out: Path) -> int:
 
 
 if __name__ == "__main__":
-    port, server_id, epoch, out = sys.argv[1:]
+    port, server_id, epoch, out = sys.argv[1:5]
+    if len(sys.argv) > 5:
+        die_at(int(sys.argv[5]))
     sys.exit(main(int(port), int(server_id), int(epoch), Path(out)))

@@ -22,6 +22,7 @@ from sync_peers import BUCKET_BYTES, SPECS, version_checksum, version_tensors
 
 from asyncrl.metrics import JsonlWriter, read_jsonl
 from asyncrl.transport import free_port
+from asyncrl.weight_transport import SHM_DIR
 from learner.sync_fleet import SyncFleet
 
 pytestmark = pytest.mark.integration
@@ -49,13 +50,17 @@ class Fleet:
             JsonlWriter(tmp / "sync_members.jsonl"),
         )
 
-    def start(self, server: int, epoch: int, listed: bool = True) -> subprocess.Popen:
+    def start(
+        self, server: int, epoch: int, listed: bool = True, die_at: int | None = None
+    ) -> subprocess.Popen:
         """A receiver process; listed (as the replay lists a server once it heartbeats) once
-        it is up."""
+        it is up. `die_at`: it SIGKILLs itself in the middle of its n-th version
+        (sync_peers.py)."""
         out = self.out(server, epoch)
         env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
         script = ROOT / "tests" / "integration" / "sync_peers.py"
         args = [sys.executable, str(script), str(self.port), str(server), str(epoch), str(out)]
+        args += [] if die_at is None else [str(die_at)]
         proc = self.procs[(server, epoch)] = subprocess.Popen(args, env=env)
         wait_for(lambda: any(r.get("event") == "started" for r in read_jsonl(out)))
         if listed:
@@ -154,6 +159,26 @@ def test_a_killed_member_is_dropped_and_its_restart_joins_at_the_current_version
     ]
     reasons = [r["reason"] for r in read_jsonl(fleet.tmp / "sync_members.jsonl")]
     assert "epoch 2 replaces it" in reasons
+
+
+def test_a_member_killed_in_the_middle_of_a_version_costs_the_others_nothing(fleet):
+    """Over the shared-memory transport (the default between processes of one host), server 1
+    is SIGKILLed after claiming version 2, while the learner writes its slot: server 0 still
+    gets version 2 whole (its checksum is the sender's), server 1 is dropped having applied
+    nothing of it, and once the sync ends no segment of this learner is left in /dev/shm."""
+    fleet.start(0, 0)
+    fleet.start(1, 0, die_at=2)
+    assert fleet.send(1)[0] == {0: 0, 1: 0}
+    assert fleet.send(2)[0] == {0: 0}
+    assert fleet.procs[(1, 0)].wait(timeout=30) == -signal.SIGKILL
+    assert fleet.send(3)[0] == {0: 0}
+    fleet.fleet.shutdown()
+    wait_for(lambda: fleet.ended(0, 0) == "closed")
+    fleet.wait_received(0, 0, [1, 2, 3])
+    fleet.wait_received(1, 0, [1])  # nothing of version 2
+    joined = [r for r in read_jsonl(fleet.tmp / "sync_members.jsonl") if r["event"] == "joined"]
+    assert {r["transport"] for r in joined} == {"shm"}
+    assert not list(SHM_DIR.glob(f"asyncrl-ws-{os.getpid()}-*"))
 
 
 def test_a_stopped_member_is_dropped_after_the_timeout_and_fails_when_it_wakes(fleet):
