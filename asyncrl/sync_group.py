@@ -107,6 +107,11 @@ class SyncGroup:
         """Start broadcasting `tensor` from rank 0; `wait` on the result before touching it."""
         return self._pg.broadcast(tensor, 0)
 
+    def all_reduce_async(self, tensor: torch.Tensor) -> dist.Work:
+        """Start summing `tensor` in place over both members (a staged version's header and
+        claim: the receiver adds zeros)."""
+        return self._pg.allreduce(tensor)
+
     def ack_async(self) -> dist.Work:
         """Start an all-reduce of one element: it completes on each side only once the other has
         come to it too (the acknowledgement that ends a version, and a staged version's claim:

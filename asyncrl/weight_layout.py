@@ -45,6 +45,15 @@ class Bucket:
         return sum(p.numel for p in self.params)
 
 
+def tensor_views(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
+    """(name, view) of each tensor of `bucket` in its flat tensor."""
+    offset, pairs = 0, []
+    for spec in bucket.params:
+        pairs.append((spec.name, flat[offset : offset + spec.numel].view(spec.shape)))
+        offset += spec.numel
+    return pairs
+
+
 def specs_of(named: Iterable[tuple[str, torch.Tensor]]) -> list[ParamSpec]:
     """The layout of named tensors (full shapes, as the engine sees them)."""
     return [ParamSpec(n, tuple(t.shape), t.dtype) for n, t in named]

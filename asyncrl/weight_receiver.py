@@ -16,17 +16,19 @@ from dataclasses import dataclass
 
 import torch
 
+from asyncrl.codec import ProtocolError
 from asyncrl.delivery_probe import PROBE_LEN, DeliveryProbe
 from asyncrl.sync_group import SyncGroup
-from asyncrl.weight_layout import Bucket, ParamSpec, layout_hash, plan_buckets
+from asyncrl.weight_layout import Bucket, ParamSpec, layout_hash, plan_buckets, tensor_views
 from asyncrl.weight_sync import SHUTDOWN
 from asyncrl.weight_transport import (
     HANDLE_FRAME,
+    HEADER,
     STAGED,
     SlotHandle,
     bucket_view,
     open_slot,
-    read_handle_frame,
+    read_staged_header,
     slot_offsets,
 )
 
@@ -61,73 +63,81 @@ class WeightReceiver:
         self.group, self.specs = group, specs
         self._hash = layout_hash(specs)
         self._free: list[torch.Tensor] | None = None  # released staging, one buffer per bucket
-        self._slot: tuple[SlotHandle, torch.Tensor] | None = None  # the slot, mapped here
+        # the slot mapped here and its views, for (its handle, the bucket size)
+        self._slot: tuple[tuple[SlotHandle, int], list[list[tuple]]] | None = None
         self._held: ReceivedVersion | None = None  # the last staged version, until released
 
     def receive(self) -> ReceivedVersion | None:
         """Block until the next version arrives; None when the learner shuts the group down."""
-        header = torch.zeros(5, dtype=torch.int64, device=self.group.device)
-        self.group.broadcast(header)
-        version, num_params, digest, bucket_bytes, has_probe = (int(x) for x in header.cpu())
-        if version == SHUTDOWN:
-            return None
-        if num_params != len(self.specs) or digest != self._hash:
-            raise RuntimeError(
-                f"weight layout mismatch at version {version}: learner sends {num_params} params "
-                f"(hash {digest}), this engine has {len(self.specs)} (hash {self._hash}); "
-                "learner and servers must load the same model architecture"
-            )
-        plan = plan_buckets(self.specs, bucket_bytes)
         if self.group.transport in STAGED:
-            got = ReceivedVersion(version, self._receive_staged(plan), borrowed=True)
-            got.release = lambda: setattr(self, "_held", None)
-            self._held = got
-        else:
-            got = self._receive_wire(version, plan)
-        if has_probe:
-            wire = torch.zeros(PROBE_LEN, dtype=torch.float32, device=self.group.device)
-            self.group.broadcast(wire)
-            got.probe = DeliveryProbe.from_wire(wire)
-        self.group.wait(self.group.ack_async())
-        return got
-
-    def _receive_wire(self, version: int, plan: list[Bucket]) -> ReceivedVersion:
-        """Each bucket by a collective, into staging of this receiver's own."""
+            return self._receive_staged()
+        header = torch.zeros(HEADER, dtype=torch.int64, device=self.group.device)
+        self.group.broadcast(header)
+        fields = [int(x) for x in header.cpu()]
+        if fields[0] == SHUTDOWN:
+            return None
+        plan = self._plan(fields)
         staging, self._free = self._free, None
         if staging is None or [t.numel() for t in staging] != [b.numel for b in plan]:
             staging = [torch.empty(b.numel, dtype=b.dtype, device=self.group.device) for b in plan]
         buckets = []
         for bucket, flat in zip(plan, staging, strict=True):
             self.group.broadcast(flat)
-            buckets.append(_views(bucket, flat))
+            buckets.append(tensor_views(bucket, flat))
         release = lambda: setattr(self, "_free", staging)  # noqa: E731
-        return ReceivedVersion(version, buckets, release)
+        return self._finish(ReceivedVersion(fields[0], buckets, release), fields[4])
 
-    def _receive_staged(self, plan: list[Bucket]) -> list[list[tuple[str, torch.Tensor]]]:
-        """Claim the slot (the learner writes it only after this), then take the views of the
-        version it wrote there."""
-        held = self._held
-        if held is not None:  # still held: copied out before the learner may overwrite it
+    def _receive_staged(self) -> ReceivedVersion | None:
+        """A version in the learner's slot: a version still held is copied out first; then the
+        header with the slot's handle, whose all-reduce is the claim (the learner writes the
+        slot only after it); the views of the slot, mapped and laid out once."""
+        held, self._held = self._held, None
+        if held is not None:
             for pairs in held.buckets:
                 pairs[:] = [(name, t.clone()) for name, t in pairs]
-            held.borrowed, self._held = False, None
-        self.group.wait(self.group.ack_async())
-        frame = torch.zeros(HANDLE_FRAME, dtype=torch.uint8)
-        self.group.broadcast(frame)
-        handle = read_handle_frame(frame)
-        if self._slot is None or self._slot[0] != handle:
-            self._slot = (handle, open_slot(handle, self.group.weights_device))
+            held.borrowed = False
+        got = torch.zeros(HEADER + HANDLE_FRAME // 8, dtype=torch.int64)
+        self.group.wait(self.group.all_reduce_async(got))
+        fields, handle = read_staged_header(got)
+        if fields[0] == SHUTDOWN:
+            return None
+        plan = self._plan(fields)
+        if handle is None:
+            raise ProtocolError(f"version {fields[0]} came without its slot's handle")
+        key = (handle, fields[3])
+        if self._slot is None or self._slot[0] != key:
+            self._slot = (key, self._slot_views(handle, plan))
+        buckets = [list(pairs) for pairs in self._slot[1]]  # fresh lists of the same views
+        got_version = ReceivedVersion(fields[0], buckets, borrowed=True)
+        got_version.release = lambda: setattr(self, "_held", None)
+        self._held = got_version
+        return self._finish(got_version, fields[4])
+
+    def _slot_views(self, handle: SlotHandle, plan: list[Bucket]) -> list[list[tuple]]:
         offsets, nbytes = slot_offsets(plan)
         if handle.nbytes < nbytes:
             raise RuntimeError(f"the learner's slot holds {handle.nbytes} bytes, not {nbytes}")
-        slot = self._slot[1]
-        return [_views(b, bucket_view(slot, b, o)) for b, o in zip(plan, offsets, strict=True)]
+        slot = open_slot(handle, self.group.weights_device)
+        return [
+            tensor_views(b, bucket_view(slot, b, o)) for b, o in zip(plan, offsets, strict=True)
+        ]
 
+    def _plan(self, fields: list[int]) -> list[Bucket]:
+        """The header's bucket plan, once its layout is checked against this engine's."""
+        version, num_params, digest, bucket_bytes, _ = fields
+        if num_params != len(self.specs) or digest != self._hash:
+            raise RuntimeError(
+                f"weight layout mismatch at version {version}: learner sends {num_params} params "
+                f"(hash {digest}), this engine has {len(self.specs)} (hash {self._hash}); "
+                "learner and servers must load the same model architecture"
+            )
+        return plan_buckets(self.specs, bucket_bytes)
 
-def _views(bucket: Bucket, flat: torch.Tensor) -> list[tuple[str, torch.Tensor]]:
-    """(name, view) of each tensor of a bucket in its flat buffer."""
-    offset, pairs = 0, []
-    for spec in bucket.params:
-        pairs.append((spec.name, flat[offset : offset + spec.numel].view(spec.shape)))
-        offset += spec.numel
-    return pairs
+    def _finish(self, got: ReceivedVersion, has_probe: int) -> ReceivedVersion:
+        """The probe (when the header says one follows), then the acknowledgement."""
+        if has_probe:
+            wire = torch.zeros(PROBE_LEN, dtype=torch.float32, device=self.group.device)
+            self.group.broadcast(wire)
+            got.probe = DeliveryProbe.from_wire(wire)
+        self.group.wait(self.group.ack_async())
+        return got

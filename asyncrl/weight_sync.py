@@ -6,22 +6,23 @@ member that dies or hangs fails only its own group.
 
 One sync, in this order, on each member's group:
   1. a header, int64 [version, num_params, layout_hash, bucket_bytes, probe]; version -1 means
-     shutdown;
-  2. the weights, in the buckets of `plan_buckets` (flat tensors of one dtype each):
-     - wire transports (`nccl`, `gloo`): one broadcast per bucket, into the receiver's staging;
-     - staged transports (`cuda_ipc`, `shm`): first the claim, an all-reduce of one element
-       that completes only once the receiver has come back for this version (so it no longer
-       reads the previous one: the learner writes the member's slot only after it); then the
-       learner packs every bucket into the slot (`slot_offsets`), and broadcasts the slot's
-       handle (`SlotHandle`, one uint8 control tensor); the receiver maps the slot once and
-       takes views of it, copying nothing;
+     shutdown. A wire member (`nccl`, `gloo`) gets it by broadcast. A staged member (`cuda_ipc`,
+     `shm`) gets it in an all-reduce with its slot's handle after it (`staged_header`: the
+     receiver adds zeros), which is also the claim: it completes only once the receiver has
+     come back for this version, so it no longer reads the previous one, and the learner writes
+     the member's slot only after it;
+  2. the weights, in the buckets of `plan_buckets` (flat tensors of one dtype each): a wire
+     member gets one broadcast per bucket, into the receiver's staging; a staged member's slot
+     gets one batched copy per bucket (`slot_offsets`), and the receiver, which mapped the slot
+     once, takes views of it, copying nothing;
   3. when the header's probe is 1, the delivery probe (`asyncrl.delivery_probe`): the
      learner's log-probs of fixed ids under this version and their tolerance, in the one
      float32 [PROBE_LEN] of `DeliveryProbe.to_wire`; the receiver hands the engine the
      `DeliveryProbe` back, which it checks after applying the version;
   4. the acknowledgement: an all-reduce of one element, which completes on the learner only
      once the receiver holds the whole version (a send completes as soon as the bytes are in
-     the kernel's buffers, so without it a stopped receiver would go unnoticed).
+     the kernel's buffers, so without it a stopped receiver would go unnoticed; for a staged
+     member, the learner comes to it only once the slot is written and, on a GPU, synchronized).
 Learner rank 0 starts each collective on every member's group before it waits on any, so the
 members receive concurrently. A member whose collective fails (its process died: the connection
 is reset) or does not complete within its group's timeout (hung, SIGSTOPped) is aborted and left
@@ -51,7 +52,7 @@ import torch.distributed as dist
 from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.delivery_probe import probe_ids as probe_ids
 from asyncrl.sync_group import SyncGroup
-from asyncrl.weight_layout import Bucket, ParamSpec, layout_hash, plan_buckets
+from asyncrl.weight_layout import Bucket, ParamSpec, layout_hash, plan_buckets, tensor_views
 from asyncrl.weight_layout import specs_of as specs_of
 from asyncrl.weight_layout import weights_checksum as weights_checksum
 from asyncrl.weight_transport import (
@@ -59,9 +60,9 @@ from asyncrl.weight_transport import (
     CudaSlot,
     HostSlot,
     bucket_view,
-    handle_frame,
     make_slot,
     slot_offsets,
+    staged_header,
 )
 
 log = logging.getLogger("asyncrl.weight_sync")
@@ -191,6 +192,7 @@ class WeightBroadcaster(Generic[K]):
         self.device = device or next(iter(self.members.values())).weights_device
         self._staging: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         self._slots: dict[K, HostSlot | CudaSlot] = {}
+        self._views: dict[K, tuple[Slot, list[Bucket], list[list[torch.Tensor]]]] = {}
         self.give_up: Callable[[], dict[K, str]] | None = None
         """Asked while a wait lasts, which members to stop waiting for (`_Fanout`); None: a
         member is waited for up to its group's timeout."""
@@ -212,18 +214,16 @@ class WeightBroadcaster(Generic[K]):
         self._abandoned = [(g, w) for g, w in self._abandoned if not all_ended(w)]
         self.close_slots(keep=self.members)
         fan = _Fanout(dict(self.members), self.give_up)
-        head = [version, len(specs), layout_hash(specs), self.bucket_bytes, probe is not None]
-        fan.run(_on_device(torch.tensor(head, dtype=torch.int64)))
         buckets = plan_buckets(specs, self.bucket_bytes)
-        staged = [k for k, g in fan.live.items() if g.transport in STAGED]
-        fan.run(lambda _, g: g.ack_async(), staged)  # the claim (module docstring)
+        staged = self._staged_keys(fan)
         offsets, nbytes = slot_offsets(buckets)
         slots = self._slots_for(fan, staged, nbytes)
-        self._send_buckets(fan, buckets, tensors, slots, offsets)
+        head = [version, len(specs), layout_hash(specs), self.bucket_bytes, probe is not None]
+        self._send_headers(fan, torch.tensor(head, dtype=torch.int64), slots)
+        views = {k: self._views_of(k, s, buckets, offsets) for k, s in slots.items()}
+        self._send_buckets(fan, buckets, tensors, views)
         if any(isinstance(slots[k], CudaSlot) for k in slots):  # (not run here: no GPU)
             torch.cuda.synchronize(self.device)  # written before the server reads it
-        frames = {k: handle_frame(s.handle()) for k, s in slots.items()}
-        fan.run(lambda k, g: g.broadcast_async(frames[k]), frames)
         if probe is not None:
             fan.run(_on_device(probe.to_wire()))
         fan.run(lambda _, g: g.ack_async())
@@ -232,6 +232,28 @@ class WeightBroadcaster(Generic[K]):
         self.close_slots(keep=self.members)
         self._abandoned += fan.abandoned
         return fan.failed
+
+    def _send_headers(self, fan: _Fanout[K], head: torch.Tensor, slots: dict[K, Slot]) -> None:
+        """The header: a broadcast to wire members; to staged members, with their slot's
+        handle, an all-reduce that is also the claim (module docstring)."""
+        wire = [k for k, g in fan.live.items() if g.transport not in STAGED]
+        fan.run(_on_device(head), wire)
+        sent = {k: staged_header(head, slot.handle()) for k, slot in slots.items()}
+        fan.run(lambda k, g: g.all_reduce_async(sent[k]), sent)
+
+    def _views_of(
+        self, key: K, slot: Slot, buckets: list[Bucket], offsets: list[int]
+    ) -> list[list[torch.Tensor]]:
+        """Each bucket's tensors as views of the member's slot, made once per slot."""
+        cached = self._views.get(key)
+        if cached is not None and cached[0] is slot and cached[1] == buckets:
+            return cached[2]
+        views = []
+        for bucket, offset in zip(buckets, offsets, strict=True):
+            flat = bucket_view(slot.tensor, bucket, offset)
+            views.append([view for _, view in tensor_views(bucket, flat)])
+        self._views[key] = (slot, buckets, views)
+        return views
 
     def _slots_for(self, fan: _Fanout[K], staged: list[K], nbytes: int) -> dict[K, Slot]:
         """The slot of every staged member still live, made (or remade, for another size) now;
@@ -254,8 +276,7 @@ class WeightBroadcaster(Generic[K]):
         fan: _Fanout[K],
         buckets: list[Bucket],
         tensors: Iterator[torch.Tensor],
-        slots: dict[K, Slot],
-        offsets: list[int],
+        views: dict[K, list[list[torch.Tensor]]],
     ) -> None:
         in_flight: dict[int, list[tuple[K, dist.Work]]] = {}  # id of a staging buffer -> its sends
         sent_whole: list[tuple[torch.Tensor, list[tuple[K, dist.Work]]]] = []
@@ -263,9 +284,9 @@ class WeightBroadcaster(Generic[K]):
             parts = [_checked(spec, next(tensors)) for spec in bucket.params]
             if not fan.live:
                 continue  # nobody to send to: the tensors are still gathered (a collective)
-            for key, slot in slots.items():
-                if key in fan.live:
-                    _pack(bucket_view(slot.tensor, bucket, offsets[i]), bucket, parts)
+            for key, slot_views in views.items():
+                if key in fan.live:  # one batched copy per bucket (casts to the engine's dtype)
+                    torch._foreach_copy_(slot_views[i], parts)
             wire = [k for k, g in fan.live.items() if g.transport not in STAGED]
             for device in {fan.live[k].device for k in wire}:
                 keys = [k for k in wire if fan.live[k].device == device]
@@ -294,17 +315,25 @@ class WeightBroadcaster(Generic[K]):
             out[dtype] = have
         return out
 
+    @staticmethod
+    def _staged_keys(fan: _Fanout[K]) -> list[K]:
+        return [k for k, g in fan.live.items() if g.transport in STAGED]
+
     def close_slots(self, keep: Iterable[K] = ()) -> None:
         """Free the slot of every member not in `keep` (gone: failed, or removed by the
         owner); with nothing kept, every slot (at shutdown)."""
         for key in [k for k in self._slots if k not in set(keep)]:
+            self._views.pop(key, None)
             self._slots.pop(key).close()
 
     def shutdown(self) -> dict[K, BaseException]:
         """Tell every receiver that no more versions will come, and free every slot; returns
         the members that failed to hear it."""
         fan = _Fanout(dict(self.members))
-        fan.run(_on_device(torch.tensor([SHUTDOWN, 0, 0, 0, 0], dtype=torch.int64)))
+        head = torch.tensor([SHUTDOWN, 0, 0, 0, 0], dtype=torch.int64)
+        fan.run(_on_device(head), [k for k, g in fan.live.items() if g.transport not in STAGED])
+        staged = staged_header(head, None)
+        fan.run(lambda _, g: g.all_reduce_async(staged.clone()), self._staged_keys(fan))
         self.close_slots()
         return fan.failed
 

@@ -315,6 +315,27 @@ def _alive(pid: int) -> bool:
     return True
 
 
+HEADER = 5
+"""int64 fields of a version's header (`asyncrl.weight_sync`, step 1)."""
+
+
+def staged_header(header: torch.Tensor, handle: SlotHandle | None) -> torch.Tensor:
+    """A staged member's header with its slot's handle after it, as one int64 tensor: the
+    learner all-reduces it with the receiver's zeros (the claim), so one round trip carries
+    both (None: no slot, the shutdown)."""
+    frame = torch.zeros(HANDLE_FRAME, dtype=torch.uint8)
+    if handle is not None:
+        frame = handle_frame(handle)
+    return torch.cat([header.cpu(), frame.view(torch.int64)])
+
+
+def read_staged_header(got: torch.Tensor) -> tuple[list[int], SlotHandle | None]:
+    """The header's fields and the slot's handle back (None when it carries none)."""
+    frame = got[HEADER:].view(torch.uint8)
+    handle = read_handle_frame(frame) if int(frame[0]) or int(frame[1]) else None
+    return [int(x) for x in got[:HEADER]], handle
+
+
 def handle_frame(handle: SlotHandle) -> torch.Tensor:
     """The slot handle as the uint8 control tensor the group broadcasts."""
     (payload,) = encode(handle)

@@ -6,7 +6,7 @@ does (`join_sync_group`, then `WeightReceiver`) and appends to OUT (JSON lines):
 before it joins, each version it receives with the checksum of the weights as received, and
 how it ended (`closed`: the learner shut the sync down; `error`: the group failed, exit code 3).
 With DIE_AT, it SIGKILLs itself in the middle of that version over a staged transport: after its
-claim (the learner is writing its slot), before it reads the slot's handle.
+claim (the learner is writing its slot), before it reads the version.
 """
 
 from __future__ import annotations
@@ -49,8 +49,8 @@ def version_checksum(version: int) -> str:
 
 
 def die_at(version: int) -> None:
-    """SIGKILL this process when it is about to read the slot handle of `version` (its n-th)."""
-    read = weight_receiver.read_handle_frame
+    """SIGKILL this process once it has claimed `version` (its n-th), before it reads it."""
+    read = weight_receiver.read_staged_header
     calls = []
 
     def reading(frame):
@@ -59,7 +59,7 @@ def die_at(version: int) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
         return read(frame)
 
-    weight_receiver.read_handle_frame = reading  # type: ignore[assignment]
+    weight_receiver.read_staged_header = reading  # type: ignore[assignment]
 
 
 def main(port: int, server_id: int, epoch: int, out: Path) -> int:
