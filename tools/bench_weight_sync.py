@@ -1,11 +1,12 @@
 """Weight-sync cost of each transport against the copy floor, side by side in one run.
 
     python tools/bench_weight_sync.py [--device cpu|cuda] [--dtype float32] [--reps 5]
-                                      [--transports shm,gloo] [--json OUT.json] [--tiny]
+                                      [--transports shm,gloo] [--json OUT.json]
+                                      [--shape smollm2-135m|qwen2.5-1.5b|tiny]
 
 One version of SmolLM2-135M's shape (30 layers, hidden 576, vocab 49152: its state dict, every
-tensor, in the engine's `--dtype`; `--tiny` for a 2-layer toy) goes from this process, as learner
-rank 0, to a receiver process of its own (the real `WeightBroadcaster` -> `WeightReceiver` path,
+tensor, in the engine's `--dtype`; `--shape` for Qwen2.5-1.5B's, or a 2-layer toy) goes from
+this process, as learner rank 0, to a receiver process of its own (the real `WeightBroadcaster` -> `WeightReceiver` path,
 over a plain 2-member group of the transport named), `--reps` times after one warm-up version
 (the first version also makes the slot and maps it). Each time is the learner's `broadcast`, from
 the header to the acknowledgement: the receiver holds the whole version then. The floor is one
@@ -41,13 +42,16 @@ from asyncrl.weight_receiver import WeightReceiver  # noqa: E402
 from asyncrl.weight_sync import WeightBroadcaster  # noqa: E402
 
 BUCKET_BYTES = 64 * 2**20  # learner.bucket_mb's default
-SMOLLM2 = dict(layers=30, hidden=576, inter=1536, heads=9, kv_heads=3, vocab=49152)
-TINY = dict(layers=2, hidden=64, inter=128, heads=4, kv_heads=2, vocab=512)
+SHAPES = {
+    "smollm2-135m": dict(layers=30, hidden=576, inter=1536, heads=9, kv_heads=3, vocab=49152),
+    "qwen2.5-1.5b": dict(layers=28, hidden=1536, inter=8960, heads=12, kv_heads=2, vocab=151936),
+    "tiny": dict(layers=2, hidden=64, inter=128, heads=4, kv_heads=2, vocab=512),
+}
 
 
-def model_specs(tiny: bool, dtype: torch.dtype) -> list[ParamSpec]:
-    """A Llama state dict's layout (SmolLM2-135M's, tied embeddings) in `dtype`."""
-    c = TINY if tiny else SMOLLM2
+def model_specs(shape: str, dtype: torch.dtype) -> list[ParamSpec]:
+    """A Llama state dict's layout (tied embeddings) of one of `SHAPES`, in `dtype`."""
+    c = SHAPES[shape]
     h, kv = c["hidden"], c["hidden"] // c["heads"] * c["kv_heads"]
     specs = [ParamSpec("model.embed_tokens.weight", (c["vocab"], h), dtype)]
     for i in range(c["layers"]):
@@ -71,7 +75,7 @@ def receiver(args: argparse.Namespace) -> None:
     torch.set_num_threads(1)
     device = torch.device(args.receiver_device)
     group = SyncGroup("127.0.0.1", args.port, 1, 2, device, 300.0, transport=args.transport)
-    specs = model_specs(args.tiny, getattr(torch, args.dtype))
+    specs = model_specs(args.shape, getattr(torch, args.dtype))
     rx = WeightReceiver(group, specs)
     while (got := rx.receive()) is not None:
         got.release()
@@ -103,12 +107,12 @@ def transport_s(args: argparse.Namespace, transport: str, tensors: list[torch.Te
     port = free_port("127.0.0.1")
     cmd = [sys.executable, __file__, "--role", "receiver", "--port", str(port)]
     cmd += ["--transport", transport, "--receiver-device", receiver_device, "--dtype", args.dtype]
-    cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--shape", args.shape]
     proc = subprocess.Popen(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"})
     try:
         group = SyncGroup("127.0.0.1", port, 0, 2, device, 300.0, transport=transport)  # type: ignore[arg-type]
         sender = WeightBroadcaster(group, BUCKET_BYTES, device)
-        specs = model_specs(args.tiny, getattr(torch, args.dtype))
+        specs = model_specs(args.shape, getattr(torch, args.dtype))
         times = []
         for version in range(args.reps + 1):  # the first makes and maps the slot: not timed
             _sync(device)
@@ -131,7 +135,7 @@ def main() -> None:
     ap.add_argument("--dtype", default=None, help="engine dtype (default: fp32 CPU, bf16 GPU)")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--transports", default=None)
-    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--shape", default="smollm2-135m", choices=sorted(SHAPES))
     ap.add_argument("--json", default=None)
     ap.add_argument("--role", default="learner", choices=["learner", "receiver"])
     ap.add_argument("--port", type=int, default=0)
@@ -145,7 +149,7 @@ def main() -> None:
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     names = args.transports or ("cuda_ipc,shm,gloo" if cuda else "shm,gloo")
-    specs = model_specs(args.tiny, getattr(torch, args.dtype))
+    specs = model_specs(args.shape, getattr(torch, args.dtype))
     tensors = [torch.randn(s.shape, device=device).to(s.dtype) for s in specs]
     nbytes = sum(s.numel * s.dtype.itemsize for s in specs)
     floor = floor_s(nbytes, device, args.reps)
@@ -154,6 +158,7 @@ def main() -> None:
         "device": torch.cuda.get_device_name(device) if cuda else "cpu",
         "threads": torch.get_num_threads(),
         "dtype": args.dtype,
+        "shape": args.shape,
         "version_bytes": nbytes,
         "floor": {"what": what, "seconds": floor, "GBps": nbytes / floor / 1e9},
         "transports": {},
