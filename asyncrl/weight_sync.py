@@ -285,8 +285,8 @@ class WeightBroadcaster(Generic[K]):
             if not fan.live:
                 continue  # nobody to send to: the tensors are still gathered (a collective)
             for key, slot_views in views.items():
-                if key in fan.live:  # one batched copy per bucket (casts to the engine's dtype)
-                    torch._foreach_copy_(slot_views[i], parts)
+                if key in fan.live:
+                    copy_into(slot_views[i], parts)
             wire = [k for k, g in fan.live.items() if g.transport not in STAGED]
             for device in {fan.live[k].device for k in wire}:
                 keys = [k for k in wire if fan.live[k].device == device]
@@ -368,6 +368,26 @@ def _pack(flat: torch.Tensor, bucket: Bucket, parts: list[torch.Tensor]) -> None
     for spec, t in zip(bucket.params, parts, strict=True):
         flat[offset : offset + spec.numel].copy_(t.reshape(-1))
         offset += spec.numel
+
+
+BATCHED_BELOW = 1 << 20
+"""Tensors smaller than this many bytes are copied into a slot by one batched kernel per bucket
+(`copy_into`); larger ones one by one, at the device's copy speed."""
+
+
+def copy_into(views: list[torch.Tensor], parts: list[torch.Tensor]) -> None:
+    """Copy each of `parts` into its view (of a slot), cast to the view's dtype: the large ones
+    one by one, the small ones (norms, biases, adapters) in one batched copy, so a GPU does not
+    pay a kernel launch for each."""
+    small_views, small_parts = [], []
+    for view, part in zip(views, parts, strict=True):
+        if part.numel() * part.element_size() >= BATCHED_BELOW:
+            view.copy_(part)
+        else:
+            small_views.append(view)
+            small_parts.append(part)
+    if small_views:
+        torch._foreach_copy_(small_views, small_parts)
 
 
 def _as_tuple(key: Hashable) -> tuple:

@@ -11,7 +11,9 @@ over a plain 2-member group of the transport named), `--reps` times after one wa
 (the first version also makes the slot and maps it). Each time is the learner's `broadcast`, from
 the header to the acknowledgement: the receiver holds the whole version then. The floor is one
 copy of the same bytes from one flat buffer to another on the learner's device (`memcpy`; on a
-GPU the device-to-device copy), the least any transport must do. Figures: median seconds, GB/s,
+GPU the device-to-device copy), the least any transport must do; next to it, the learner's
+packing alone (what a staged sync copies, without its control messages). Figures: median
+seconds, GB/s,
 and each transport's ratio to the floor (targets: `shm` at most 1.5x on CPU, `cuda_ipc` at most
 2x on a GPU).
 
@@ -37,9 +39,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.sync_group import SyncGroup  # noqa: E402
 from asyncrl.transport import free_port  # noqa: E402
-from asyncrl.weight_layout import ParamSpec  # noqa: E402
+from asyncrl.weight_layout import ParamSpec, plan_buckets, tensor_views  # noqa: E402
 from asyncrl.weight_receiver import WeightReceiver  # noqa: E402
-from asyncrl.weight_sync import WeightBroadcaster  # noqa: E402
+from asyncrl.weight_sync import WeightBroadcaster, copy_into  # noqa: E402
+from asyncrl.weight_transport import bucket_view, slot_offsets  # noqa: E402
 
 BUCKET_BYTES = 64 * 2**20  # learner.bucket_mb's default
 SHAPES = {
@@ -95,6 +98,30 @@ def floor_s(nbytes: int, device: torch.device, reps: int) -> float:
         _sync(device)
         start = time.perf_counter()
         dst.copy_(src)
+        _sync(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
+
+
+def pack_s(
+    specs: list[ParamSpec], tensors: list[torch.Tensor], device: torch.device, reps: int
+) -> float:
+    """Median seconds of the learner's packing alone (`copy_into`, into a slot-shaped buffer of
+    its device, bucket by bucket): the part of a staged sync that is not control."""
+    buckets = plan_buckets(specs, BUCKET_BYTES)
+    offsets, nbytes = slot_offsets(buckets)
+    slot = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    views = [
+        [v for _, v in tensor_views(b, bucket_view(slot, b, o))]
+        for b, o in zip(buckets, offsets, strict=True)
+    ]
+    times = []
+    for _ in range(reps + 1):
+        parts = iter(tensors)
+        _sync(device)
+        start = time.perf_counter()
+        for bucket, bucket_views in zip(buckets, views, strict=True):
+            copy_into(bucket_views, [next(parts) for _ in bucket.params])
         _sync(device)
         times.append(time.perf_counter() - start)
     return statistics.median(times[1:])
@@ -165,6 +192,9 @@ def main() -> None:
     }
     print(f"one version: {len(specs)} tensors, {nbytes / 1e6:.0f} MB of {args.dtype} on {device}")
     print(f"{what:>24}: {floor * 1e3:8.1f} ms  {nbytes / floor / 1e9:7.2f} GB/s   (the floor)")
+    packing = pack_s(specs, tensors, device, args.reps)
+    results["pack"] = {"seconds": packing, "x_floor": packing / floor}
+    print(f"{'packing alone':>24}: {packing * 1e3:8.1f} ms  {packing / floor:5.2f}x the floor")
     for name in names.split(","):
         try:
             s = transport_s(args, name, tensors)
