@@ -15,7 +15,7 @@ For each model and each number of rows R:
 Each figure is the best of `--rounds` timed rounds after a warm-up round (CUDA kernels and
 allocator warmed); `ms_per_step` is seconds / max_new_tokens, the cost of one decode step of all
 R rows, so R=1 against R=32 shows how flat a step's cost is in its rows (on a GPU it is nearly
-flat for small models, which is what makes drained weight updates costly: `bench_inflight.py`).
+flat for small models, which is what makes drained weight updates costly: `bench_update_modes.py`).
 
 Models (`--models`, comma-separated): `tiny`, the embedded default's shape
 (`asyncrl.demo.model_cache.TinyModelSpec`, float32 as `rollout.dtype` defaults); `smollm2-shape`,
