@@ -33,6 +33,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -183,7 +184,9 @@ def bench_generate(model_dir, device, dtype, prompts, max_new, rounds, seed):
     return best_of(once, rounds)
 
 
-def run(args) -> list[Figure]:
+def run(args, save: Callable[[list[Figure]], None]) -> list[Figure]:
+    """Every model x rows x impl; `save` gets the figures so far after each one (a run cut
+    short by a timeout keeps what it measured)."""
     figures: list[Figure] = []
     with tempfile.TemporaryDirectory(prefix="bench-gpu-engine-") as tmp:
         for name in args.models.split(","):
@@ -218,6 +221,7 @@ def run(args) -> list[Figure]:
                         flush=True,
                     )
                     figures.append(fig)
+                    save(figures)
     return figures
 
 
@@ -267,20 +271,24 @@ def main() -> int:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         sys.exit("--device cuda but torch sees no CUDA device (use --device cpu)")
     started = time.perf_counter()
-    figures = run(args)
-    report = {
-        "device": device_name(args.device),
-        "torch": torch.__version__,
-        "prompt_len": args.prompt_len,
-        "max_new_tokens": args.max_new_tokens,
-        "figures": [asdict(f) for f in figures],
-        "hf_engine_over_generate": ratios(figures),
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
+
+    def save(figures: list[Figure]) -> dict:
+        report = {
+            "device": device_name(args.device),
+            "torch": torch.__version__,
+            "prompt_len": args.prompt_len,
+            "max_new_tokens": args.max_new_tokens,
+            "results": [asdict(f) for f in figures],
+            "hf_engine_over_generate": ratios(figures),
+            "wall_s": round(time.perf_counter() - started, 1),
+        }
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        return report
+
+    report = save(run(args, save))
     for key, ratio in report["hf_engine_over_generate"].items():
         print(f"hf_engine / generate tokens/s, {key}: {ratio:.3f}")
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 

@@ -259,6 +259,22 @@ def main() -> int:
     started = time.perf_counter()
     dtype = args.dtype or default_dtype(args.model)
     figures: list[ModeFigure] = []
+
+    def save() -> None:  # after each mode: a run cut short keeps what it measured
+        report = {
+            "device": device_name(args.device),
+            "model": Path(args.model).name,
+            "dtype": dtype,
+            "rows": args.rows,
+            "new_tokens": [args.min_new_tokens, args.max_new_tokens],
+            "interval_s": args.interval,
+            "seconds": args.seconds,
+            "results": [asdict(f) for f in figures],
+            "wall_s": round(time.perf_counter() - started, 1),
+        }
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="bench-update-modes-") as tmp:
         model_dir = build_model(args.model, dtype, Path(tmp), args.seed)
         load = make_load(model_dir, args)
@@ -270,21 +286,9 @@ def main() -> int:
         )
         for mode in modes:
             figures.append(run_mode(model_dir, args, dtype, load, mode))
+            save()
             ceiling = next((f.tokens_per_s for f in figures if f.mode == "none"), None)
             print_figure(figures[-1], ceiling if mode != "none" else None)
-    report = {
-        "device": device_name(args.device),
-        "model": Path(args.model).name,
-        "dtype": dtype,
-        "rows": args.rows,
-        "new_tokens": [args.min_new_tokens, args.max_new_tokens],
-        "interval_s": args.interval,
-        "seconds": args.seconds,
-        "modes": {f.mode: asdict(f) for f in figures},
-        "wall_s": round(time.perf_counter() - started, 1),
-    }
-    if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0
 
 
