@@ -219,4 +219,5 @@ rm -f "$OUT/.shm_names_before" "$OUT/.shm_names_after"
 gpu_processes gpu.procs_at_end
 rm -rf "$CACHE"
 say "check.wall_s: $(elapsed)"
-echo "summary: $SUMMARY"
+echo "== summary ($SUMMARY; logs, JSON and runs/ next to it)"
+cat "$SUMMARY"
