@@ -129,7 +129,8 @@ print(f"versions.python: {sys.version.split()[0]} ({sys.executable})")
 print(f"versions.torch: {torch.__version__}; cuda {torch.version.cuda}; cuda available {torch.cuda.is_available()}")
 if torch.cuda.is_available():
     print(f"versions.device: {torch.cuda.get_device_name(0)}, {torch.cuda.get_device_properties(0).total_memory / 2**30:.1f} GiB, {torch.cuda.device_count()} visible")
-    print(f"versions.nccl: {'.'.join(map(str, torch.cuda.nccl.version()))}")
+    nccl = torch.cuda.nccl.version()  # a tuple in recent torch, an int in older ones
+    print(f"versions.nccl: {'.'.join(map(str, nccl)) if isinstance(nccl, tuple) else nccl}")
 for name in ("transformers", "peft", "zmq", "pydantic", "msgpack", "pyarrow", "pytest_asyncio", "asyncrl"):
     try:
         module = importlib.import_module(name)
@@ -170,7 +171,7 @@ grep -hiE "placement|transport|colocated|disaggregated|cuda_ipc" "$OUT/launch.lo
     "$OUT/runs/one_gpu/logs/"*.log 2>/dev/null | head -n 8 | sed 's/^/launch.log: /' | tee -a "$SUMMARY"
 gpu_processes gpu.procs_after_launch
 
-step launch_cpu_server 75 "${LAUNCH[@]}" launch "trainer.run_dir=$OUT/runs/cpu_server" \
+step launch_cpu_server 60 "${LAUNCH[@]}" launch "trainer.run_dir=$OUT/runs/cpu_server" \
     "trainer.cache_dir=$CACHE" trainer.total_steps=30 rollout.device=cpu
 report launch launch_cpu_server "$OUT/runs/cpu_server"
 grep -hiE "placement|transport|shm|staging" "$OUT/launch_cpu_server.log" \
