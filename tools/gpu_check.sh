@@ -19,16 +19,16 @@
 #     two launches step 3 runs through the CLI (step 7 runs the file when time is left).
 #  3. warm_start: the embedded model built and warm-started into a cache (on the CPU);
 #     launch: `asyncrl launch` with the defaults on one GPU (learner and server colocated),
-#     200 steps: steps done, reward of the first 5 and last 20 steps, the gain (learns: +0.3);
-#     launch_cpu_server: the same with rollout.device=cpu (server on the CPU, learner on the
-#     GPU), 30 steps: that it makes steps.
-#  4. weight_sync: tools/bench_weight_sync.py (IPC against a device-to-device copy).
+#     200 steps: steps done, reward of the first 5 and last 20 steps, the gain (learns: +0.3).
+#  4. weight_sync: tools/bench_weight_sync.py (IPC against a device-to-device copy);
+#     launch_cpu_server: step 3's launch with rollout.device=cpu (server on the CPU, learner
+#     on the GPU), 30 steps: that it makes steps.
 #  5. engine: tools/bench_gpu_engine.py (HF engine tokens/s next to bare generate).
 #  6. update_modes: tools/bench_update_modes.py (drain against in-flight weight updates).
 #  7. launch_tests: tests/integration/test_gpu_launch.py, when the budget leaves time for it.
 #  8. /dev/shm after (and what appeared there), GPU processes left, total wall time.
 #
-# Knobs (environment): OUT; GPU_CHECK_BUDGET_S (default 420: later steps get what is left, a
+# Knobs (environment): OUT; GPU_CHECK_BUDGET_S (default 400: later steps get what is left, a
 # step with under 10 s left is skipped); GPU_CHECK_DEVICE=cpu, a dry run of the plumbing on a
 # machine without a GPU (no install, no nvidia-smi, small benches, the CPU default launch);
 # GPU_CHECK_LAUNCH_TESTS=auto|always|never (step 7); PYTHON (default python3).
@@ -41,7 +41,7 @@ mkdir -p "$OUT"
 OUT=$(cd "$OUT" && pwd)
 PY=${PYTHON:-python3}
 DEVICE=${GPU_CHECK_DEVICE:-cuda}
-BUDGET=${GPU_CHECK_BUDGET_S:-420}
+BUDGET=${GPU_CHECK_BUDGET_S:-400}
 LAUNCH_TESTS=${GPU_CHECK_LAUNCH_TESTS:-auto}
 CACHE=${TMPDIR:-/tmp}/gpu-check-cache-$$
 START=$(date +%s)
@@ -158,7 +158,7 @@ step gpu_tier 170 "$PY" -m pytest -m gpu -q -rA -p no:cacheprovider \
 report junit gpu_tier "$OUT/gpu_tier.xml"
 gpu_processes gpu.procs_after_tier
 
-# ---- 3. asyncrl launch on one GPU: the default task, then the server on the CPU ----------------
+# ---- 3. asyncrl launch on one GPU, the default task -----------------------------------------
 # the embedded model's warm-start (CPU, cached) first, so that the launch's time is all training
 step warm_start 90 "$PY" -c "from asyncrl.config import load_config
 from asyncrl.launch.fleet import prepare_model
@@ -171,6 +171,14 @@ grep -hiE "placement|transport|colocated|disaggregated|cuda_ipc" "$OUT/launch.lo
     "$OUT/runs/one_gpu/logs/"*.log 2>/dev/null | head -n 8 | sed 's/^/launch.log: /' | tee -a "$SUMMARY"
 gpu_processes gpu.procs_after_launch
 
+# ---- 4. the weight-sync bench, then a launch with the server on the CPU -------------------------
+if [[ -f tools/bench_weight_sync.py ]]; then
+    step weight_sync 60 "$PY" tools/bench_weight_sync.py --device "$DEVICE" --json "$OUT/weight_sync.json"
+    report json weight_sync "$OUT/weight_sync.json"
+else
+    say "weight_sync.rc: missing (no tools/bench_weight_sync.py in this checkout)"
+fi
+
 step launch_cpu_server 60 "${LAUNCH[@]}" launch "trainer.run_dir=$OUT/runs/cpu_server" \
     "trainer.cache_dir=$CACHE" trainer.total_steps=30 rollout.device=cpu
 report launch launch_cpu_server "$OUT/runs/cpu_server"
@@ -179,14 +187,7 @@ grep -hiE "placement|transport|shm|staging" "$OUT/launch_cpu_server.log" \
     tee -a "$SUMMARY"
 gpu_processes gpu.procs_after_cpu_server
 
-# ---- 4-6. the benches --------------------------------------------------------------------------
-if [[ -f tools/bench_weight_sync.py ]]; then
-    step weight_sync 60 "$PY" tools/bench_weight_sync.py --device "$DEVICE" --json "$OUT/weight_sync.json"
-    report json weight_sync "$OUT/weight_sync.json"
-else
-    say "weight_sync.rc: missing (no tools/bench_weight_sync.py in this checkout)"
-fi
-
+# ---- 5-6. the HF engine on the device: against bare generate, drain against in-flight -----------
 if [[ $DEVICE == cpu ]]; then
     ENGINE_ARGS=(--models tiny --rows 1,8 --prompt-len 16 --max-new-tokens 16)
     MODES_ARGS=(--model tiny --rows 8 --min-new-tokens 4 --max-new-tokens 48 --interval 0.3 --seconds 4)
