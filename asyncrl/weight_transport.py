@@ -22,9 +22,11 @@ handle on the control group (`handle_frame`, `read_handle_frame`).
 
 Staging memory dies with the run: a server unlinks a /dev/shm segment as soon as it has mapped it
 (the memory then lives exactly as long as the two mappings), the learner unlinks every segment
-of a member it drops and at shutdown, and a learner sweeps the segments of learner processes
-that no longer exist (a SIGKILLed one) when it makes its first. A CUDA slot is freed with its
-member; the driver frees everything a process held when it dies.
+of a member it drops and at shutdown, and `sweep_dead_segments` unlinks the segments of learner
+processes that no longer exist (a SIGKILLed one): a learner runs it when it makes its first, and
+the launcher once every process of a run has ended. A CUDA slot is freed with its member; the
+driver frees the memory a process held when it dies, but leaves a small file of its own in
+/dev/shm for every process that exported an IPC handle, which the same sweep removes.
 """
 
 from __future__ import annotations
@@ -51,6 +53,9 @@ SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "asyncrl-ws-"
 """Every segment is `asyncrl-ws-<learner pid>-<tag>`: the pid lets a later learner sweep it."""
 _SEGMENT = re.compile(r"asyncrl-ws-(\d+)-[A-Za-z0-9_-]{1,64}")
+_CUDA_IPC_FILE = re.compile(r"cuda\.shm\.\d+\.([0-9a-f]+)\.\d+")
+"""The file CUDA's driver leaves in /dev/shm for a process that exported an IPC handle
+(`cuda.shm.<n>.<pid in hex>.<n>`, seen on an H200): it outlives the process."""
 ALIGN = 256
 """Byte alignment of each bucket in a slot (CUDA's, and a multiple of every element size)."""
 HANDLE_FRAME = 1024
@@ -292,12 +297,15 @@ def _unlink(path: Path) -> None:
 
 
 def sweep_dead_segments() -> list[str]:
-    """Unlink the segments of learner processes that no longer exist; returns their names."""
+    """Unlink the segments of learner processes that no longer exist, and the files CUDA's
+    driver left for processes that exported IPC handles and no longer exist; returns their
+    names."""
     swept = []
     with contextlib.suppress(OSError):
         for path in SHM_DIR.iterdir():
-            m = _SEGMENT.fullmatch(path.name)
-            if m is None or _alive(int(m.group(1))):
+            ours, cuda = _SEGMENT.fullmatch(path.name), _CUDA_IPC_FILE.fullmatch(path.name)
+            pid = int(ours.group(1)) if ours else int(cuda.group(1), 16) if cuda else None
+            if pid is None or _alive(pid):
                 continue
             with contextlib.suppress(OSError):
                 path.unlink()

@@ -20,7 +20,8 @@
 #  3. warm_start: the embedded model built and warm-started into a cache (on the CPU);
 #     launch: `asyncrl launch` with the defaults on one GPU (learner and server colocated),
 #     200 steps: steps done, reward of the first 5 and last 20 steps, the gain (learns: +0.3).
-#  4. weight_sync: tools/bench_weight_sync.py (IPC against a device-to-device copy);
+#  4. weight_sync: tools/bench_weight_sync.py (IPC against a device-to-device copy), SmolLM2's
+#     shape and (weight_sync_1p5b) Qwen2.5-1.5B's;
 #     launch_cpu_server: step 3's launch with rollout.device=cpu (server on the CPU, learner
 #     on the GPU), 30 steps: that it makes steps.
 #  5. engine: tools/bench_gpu_engine.py (HF engine tokens/s next to bare generate).
@@ -175,6 +176,12 @@ gpu_processes gpu.procs_after_launch
 if [[ -f tools/bench_weight_sync.py ]]; then
     step weight_sync 60 "$PY" tools/bench_weight_sync.py --device "$DEVICE" --json "$OUT/weight_sync.json"
     report json weight_sync "$OUT/weight_sync.json"
+    # a model whose copy floor is long enough to weigh the control round trips against
+    step weight_sync_1p5b 45 "$PY" tools/bench_weight_sync.py --device "$DEVICE" \
+        --shape "$([[ $DEVICE == cpu ]] && echo tiny || echo qwen2.5-1.5b)" \
+        --transports "$([[ $DEVICE == cpu ]] && echo shm || echo cuda_ipc)" \
+        --json "$OUT/weight_sync_1p5b.json"
+    report json weight_sync_1p5b "$OUT/weight_sync_1p5b.json"
 else
     say "weight_sync.rc: missing (no tools/bench_weight_sync.py in this checkout)"
 fi

@@ -145,11 +145,16 @@ def test_segments_of_dead_learners_are_swept_and_live_ones_kept():
     ).stdout.strip()
     stale = SHM_DIR / f"asyncrl-ws-{dead}-0-0-dead"
     live = SHM_DIR / f"asyncrl-ws-{os.getpid()}-0-0-live"
-    stale.write_bytes(b"x")
-    live.write_bytes(b"x")
+    cuda_stale = SHM_DIR / f"cuda.shm.0.{int(dead):x}.1"  # CUDA's file for an IPC exporter
+    cuda_live = SHM_DIR / f"cuda.shm.0.{os.getpid():x}.1"
+    other = SHM_DIR / f"psm_{dead}"  # not ours: left alone
+    for p in (stale, live, cuda_stale, cuda_live, other):
+        p.write_bytes(b"x")
     try:
         swept = sweep_dead_segments()
-        assert stale.name in swept and not stale.exists() and live.exists()
+        assert {stale.name, cuda_stale.name} <= set(swept)
+        assert not stale.exists() and not cuda_stale.exists()
+        assert live.exists() and cuda_live.exists() and other.exists()
     finally:
-        for p in (stale, live):
+        for p in (stale, live, cuda_stale, cuda_live, other):
             p.unlink(missing_ok=True)
