@@ -53,7 +53,12 @@ from asyncrl.run_spec import RunSpec
 from asyncrl.sync_group import SyncGroup, answer, read_place, sync_prefix
 from asyncrl.weight_layout import plan_buckets
 from asyncrl.weight_sync import ParamSpec, WeightBroadcaster
-from asyncrl.weight_transport import choose_transport, place_of, slot_offsets
+from asyncrl.weight_transport import (
+    choose_transport,
+    place_of,
+    slot_offsets,
+    sweep_dead_segments,
+)
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -97,6 +102,7 @@ class SyncFleet:
         self.timeout_s, self.first_join_s = timeout_s, first_join_s
         self.op_timeout_s = op_timeout_s or timeout_s
         self.transport, self.place = transport, place_of(device)
+        sweep_dead_segments()  # what a SIGKILLed learner before this one left in /dev/shm
         self._version_bytes = 0  # of the version being sent (whether /dev/shm can hold one)
         bind_collectives_to(host)
         timeout = datetime.timedelta(seconds=timeout_s)
