@@ -10,6 +10,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.launch.run import launch
 from asyncrl.metrics import read_jsonl
+from asyncrl.weight_transport import SHM_DIR
 
 pytestmark = pytest.mark.integration
 
@@ -57,15 +58,27 @@ BF16 = [
 
 LORA = ["learner.lora.rank=4", "learner.lr=5e-3"]  # adapters on two FSDP ranks, synced alone
 INFLIGHT = ["rollout.weight_update_mode=inflight"]  # versions land between decode steps
+GLOO = ["launch.weight_transport=gloo"]  # the wire transport, forced (one host picks shm)
+
+
+def alive(pid: str) -> bool:
+    """Whether the process that made a segment still runs (another test's may)."""
+    return Path(f"/proc/{pid}").exists()
 
 
 @pytest.mark.parametrize(
     ("max_staleness", "extra"),
-    [(0, []), (2, []), (2, BF16), (2, LORA), (2, INFLIGHT)],
-    ids=["sync", "async", "async-bf16", "async-lora", "async-inflight"],
+    [(0, []), (2, []), (2, BF16), (2, LORA), (2, INFLIGHT), (2, GLOO)],
+    ids=["sync", "async", "async-bf16", "async-lora", "async-inflight", "async-gloo"],
 )
 def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness, extra):
     run_dir = _run(tmp_path, model_cache, max_staleness, extra)
+
+    # every server took its weights by shared memory (one host), or by gloo when told to
+    joined = [r for r in read_jsonl(run_dir / "sync_members.jsonl") if r["event"] == "joined"]
+    assert {r["transport"] for r in joined} == {"gloo" if extra is GLOO else "shm"}
+    left = [p.name for p in SHM_DIR.glob("asyncrl-ws-*") if not alive(p.name.split("-")[2])]
+    assert not left, f"the run left /dev/shm segments: {left}"
 
     # versions advance, one metrics line per step
     metrics = read_jsonl(run_dir / "metrics.jsonl")
@@ -159,7 +172,10 @@ def test_the_embedded_default_learns_with_a_bf16_learner(tmp_path, default_model
             "launch.progress=none",
         ]
     )
-    rows = training_rows(read_jsonl(launch(cfg) / "metrics.jsonl"))
+    run_dir = launch(cfg)
+    rows = training_rows(read_jsonl(run_dir / "metrics.jsonl"))
+    joined = [r for r in read_jsonl(run_dir / "sync_members.jsonl") if r["event"] == "joined"]
+    assert [r["transport"] for r in joined] == ["shm"]  # the default, on one host
     assert len(rows) == steps
     first = sum(r["reward_mean"] for r in rows[:5]) / 5
     last = sum(r["reward_mean"] for r in rows[-20:]) / 20
