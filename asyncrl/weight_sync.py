@@ -153,6 +153,17 @@ class _Fanout(Generic[K]):
         self.live.pop(key).abort()
 
 
+@dataclass(frozen=True)
+class Plan:
+    """How one layout of versions is sent (`WeightBroadcaster.plan`)."""
+
+    specs: list[ParamSpec]
+    digest: int  # `layout_hash(specs)`
+    buckets: list[Bucket]  # `plan_buckets`
+    offsets: list[int]  # each bucket's byte offset in a slot (`slot_offsets`)
+    slot_bytes: int  # a slot's size
+
+
 class WeightBroadcaster(Generic[K]):
     """Learner rank 0's side: streams full tensors into buckets and delivers each to every
     member, concurrently: a collective per bucket on a wire member's group (`nccl`, `gloo`), a
@@ -193,6 +204,7 @@ class WeightBroadcaster(Generic[K]):
         self._staging: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
         self._slots: dict[K, HostSlot | CudaSlot] = {}
         self._views: dict[K, tuple[Slot, list[Bucket], list[list[torch.Tensor]]]] = {}
+        self._plan: Plan | None = None
         self.give_up: Callable[[], dict[K, str]] | None = None
         """Asked while a wait lasts, which members to stop waiting for (`_Fanout`); None: a
         member is waited for up to its group's timeout."""
@@ -214,11 +226,10 @@ class WeightBroadcaster(Generic[K]):
         self._abandoned = [(g, w) for g, w in self._abandoned if not all_ended(w)]
         self.close_slots(keep=self.members)
         fan = _Fanout(dict(self.members), self.give_up)
-        buckets = plan_buckets(specs, self.bucket_bytes)
-        staged = self._staged_keys(fan)
-        offsets, nbytes = slot_offsets(buckets)
-        slots = self._slots_for(fan, staged, nbytes)
-        head = [version, len(specs), layout_hash(specs), self.bucket_bytes, probe is not None]
+        plan = self.plan(specs)
+        buckets, offsets = plan.buckets, plan.offsets
+        slots = self._slots_for(fan, self._staged_keys(fan), plan.slot_bytes)
+        head = [version, len(specs), plan.digest, self.bucket_bytes, probe is not None]
         self._send_headers(fan, torch.tensor(head, dtype=torch.int64), slots)
         views = {k: self._views_of(k, s, buckets, offsets) for k, s in slots.items()}
         self._send_buckets(fan, buckets, tensors, views)
@@ -232,6 +243,15 @@ class WeightBroadcaster(Generic[K]):
         self.close_slots(keep=self.members)
         self._abandoned += fan.abandoned
         return fan.failed
+
+    def plan(self, specs: list[ParamSpec]) -> Plan:
+        """The buckets of `specs` and where they lie in a slot, worked out once for the list
+        the learner passes every version (another list: again)."""
+        if self._plan is None or self._plan.specs is not specs:
+            buckets = plan_buckets(specs, self.bucket_bytes)
+            offsets, nbytes = slot_offsets(buckets)
+            self._plan = Plan(specs, layout_hash(specs), buckets, offsets, nbytes)
+        return self._plan
 
     def _send_headers(self, fan: _Fanout[K], head: torch.Tensor, slots: dict[K, Slot]) -> None:
         """The header: a broadcast to wire members; to staged members, with their slot's

@@ -51,12 +51,10 @@ from asyncrl.metrics import JsonlWriter
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
 from asyncrl.sync_group import SyncGroup, answer, read_place, sync_prefix
-from asyncrl.weight_layout import plan_buckets
 from asyncrl.weight_sync import ParamSpec, WeightBroadcaster
 from asyncrl.weight_transport import (
     choose_transport,
     place_of,
-    slot_offsets,
     sweep_dead_segments,
 )
 
@@ -129,7 +127,7 @@ class SyncFleet:
     ) -> dict[int, int]:
         """Join new server epochs, then send `version` to every member (`WeightBroadcaster`);
         returns the members that have it (server id -> epoch)."""
-        self._version_bytes = slot_offsets(plan_buckets(specs, self.broadcaster.bucket_bytes))[1]
+        self._version_bytes = self.broadcaster.plan(specs).slot_bytes
         self.maybe_join(version)
         failed = self.broadcaster.broadcast(specs, tensors, version, probe)
         for (server, epoch), error in failed.items():
