@@ -166,7 +166,9 @@ def plan_placement(
     users = _users({**learner_gpus, **server_gpus})
     ids = _parent_ids(g, parent_cvd)
 
-    def placed(name: str, role: str, index: int, gpus: tuple[int, ...], fraction) -> Placement:
+    def placed(
+        name: str, role: str, index: int, gpus: tuple[int, ...], fraction: float | None
+    ) -> Placement:
         cvd = None if gpus_present == 0 and g == 0 else ",".join(ids[i] for i in gpus)
         shared = any(users[i] > 1 for i in gpus)
         return Placement(name, role, index, gpus, cvd, fraction if gpus else None, shared)
