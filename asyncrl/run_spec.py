@@ -5,6 +5,10 @@ launcher writes the spec to `run_dir/launch.json` and starts each process with t
 Ray launcher hands it to each actor by value (a run directory need not be shared between
 nodes) and writes `launch.json` too, for people and tools. No process ever guesses a port or a
 path.
+
+The spec also carries the run's placement (`asyncrl.placement.PlacementPlan`): each process
+reads its own (`own_place`) for its share of a shared GPU's memory, and `launch.json` keeps it
+for people and tools.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
+from asyncrl.placement import Placement, PlacementPlan
 
 
 @dataclass(frozen=True)
@@ -23,13 +29,21 @@ class RunSpec:
     sync_port: int  # rendezvous port of the weight-sync group; 0: no learner (serving only)
     learner_master_port: int  # rendezvous port of the learner's FSDP process group
     threads: int  # torch intra-op threads per compute process
+    placement: PlacementPlan | None = None  # every process's GPUs and memory share
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1))
 
     @classmethod
     def load(cls, path: str | Path) -> RunSpec:
-        return cls(**json.loads(Path(path).read_text()))
+        data = json.loads(Path(path).read_text())
+        if data.get("placement") is not None:
+            data["placement"] = PlacementPlan.from_dict(data["placement"])
+        return cls(**data)
+
+    def own_place(self, name: str) -> Placement | None:
+        """Process `name`'s placement (None: a spec written without one)."""
+        return None if self.placement is None else self.placement.place(name)
 
     @property
     def config_path(self) -> Path:

@@ -33,6 +33,7 @@ from asyncrl.config import Config
 from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.dtypes import torch_dtype
 from asyncrl.metrics import StageTimer
+from asyncrl.placement import maybe_limit_gpu_memory
 from asyncrl.run_spec import RunSpec
 from learner.batch import TrainBatch, from_message, share_batch
 from learner.checkpoint import load_checkpoint, save_checkpoint, save_final_weights
@@ -328,7 +329,9 @@ def run_learner(spec: RunSpec, cfg: Config) -> None:
     """Entry point of one learner rank (RANK/WORLD_SIZE/MASTER_* come from the launcher)."""
     torch.set_num_threads(spec.threads)
     torch.manual_seed(cfg.trainer.seed)
-    learner = setup_learner(cfg, spec, *setup_distributed(cfg.learner.device))
+    rank, world, device = setup_distributed(cfg.learner.device)
+    maybe_limit_gpu_memory(spec.own_place(f"learner_{rank}"), device)  # its share, in its log
+    learner = setup_learner(cfg, spec, rank, world, device)
     signal.signal(signal.SIGTERM, lambda *_: setattr(learner, "stop_requested", True))
     try:
         learner.run()

@@ -15,6 +15,7 @@ from asyncrl.auth import key_from_env
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.learner_config import LoraConfig
 from asyncrl.metrics import write_json_atomic
+from asyncrl.placement import OWN_GPU_FRACTION, Placement, maybe_limit_gpu_memory
 from asyncrl.run_spec import RunSpec
 from rollout_servers.agents.interactions import load_interaction_config
 from rollout_servers.agents.registry import AgentLoopRouter
@@ -65,11 +66,20 @@ def sandboxed_sources(cfg: Config) -> list[str]:
 
 
 def setup_engine(
-    rc: RolloutConfig, model_path: str, seed: int, lora: LoraConfig | None = None
+    rc: RolloutConfig,
+    model_path: str,
+    seed: int,
+    lora: LoraConfig | None = None,
+    place: Placement | None = None,
 ) -> Engine:
     """The configured inference engine on the model at `model_path` (version 0); `lora`: the
-    learner's adapters (`learner.lora`), which versions then carry."""
+    learner's adapters (`learner.lora`), which versions then carry; `place`: the server's
+    placement, whose memory fraction vLLM and SGLang take as their own option and an HF engine
+    on a shared GPU is capped at (`asyncrl.placement.maybe_limit_gpu_memory`)."""
     device = engine_device(rc.device)
+    fraction = OWN_GPU_FRACTION
+    if place is not None and place.memory_fraction is not None:
+        fraction = place.memory_fraction
     if rc.engine == "vllm":
         from rollout_servers.engines.vllm import VLLMEngine
 
@@ -81,6 +91,8 @@ def setup_engine(
             dtype=rc.dtype,
             lora=lora,
             weight_update_mode=rc.weight_update_mode,
+            gpu_memory_fraction=fraction,
+            tensor_parallel=rc.gpus_per_server,
         )
     if rc.engine == "sglang":  # (LoRA is refused for it by the config)
         from rollout_servers.engines.sglang import SGLangEngine
@@ -92,7 +104,11 @@ def setup_engine(
             seed=seed,
             dtype=rc.dtype,
             weight_update_mode=rc.weight_update_mode,
+            gpu_memory_fraction=fraction,
+            tensor_parallel=rc.gpus_per_server,
         )
+    if device == "cuda":
+        maybe_limit_gpu_memory(place, torch.device("cuda", 0))
     return HFEngine(
         model_path,
         device=device,
@@ -112,7 +128,8 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
     rc = cfg.rollout
     tokenizer = AutoTokenizer.from_pretrained(spec.model_path)
     seed = cfg.trainer.seed + 1000 * (server_id + 1)
-    engine = setup_engine(rc, spec.model_path, seed, cfg.learner.lora)
+    place = spec.own_place(f"server_{server_id}")
+    engine = setup_engine(rc, spec.model_path, seed, cfg.learner.lora, place)
     sandbox = setup_sandbox(cfg)
     ta = rc.tool_agent
     tools = load_tool_config(ta.tool_config, sandbox) if ta.tool_config else None

@@ -45,6 +45,7 @@ from asyncrl.launch.fleet import (
     threads_per_process,
     wait_for_replay,
 )
+from asyncrl.placement import PlacementPlan, launch_placement, placement_env
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
 from asyncrl.transport import free_ports, tcp_address
@@ -222,6 +223,8 @@ def start_local_fleets(
     cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True
 ) -> LocalFleet:
     host = cfg.launch.host
+    plan = launch_placement(cfg, with_learner)  # refused here, before any process starts
+    print_line(plan.table())
     replay_port, sync_port, master_port = free_ports(host, 3)
     spec = RunSpec(
         run_dir=str(run_dir),
@@ -231,25 +234,17 @@ def start_local_fleets(
         sync_port=(cfg.launch.weight_sync_port or sync_port) if with_learner else 0,
         learner_master_port=master_port,
         threads=threads_per_process(cfg),
+        placement=plan,
     )
     spec_path = run_dir / "launch.json"
     spec.save(spec_path)
     fleet = LocalFleet(spec)
     worker = [sys.executable, "-m", "asyncrl.launch.worker"]
     try:
-        fleet.start("replay", [*worker, "replay", str(spec_path)], process_env(spec, "replay"))
-        for i in range(cfg.rollout.num_servers):
-            name = f"server_{i}"
-            argv = [*worker, "server", str(spec_path), "--index", str(i)]
-            fleet.start(name, argv, process_env(spec, name) | server_env(cfg, epoch=0))
-        world = cfg.learner.world_size
-        for rank in range(world if with_learner else 0):
-            name = f"learner_{rank}"
-            env = process_env(spec, name) | learner_env(
-                rank, world, host, spec.learner_master_port, local_rank=rank
-            )
-            proc = fleet.start(name, [*worker, "learner", str(spec_path)], env)
-            proc.essential_until_end = False  # learner ranks finishing (code 0) ends the run
+        for name, argv, env in local_commands(cfg, spec, plan, worker, str(spec_path)):
+            proc = fleet.start(name, argv, env)
+            # learner ranks finishing (code 0) ends the run
+            proc.essential_until_end = not name.startswith("learner_")
         wait_for_replay(
             fleet,
             lambda: replay_answers(spec.replay_address, client_key(spec)),
@@ -259,3 +254,27 @@ def start_local_fleets(
         fleet.stop_all()
         raise
     return fleet
+
+
+def local_commands(
+    cfg: Config, spec: RunSpec, plan: PlacementPlan, worker: list[str], spec_path: str
+) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(name, argv, environment) of every process, in start order: the replay, the servers,
+    the learner ranks (when the plan has them). Each gets the CUDA_VISIBLE_DEVICES of its
+    placement; a learner rank on GPUs of its own numbering has LOCAL_RANK=0 (its first GPU is
+    its cuda:0), as under Ray."""
+    commands = [("replay", [*worker, "replay", spec_path], process_env(spec, "replay"))]
+    for i in range(cfg.rollout.num_servers):
+        name = f"server_{i}"
+        argv = [*worker, "server", spec_path, "--index", str(i)]
+        env = process_env(spec, name) | server_env(cfg, epoch=0)
+        commands.append((name, argv, env))
+    world = cfg.learner.world_size
+    for place in plan.places:
+        if place.role == "learner":
+            rank, local_rank = place.index, 0 if place.gpus else place.index
+            env = process_env(spec, place.name) | learner_env(
+                rank, world, cfg.launch.host, spec.learner_master_port, local_rank
+            )
+            commands.append((place.name, [*worker, "learner", spec_path], env))
+    return [(n, argv, env | placement_env(plan.place(n))) for n, argv, env in commands]

@@ -5,9 +5,12 @@ Ray schedules; it carries neither trajectories nor weights. Every fleet process 
 (`asyncrl.launch.worker.run_process`) on its main thread, so the data plane is ZeroMQ and
 torch.distributed exactly as under `launch.backend=local`.
 
-Placement (what `start_ray_fleets` asks Ray for) is `asyncrl.launch.ray_placement`: one
-STRICT_PACK placement group on loopback, two groups (learner ranks, servers) with
-`launch.allow_remote=true`; the replay reserves nothing and shares the first bundle.
+Placement (what `start_ray_fleets` asks Ray for) is `asyncrl.launch.ray_placement`: the run's
+placement (`asyncrl.placement`, as under the local launcher) as bundles, the processes that
+share a GPU in one bundle with fractional GPUs; one STRICT_PACK placement group on loopback, two
+groups (learner ranks, servers) with `launch.allow_remote=true`; the replay reserves nothing
+and shares the first bundle. Ray sets each GPU actor's CUDA_VISIBLE_DEVICES to its bundle's
+GPU(s); an actor on CPU gets CUDA_VISIBLE_DEVICES="" when the plan hides the GPUs from it.
 
 `start_ray_fleets` runs as stages: `plan_seats` (who reserves what), `connect` (an existing
 cluster, or a local one for the run), `place` (placement groups), `create_actor` and
@@ -69,7 +72,16 @@ from asyncrl.launch.ray_actors import (
     signal_processes,
 )
 from asyncrl.launch.ray_connect import connect
-from asyncrl.launch.ray_placement import Seat, Slot, place, plan_seats, reserved, spec_for_seat
+from asyncrl.launch.ray_placement import (
+    Seat,
+    Slot,
+    place,
+    plan_seats,
+    ray_placement,
+    reserved,
+    spec_for_seat,
+)
+from asyncrl.placement import placement_env
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
 from asyncrl.transport import tcp_address
@@ -156,6 +168,7 @@ class RayFleet:
     members: list[RayMember] = field(default_factory=list)
     placement_groups: list[PlacementGroup] = field(default_factory=list)
     slots: dict[str, Slot] = field(default_factory=dict)  # by seat name
+    seats: list[Seat] = field(default_factory=list)  # as planned at the start
     stopped: bool = False
     checks: int = 0  # how many times every member's run has been polled
 
@@ -173,7 +186,7 @@ class RayFleet:
         """A new actor for server `index` in its bundle, running the server role as `epoch`
         (located as it starts, without waiting here: `locate` runs before `run`)."""
         slot = self.slots[f"server_{index}"]
-        seat = next(s for s in plan_seats(self.cfg, False) if s.name == f"server_{index}")
+        seat = next(s for s in self.seats if s.name == f"server_{index}")
         create_actor(self, seat, slot, self.cfg)
         m = self.members[-1]
         m.locating = m.actor.locate.remote()
@@ -265,7 +278,9 @@ def start_ray_fleets(
 ) -> RayFleet:
     """Start the fleets as Ray actors (the replay first; once it answers, the servers and the
     learner ranks); on any failure stop what was started and raise LaunchError."""
-    seats = plan_seats(cfg, with_learner)
+    plan = ray_placement(cfg, with_learner)  # refused here, before any actor starts
+    print(plan.table() + "\n  (Ray sets each GPU actor's CUDA_VISIBLE_DEVICES)", flush=True)
+    seats = plan_seats(cfg, with_learner, plan)
     spec = RunSpec(
         run_dir=str(run_dir.resolve()),
         model_path=str(Path(model_path).resolve()),
@@ -274,9 +289,10 @@ def start_ray_fleets(
         sync_port=0,
         learner_master_port=0,
         threads=1,
+        placement=plan,
     )
     owns = connect(cfg.launch.ray, reserved(seats), loopback=not cfg.launch.allow_remote)
-    fleet = RayFleet(spec, owns_connection=owns, cfg=cfg)
+    fleet = RayFleet(spec, owns_connection=owns, cfg=cfg, seats=seats)
     try:
         slots = fleet.slots = place(seats, cfg, fleet.placement_groups)
         for seat in seats:
@@ -299,13 +315,16 @@ def create_actor(fleet: RayFleet, seat: Seat, slot: Slot, cfg: Config) -> None:
     """Create (not yet run) the actor of one seat in its placement-group bundle."""
     pg, index = slot
     log_path = Path(fleet.spec.run_dir) / "logs" / f"{seat.name}.log"
+    env = process_env(spec_for_seat(fleet.spec, cfg, seat), seat.name)
+    if not seat.gpus:  # Ray leaves an actor without GPUs every GPU: hide them as planned
+        env |= placement_env(fleet.spec.own_place(seat.name))
     actor = FleetProcess.options(  # type: ignore[attr-defined]
         num_cpus=seat.bundle.get("CPU", 0),
         num_gpus=seat.bundle.get("GPU", 0),
         scheduling_strategy=PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=index
         ),
-        runtime_env={"env_vars": process_env(spec_for_seat(fleet.spec, cfg, seat), seat.name)},
+        runtime_env={"env_vars": env},
     ).remote(str(log_path), os.getcwd())
     fleet.members.append(RayMember(seat, actor, log_path))
 

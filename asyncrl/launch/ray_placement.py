@@ -1,12 +1,18 @@
 """Placement for the Ray launcher (`ray_cluster.py`): which fleet process reserves what, and the
 placement groups that hold those reservations.
 
+The GPUs come from the run's placement (`asyncrl.placement`, the same rule as the local
+launcher's): a process on GPUs of its own gets a bundle with those GPUs (1 per learner rank,
+`rollout.gpus_per_server` per server); the processes that share a GPU share one bundle with
+one GPU, each actor taking a fraction of it (a server its `rollout.gpu_memory_fraction`, the
+learner rank what the servers leave), so Ray shows all of them the same GPU. CPUs: each server
+`launch.ray.server_num_cpus`, each learner rank `launch.ray.learner_num_cpus` (a shared bundle
+reserves its members' sum).
+
 - `launch.allow_remote=false` (the default, loopback sockets): one STRICT_PACK placement group
-  with a bundle per rollout server (`launch.ray.server_num_cpus/gpus`) and per learner rank
-  (`launch.ray.learner_num_cpus/gpus`): the whole fleet on one node, every address
-  `launch.host`.
-- `launch.allow_remote=true`: the learner ranks in one placement group
-  (`launch.ray.learner_strategy`), the servers in another (PACK), and every service bound to
+  with every bundle: the whole fleet on one node, every address `launch.host`.
+- `launch.allow_remote=true`: the bundles with a learner rank in one placement group
+  (`launch.ray.learner_strategy`), the others in another (PACK), and every service bound to
   the IP address of its node as Ray reports it.
 The replay needs no reserved resources: it runs with 0 CPUs next to the first bundle (learner
 rank 0's when training, else server 0's).
@@ -21,6 +27,7 @@ from ray.util.placement_group import PlacementGroup, placement_group
 
 from asyncrl.config import Config
 from asyncrl.launch.fleet import LaunchError
+from asyncrl.placement import PlacementPlan, launch_placement, plan_placement
 from asyncrl.run_spec import RunSpec
 
 Slot = tuple[PlacementGroup, int]
@@ -34,20 +41,39 @@ class Seat:
     name: str  # replay, server_<i>, learner_<rank>
     role: str  # replay | server | learner
     index: int  # server index or learner rank
-    bundle: dict[str, float]  # what it reserves ({} for the replay, which reserves nothing)
+    bundle: dict[str, float]  # what its actor takes ({} for the replay, which takes nothing)
+    gpus: tuple[int, ...] = ()  # its GPUs in the run's placement; seats sharing one share a bundle
 
 
-def plan_seats(cfg: Config, with_learner: bool) -> list[Seat]:
-    """The replay, the servers and (when training) the learner ranks, with their bundles."""
+def ray_placement(cfg: Config, with_learner: bool) -> PlacementPlan:
+    """The run's placement under Ray: on this machine's GPUs (`launch_placement`), or, on an
+    existing cluster (`launch.ray.address`) with `launch.gpus` set, on that many GPUs, which Ray
+    checks when it places the bundles."""
+    if cfg.launch.ray.address is not None and cfg.launch.gpus is not None:
+        return plan_placement(cfg, cfg.launch.gpus, with_learner)
+    return launch_placement(cfg, with_learner)
+
+
+def plan_seats(cfg: Config, with_learner: bool, plan: PlacementPlan | None = None) -> list[Seat]:
+    """The replay, the servers and (when training) the learner ranks, with what each actor
+    takes (`plan`: the run's placement; default `ray_placement`)."""
+    plan = ray_placement(cfg, with_learner) if plan is None else plan
     rc = cfg.launch.ray
-    server = _bundle("server", rc.server_num_cpus, rc.server_num_gpus)
+    cpus = {"server": rc.server_num_cpus, "learner": rc.learner_num_cpus}
     seats = [Seat("replay", "replay", 0, {})]
-    seats += [Seat(f"server_{i}", "server", i, server) for i in range(cfg.rollout.num_servers)]
-    if with_learner:
-        learner = _bundle("learner", rc.learner_num_cpus, rc.learner_num_gpus)
-        seats += [
-            Seat(f"learner_{r}", "learner", r, learner) for r in range(cfg.learner.world_size)
-        ]
+    for p in plan.places:
+        if p.role == "replay":
+            continue
+        gpus: float = len(p.gpus)
+        if p.shared:
+            if len(p.gpus) > 1:
+                raise LaunchError(
+                    f"{p.name} would share {len(p.gpus)} GPUs (rollout.gpus_per_server="
+                    f"{cfg.rollout.gpus_per_server}): under launch.backend=ray a server on "
+                    "several GPUs needs them to itself; raise launch.gpus"
+                )
+            gpus = p.memory_fraction or 0.0
+        seats.append(Seat(p.name, p.role, p.index, _bundle(p.role, cpus[p.role], gpus), p.gpus))
     return seats
 
 
@@ -55,15 +81,30 @@ def _bundle(role: str, num_cpus: float, num_gpus: float) -> dict[str, float]:
     bundle = {k: v for k, v in (("CPU", num_cpus), ("GPU", num_gpus)) if v > 0}
     if not bundle:
         raise LaunchError(
-            f"launch.ray.{role}_num_cpus and launch.ray.{role}_num_gpus are both 0: a "
-            "placement-group bundle must reserve something"
+            f"launch.ray.{role}_num_cpus is 0 and the {role} has no GPU: a placement-group "
+            "bundle must reserve something"
         )
     return bundle
 
 
+def bundles(seats: list[Seat]) -> list[tuple[dict[str, float], list[Seat]]]:
+    """The placement-group bundles and the seats in each: one per seat, except that the seats
+    sharing a GPU share one bundle (that GPU, their CPUs together)."""
+    grouped: dict[object, list[Seat]] = {}
+    for s in seats:
+        if s.role != "replay":
+            grouped.setdefault(s.gpus if s.gpus else s.name, []).append(s)
+    out = []
+    for key, members in grouped.items():
+        cpus = sum(m.bundle.get("CPU", 0) for m in members)
+        gpus = float(len(key)) if isinstance(key, tuple) else 0.0
+        out.append(({k: v for k, v in (("CPU", cpus), ("GPU", gpus)) if v > 0}, members))
+    return out
+
+
 def reserved(seats: list[Seat]) -> dict[str, float]:
     """What the whole fleet reserves, in CPUs and GPUs."""
-    return {k: sum(s.bundle.get(k, 0) for s in seats) for k in ("CPU", "GPU")}
+    return {k: sum(b.get(k, 0) for b, _ in bundles(seats)) for k in ("CPU", "GPU")}
 
 
 def spec_for_seat(spec: RunSpec, cfg: Config, seat: Seat) -> RunSpec:
@@ -75,21 +116,24 @@ def spec_for_seat(spec: RunSpec, cfg: Config, seat: Seat) -> RunSpec:
 
 def place(seats: list[Seat], cfg: Config, groups: list[PlacementGroup]) -> dict[str, Slot]:
     """Create the placement groups and wait until Ray has placed them; returns each seat's
-    slot. Loopback addresses need one node: one STRICT_PACK group. Otherwise the learner
-    ranks get a group of their own (launch.ray.learner_strategy). Each group is appended to
+    slot. Loopback addresses need one node: one STRICT_PACK group. Otherwise the bundles with
+    a learner rank get a group of their own (launch.ray.learner_strategy). Each group is appended to
     `groups` as it is created, so the caller removes it even when placing fails."""
-    servers = [s for s in seats if s.role == "server"]
     learners = [s for s in seats if s.role == "learner"]
+    servers = [s for s in seats if s.role == "server"]
+    everything = bundles(seats)
     if cfg.launch.allow_remote:
-        plan = [(servers, "PACK"), (learners, cfg.launch.ray.learner_strategy)]
+        with_learner = [b for b in everything if any(m.role == "learner" for m in b[1])]
+        others = [b for b in everything if b not in with_learner]
+        plan = [(others, "PACK"), (with_learner, cfg.launch.ray.learner_strategy)]
     else:
-        plan = [(servers + learners, "STRICT_PACK")]
+        plan = [(everything, "STRICT_PACK")]
     slots: dict[str, Slot] = {}
     for members, strategy in plan:
         if members:
-            pg = placement_group([s.bundle for s in members], strategy=strategy)
+            pg = placement_group([b for b, _ in members], strategy=strategy)
             groups.append(pg)
-            slots |= {s.name: (pg, i) for i, s in enumerate(members)}
+            slots |= {s.name: (pg, i) for i, (_, seated) in enumerate(members) for s in seated}
     slots["replay"] = slots[(learners or servers)[0].name]  # shares a bundle, reserves nothing
     _wait_placed(groups, reserved(seats), cfg)
     return slots
@@ -108,6 +152,6 @@ def _wait_placed(groups: list[PlacementGroup], reserves: dict[str, float], cfg: 
         )
         raise LaunchError(
             f"Ray could not place the fleet within {timeout_s:.0f}s: it reserves {reserves}, "
-            f"the cluster has {ray.cluster_resources()} (launch.ray.*_num_cpus/_num_gpus)"
+            f"the cluster has {ray.cluster_resources()} (launch.ray.*_num_cpus, launch.gpus)"
             + one_node
         )

@@ -20,6 +20,7 @@ from asyncrl.launch.local import start_local_fleets
 from asyncrl.launch.progress import Progress
 from asyncrl.launch.resume import run_with_resumes
 from asyncrl.metrics import read_jsonl
+from asyncrl.placement import launch_placement
 
 
 def start_fleets(cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True) -> Fleet:
@@ -71,6 +72,7 @@ def serve(cfg: Config, command: str = "asyncrl serve") -> tuple[Fleet, Path]:
     """Start the replay and the rollout servers only, on trainer.model_path (any checkpoint
     directory) or the embedded model; the caller stops the fleet."""
     check_run_data(cfg)
+    launch_placement(cfg, with_learner=False)  # one that cannot work fails before the model
     run_dir = prepare_run_dir(cfg, command)
     model_path = prepare_model(cfg)
     fleet = start_fleets(cfg, run_dir, model_path, with_learner=False)
@@ -82,6 +84,7 @@ def launch(cfg: Config, command: str = "asyncrl launch") -> Path:
     a learner or replay death restarts the run from its newest checkpoint (`resume.py`)."""
     started = time.monotonic()
     check_run_data(cfg)
+    launch_placement(cfg)  # one that cannot work fails before the model is prepared
     run_dir = prepare_run_dir(cfg, command)
     print(f"asyncrl: run directory {run_dir}", flush=True)
     model_path = prepare_model(cfg)

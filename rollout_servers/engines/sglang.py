@@ -46,6 +46,7 @@ from typing import Any, Literal
 import torch
 
 from asyncrl.config import SGLangConfig
+from asyncrl.placement import OWN_GPU_FRACTION
 from asyncrl.sync_group import join_sync_group
 from asyncrl.weight_receiver import ReceivedVersion, WeightReceiver
 from rollout_servers.engines.base import (
@@ -58,17 +59,26 @@ from rollout_servers.engines.vllm import eos_ids, learner_weight_specs
 
 
 def engine_kwargs(
-    model_path: str, options: SGLangConfig, device: str, seed: int, dtype: str = "float32"
+    model_path: str,
+    options: SGLangConfig,
+    device: str,
+    seed: int,
+    dtype: str = "float32",
+    gpu_memory_fraction: float = OWN_GPU_FRACTION,
+    tensor_parallel: int = 1,
 ) -> dict[str, Any]:
     """`sglang.Engine`'s arguments as this engine uses them (tools/bench_engines.py drives bare
-    SGLang with the same ones)."""
+    SGLang with the same ones). `gpu_memory_fraction`: the server's share of each of its GPUs
+    (`rollout.gpu_memory_fraction` as placed, `asyncrl.placement`; unused on CPU);
+    `tensor_parallel`: its GPUs (`rollout.gpus_per_server`)."""
     return dict(
         model_path=model_path,
         device=device,
         dtype=dtype,
         random_seed=seed,
         skip_tokenizer_init=True,  # token ids in, token ids out
-        mem_fraction_static=options.mem_fraction_static,
+        mem_fraction_static=gpu_memory_fraction,
+        tp_size=tensor_parallel,
         max_total_tokens=options.max_total_tokens,
         max_running_requests=options.max_running_requests,
         context_length=options.context_length or None,
@@ -130,6 +140,8 @@ class SGLangEngine(GatedEngine):
         version: int = 0,
         dtype: str = "float32",
         weight_update_mode: Literal["drain", "inflight"] = "drain",
+        gpu_memory_fraction: float = OWN_GPU_FRACTION,
+        tensor_parallel: int = 1,
     ):
         self.model_path = str(model_path)
         self._specs = learner_weight_specs(model_path, dtype)
@@ -138,7 +150,9 @@ class SGLangEngine(GatedEngine):
         self._vocab = AutoConfig.from_pretrained(model_path).vocab_size
         self._eos_ids = eos_ids(model_path)
         self._init_gate(version, weight_update_mode)
-        kwargs = engine_kwargs(self.model_path, options, device, seed, dtype)
+        kwargs = engine_kwargs(
+            self.model_path, options, device, seed, dtype, gpu_memory_fraction, tensor_parallel
+        )
         self.llm = self._start_loop("sglang-engine-loop", lambda: setup_sglang(kwargs))
 
     # ---- generation -------------------------------------------------------------------------

@@ -54,6 +54,7 @@ from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.dtypes import torch_dtype
 from asyncrl.learner_config import LoraConfig
 from asyncrl.lora import adapter_specs, adapter_targets
+from asyncrl.placement import OWN_GPU_FRACTION
 from asyncrl.transport import decode_frames
 from asyncrl.weight_sync import ParamSpec, specs_of
 from rollout_servers.engines.base import (
@@ -96,9 +97,18 @@ def eos_ids(model_path: str | Path) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else (eos or []))
 
 
-def engine_args(model_path: str, options: VLLMConfig, seed: int, dtype: str = "float32") -> Any:
+def engine_args(
+    model_path: str,
+    options: VLLMConfig,
+    seed: int,
+    dtype: str = "float32",
+    gpu_memory_fraction: float = OWN_GPU_FRACTION,
+    tensor_parallel: int = 1,
+) -> Any:
     """vLLM's `AsyncEngineArgs` as this engine uses them (tools/bench_engines.py drives bare
-    vLLM with the same ones)."""
+    vLLM with the same ones). `gpu_memory_fraction`: the server's share of each of its GPUs
+    (`rollout.gpu_memory_fraction` as placed, `asyncrl.placement`; unused on CPU);
+    `tensor_parallel`: its GPUs (`rollout.gpus_per_server`)."""
     from vllm import AsyncEngineArgs
 
     return AsyncEngineArgs(
@@ -111,7 +121,8 @@ def engine_args(model_path: str, options: VLLMConfig, seed: int, dtype: str = "f
         enable_prefix_caching=options.enable_prefix_caching,
         max_num_seqs=options.max_num_seqs,
         max_model_len=options.max_model_len or None,
-        gpu_memory_utilization=options.gpu_memory_utilization,
+        gpu_memory_utilization=gpu_memory_fraction,
+        tensor_parallel_size=tensor_parallel,
         worker_extension_cls=WORKER_EXTENSION,
     )
 
@@ -149,6 +160,8 @@ class VLLMEngine(GatedEngine):
         dtype: str = "float32",
         lora: LoraConfig | None = None,
         weight_update_mode: Literal["drain", "inflight"] = "drain",
+        gpu_memory_fraction: float = OWN_GPU_FRACTION,
+        tensor_parallel: int = 1,
     ):
         from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -166,7 +179,9 @@ class VLLMEngine(GatedEngine):
             self._lora = LoraMerge(self.model_path, targets, lora.scale, dtype)
         self._eos_ids = eos_ids(model_path)
         self._init_gate(version, weight_update_mode)
-        args = engine_args(self.model_path, options, seed, dtype)
+        args = engine_args(
+            self.model_path, options, seed, dtype, gpu_memory_fraction, tensor_parallel
+        )
         self.llm = self._start_loop("vllm-engine-loop", lambda: AsyncLLM.from_engine_args(args))
 
     # ---- generation -------------------------------------------------------------------------

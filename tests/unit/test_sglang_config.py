@@ -17,21 +17,22 @@ def test_sglang_engine_and_its_options_load():
             "rollout.engine=sglang",
             "rollout.sglang.max_total_tokens=4096",
             "rollout.sglang.max_running_requests=32",
-            "rollout.sglang.mem_fraction_static=0.7",
+            "rollout.gpu_memory_fraction=0.7",
             "rollout.sglang.disable_radix_cache=true",
         ],
     )
     options = cfg.rollout.sglang
     assert cfg.rollout.engine == "sglang" and cfg.rollout.dtype == "float32"
     assert (options.max_total_tokens, options.max_running_requests) == (4096, 32)
-    assert options.mem_fraction_static == 0.7 and options.disable_radix_cache
+    assert cfg.rollout.gpu_memory_fraction == 0.7 and options.disable_radix_cache
     assert wants_probe(cfg)  # the SGLang engine checks the delivery probe
 
 
 @pytest.mark.parametrize(
     "override, message",
     [
-        ("rollout.sglang.mem_fraction_static=1.5", "rollout.sglang.mem_fraction_static"),
+        ("rollout.gpu_memory_fraction=1.5", "rollout.gpu_memory_fraction"),
+        ("rollout.sglang.mem_fraction_static=0.7", "renamed: use rollout.gpu_memory_fraction"),
         ("rollout.sglang.max_total_tokens=0", "rollout.sglang.max_total_tokens"),
         ("rollout.sglang.max_running_requests=0", "rollout.sglang.max_running_requests"),
         ("rollout.sglang.top_k=5", "unknown key"),
