@@ -61,8 +61,16 @@ INFLIGHT = ["rollout.weight_update_mode=inflight"]  # versions land between deco
 GLOO = ["launch.weight_transport=gloo"]  # the wire transport, forced (one host picks shm)
 
 
-def alive(pid: str) -> bool:
-    """Whether the process that made a segment still runs (another test's may)."""
+def assert_transports(run_dir: Path, transport: str) -> None:
+    """Every server joined the weight sync over `transport`, and no process of the run left a
+    /dev/shm segment (a live process's is another test's)."""
+    joined = [r for r in read_jsonl(run_dir / "sync_members.jsonl") if r["event"] == "joined"]
+    assert joined and {r["transport"] for r in joined} == {transport}
+    left = [p.name for p in SHM_DIR.glob("asyncrl-ws-*") if not _alive(p.name.split("-")[2])]
+    assert not left, f"the run left /dev/shm segments: {left}"
+
+
+def _alive(pid: str) -> bool:
     return Path(f"/proc/{pid}").exists()
 
 
@@ -75,10 +83,7 @@ def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness, extr
     run_dir = _run(tmp_path, model_cache, max_staleness, extra)
 
     # every server took its weights by shared memory (one host), or by gloo when told to
-    joined = [r for r in read_jsonl(run_dir / "sync_members.jsonl") if r["event"] == "joined"]
-    assert {r["transport"] for r in joined} == {"gloo" if extra is GLOO else "shm"}
-    left = [p.name for p in SHM_DIR.glob("asyncrl-ws-*") if not alive(p.name.split("-")[2])]
-    assert not left, f"the run left /dev/shm segments: {left}"
+    assert_transports(run_dir, "gloo" if extra is GLOO else "shm")
 
     # versions advance, one metrics line per step
     metrics = read_jsonl(run_dir / "metrics.jsonl")
@@ -174,8 +179,7 @@ def test_the_embedded_default_learns_with_a_bf16_learner(tmp_path, default_model
     )
     run_dir = launch(cfg)
     rows = training_rows(read_jsonl(run_dir / "metrics.jsonl"))
-    joined = [r for r in read_jsonl(run_dir / "sync_members.jsonl") if r["event"] == "joined"]
-    assert [r["transport"] for r in joined] == ["shm"]  # the default, on one host
+    assert_transports(run_dir, "shm")  # the default, on one host
     assert len(rows) == steps
     first = sum(r["reward_mean"] for r in rows[:5]) / 5
     last = sum(r["reward_mean"] for r in rows[-20:]) / 20
