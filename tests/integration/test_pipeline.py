@@ -82,11 +82,9 @@ def _alive(pid: str) -> bool:
 def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness, extra):
     run_dir = _run(tmp_path, model_cache, max_staleness, extra)
 
-    # every server took its weights by shared memory (one host), or by gloo when told to
-    assert_transports(run_dir, "gloo" if extra is GLOO else "shm")
+    assert_transports(run_dir, "gloo" if extra is GLOO else "shm")  # one host: shm by default
 
-    # versions advance, one metrics line per step
-    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")  # versions advance, a line per step
     assert [m["version"] for m in metrics] == list(range(1, STEPS + 1))
     # what the pipeline is doing, every step: fleet, replay, latency, staleness histogram
     for m in metrics[1:]:
