@@ -118,7 +118,8 @@ def visible_gpus() -> int:
     """GPUs this process can use: none without an NVIDIA driver (torch is then not even
     imported, so a CPU launcher starts as fast as ever), else `torch.cuda.device_count()`
     (which honours `CUDA_VISIBLE_DEVICES` and does not initialise CUDA)."""
-    if not Path("/proc/driver/nvidia/gpus").is_dir():
+    driver = ("/proc/driver/nvidia/gpus", "/dev/nvidiactl", "/dev/nvidia0")
+    if not any(Path(p).exists() for p in driver):  # (a container may lack one of them)
         return 0
     import torch
 
