@@ -12,6 +12,11 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
+# The Ray launcher's plan imports Ray, which the project installs everywhere but the lent GPU
+# machine lacks (tools/gpu_check.sh installs only what asyncrl needs there): without Ray, those
+# tests are left out instead of failing the whole collection.
+collect_ignore = [] if importlib.util.find_spec("ray") else ["unit/test_ray_placement.py"]
+
 
 @pytest.fixture(scope="module")
 def replay_fuzz() -> Iterator[ModuleType]:
