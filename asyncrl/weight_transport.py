@@ -26,7 +26,8 @@ of a member it drops and at shutdown, and `sweep_dead_segments` unlinks the segm
 processes that no longer exist (a SIGKILLed one): a learner runs it when it makes its first, and
 the launcher once every process of a run has ended. A CUDA slot is freed with its member; the
 driver frees the memory a process held when it dies, but leaves a small file of its own in
-/dev/shm for every process that exported an IPC handle, which the same sweep removes.
+/dev/shm for every process that exported an IPC handle, and torch one for its reference counters
+when its process is killed; the same sweep removes both.
 """
 
 from __future__ import annotations
@@ -56,6 +57,9 @@ _SEGMENT = re.compile(r"asyncrl-ws-(\d+)-[A-Za-z0-9_-]{1,64}")
 _CUDA_IPC_FILE = re.compile(r"cuda\.shm\.\d+\.([0-9a-f]+)\.\d+")
 """The file CUDA's driver leaves in /dev/shm for a process that exported an IPC handle
 (`cuda.shm.<n>.<pid in hex>.<n>`, seen on an H200): it outlives the process."""
+_TORCH_FILE = re.compile(r"torch_(\d+)_\d+_\d+")
+"""A file torch makes in /dev/shm for a process's shared tensors and its CUDA IPC reference
+counters (`torch_<pid>_<n>_<n>`, seen on an H200): left behind when that process is killed."""
 ALIGN = 256
 """Byte alignment of each bucket in a slot (CUDA's, and a multiple of every element size)."""
 HANDLE_FRAME = 1024
@@ -298,19 +302,27 @@ def _unlink(path: Path) -> None:
 
 def sweep_dead_segments() -> list[str]:
     """Unlink the segments of learner processes that no longer exist, and the files CUDA's
-    driver left for processes that exported IPC handles and no longer exist; returns their
+    driver and torch left in /dev/shm for processes that no longer exist; returns their
     names."""
     swept = []
     with contextlib.suppress(OSError):
         for path in SHM_DIR.iterdir():
-            ours, cuda = _SEGMENT.fullmatch(path.name), _CUDA_IPC_FILE.fullmatch(path.name)
-            pid = int(ours.group(1)) if ours else int(cuda.group(1), 16) if cuda else None
+            pid = _owner(path.name)
             if pid is None or _alive(pid):
                 continue
             with contextlib.suppress(OSError):
                 path.unlink()
                 swept.append(path.name)
     return swept
+
+
+def _owner(name: str) -> int | None:
+    """The pid of the process that made a /dev/shm file `sweep_dead_segments` knows, or None."""
+    for pattern, base in ((_SEGMENT, 10), (_TORCH_FILE, 10), (_CUDA_IPC_FILE, 16)):
+        m = pattern.fullmatch(name)
+        if m is not None:
+            return int(m.group(1), base)
+    return None
 
 
 def _alive(pid: int) -> bool:

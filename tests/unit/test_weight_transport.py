@@ -147,14 +147,15 @@ def test_segments_of_dead_learners_are_swept_and_live_ones_kept():
     live = SHM_DIR / f"asyncrl-ws-{os.getpid()}-0-0-live"
     cuda_stale = SHM_DIR / f"cuda.shm.0.{int(dead):x}.1"  # CUDA's file for an IPC exporter
     cuda_live = SHM_DIR / f"cuda.shm.0.{os.getpid():x}.1"
+    torch_stale = SHM_DIR / f"torch_{dead}_12345_0"  # torch's, for a killed process
     other = SHM_DIR / f"psm_{dead}"  # not ours: left alone
-    for p in (stale, live, cuda_stale, cuda_live, other):
+    for p in (stale, live, cuda_stale, cuda_live, torch_stale, other):
         p.write_bytes(b"x")
     try:
         swept = sweep_dead_segments()
-        assert {stale.name, cuda_stale.name} <= set(swept)
-        assert not stale.exists() and not cuda_stale.exists()
+        assert {stale.name, cuda_stale.name, torch_stale.name} <= set(swept)
+        assert not stale.exists() and not cuda_stale.exists() and not torch_stale.exists()
         assert live.exists() and cuda_live.exists() and other.exists()
     finally:
-        for p in (stale, live, cuda_stale, cuda_live, other):
+        for p in (stale, live, cuda_stale, cuda_live, torch_stale, other):
             p.unlink(missing_ok=True)
