@@ -33,3 +33,16 @@ def replay_fuzz() -> Iterator[ModuleType]:
     yield module
     for name in [n for n in sys.modules if n == "replay_fuzz" or n.startswith("replay_fuzz.")]:
         sys.modules.pop(name)
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory) -> Path:
+    """The embedded tiny model (and its tokenizer) saved in a folder, once per test module; a
+    module that needs another model (vLLM's head size) defines its own."""
+    from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+
+    tokenizer = build_tokenizer()
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(tokenizer, TinyModelSpec(), seed=0).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -20,7 +20,6 @@ import torch
 from engine_peer import IDS
 from transformers import AutoModelForCausalLM
 
-from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from asyncrl.learner_config import LearnerConfig, LoraConfig
 from asyncrl.metrics import JsonlWriter, read_jsonl
 from asyncrl.transport import free_port
@@ -37,15 +36,6 @@ CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 GPU = [pytest.mark.gpu, CUDA]
 PADDED = LearnerConfig(packing=False)  # the learner's forward on a plain model
 LORA_RANK = 4
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
-    tokenizer = build_tokenizer()
-    path = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(tokenizer, TinyModelSpec(), seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def policy(model_path: Path, version: int, lora: bool, device: str) -> torch.nn.Module:

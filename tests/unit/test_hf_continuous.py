@@ -11,27 +11,16 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, MistralConfig, MistralForCausalLM
 
-from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from rollout_servers.engines.base import GenerationOutput, SamplingParams
 from rollout_servers.engines.hf import HFEngine
 from rollout_servers.engines.hf_sampling import LiveBatch
 
 DEADLINE_S = 60.0
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
-    tokenizer = build_tokenizer()
-    path = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(tokenizer, TinyModelSpec(), seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 class Pause:

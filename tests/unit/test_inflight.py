@@ -16,7 +16,6 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from asyncrl.learner_config import LearnerConfig
 from asyncrl.sync_group import SyncGroup
 from asyncrl.transport import free_port
@@ -34,15 +33,6 @@ SWITCH_AT = 4  # the version lands after this many decode steps of the first row
 JOIN_AT = 2  # late rows join the running loop after this many decode steps
 PROMPTS = [[5, 6, 7], [9, 10, 11, 12, 13], [3], [20, 21]]
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
-    tokenizer = build_tokenizer()
-    path = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(tokenizer, TinyModelSpec(), seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 class SteppedEngine(HFEngine):

@@ -12,7 +12,6 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
 from asyncrl.learner_config import LearnerConfig, LoraConfig
 from asyncrl.lora import adapter_specs
 from asyncrl.sync_group import SyncGroup
@@ -32,15 +31,6 @@ from rollout_servers.engines.hf import HFEngine
 
 LORA = LoraConfig(rank=4, alpha=8.0)
 PADDED = LearnerConfig(packing=False)  # the learner's forward on a plain (unregistered) model
-
-
-@pytest.fixture(scope="module")
-def model_path(tmp_path_factory) -> Path:
-    tokenizer = build_tokenizer()
-    path = tmp_path_factory.mktemp("tiny")
-    build_tiny_model(tokenizer, TinyModelSpec(), seed=0).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
 
 
 def adapted(model_path: Path, seed: int) -> torch.nn.Module:
