@@ -249,6 +249,22 @@ class Config(_Section):
         return self
 
     @pydantic.model_validator(mode="after")
+    def _check_weight_transport(self) -> Config:
+        """A forced transport that needs GPUs on both ends, with either end on the CPU."""
+        wanted = self.launch.weight_transport
+        cpu = [
+            k
+            for k, d in (("rollout", self.rollout.device), ("learner", self.learner.device))
+            if d == "cpu"
+        ]
+        if wanted in ("cuda_ipc", "nccl") and cpu:
+            raise ValueError(
+                f"launch.weight_transport={wanted} needs both ends on GPUs, but "
+                f"{cpu[0]}.device=cpu: use auto (shm on one host, gloo across hosts)"
+            )
+        return self
+
+    @pydantic.model_validator(mode="after")
     def _check_cross_fields(self) -> Config:
         if (
             self.launch.host not in ("127.0.0.1", "localhost", "::1")

@@ -159,3 +159,12 @@ def test_segments_of_dead_learners_are_swept_and_live_ones_kept():
     finally:
         for p in (stale, live, cuda_stale, cuda_live, torch_stale, other):
             p.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("forced", ["cuda_ipc", "nccl"])
+def test_a_gpu_only_transport_with_a_cpu_end_is_refused_at_start(forced):
+    from asyncrl.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=f"launch.weight_transport={forced}.*rollout.device"):
+        load_config(None, [f"launch.weight_transport={forced}", "rollout.device=cpu"])
+    load_config(None, ["launch.weight_transport=shm", "rollout.device=cpu"])  # fine
