@@ -290,3 +290,29 @@ def test_a_silent_member_is_given_up_at_the_give_up_bound_not_the_op_timeout(tmp
         f.wait_received(0, 0, [1, 2, 3])
     finally:
         f.close()
+
+
+def test_a_garbled_join_is_abandoned_naming_what_is_wrong(tmp_path):
+    """A `ready` that is not a place (a hostile or broken peer) costs nothing but its own join:
+    it is answered abandon, with the decoder's reason, and the version goes to the others."""
+    import datetime
+
+    import torch.distributed as dist
+
+    from asyncrl.sync_group import sync_prefix
+    from asyncrl.weight_transport import SyncAnswer, unpack_message
+
+    fleet = Fleet(tmp_path, num_servers=2, first_join_s=5.0)
+    try:
+        fleet.start(0, 0)
+        client = dist.TCPStore("127.0.0.1", fleet.port, None, False, datetime.timedelta(10))
+        store = dist.PrefixStore(sync_prefix(1, 0), client)
+        store.set("ready", b"\x93not a place")  # type: ignore[arg-type]
+        assert fleet.send(1)[0] == {0: 0}
+        answer = unpack_message(store.get("answer"), SyncAnswer)
+        assert not answer.join and answer.reason
+        rows = read_jsonl(tmp_path / "sync_members.jsonl")
+        assert sorted((r["event"], r["server"]) for r in rows) == [("joined", 0), ("not_joined", 1)]
+        fleet.wait_received(0, 0, [1])
+    finally:
+        fleet.close()
