@@ -96,6 +96,11 @@ class WeightReceiver:
             for pairs in held.buckets:
                 pairs[:] = [(name, t.clone()) for name, t in pairs]
             held.borrowed = False
+        device = self.group.weights_device
+        if self.group.transport == "cuda_ipc":  # (not run here: no GPU)
+            # every read of the slot queued on this GPU (the engine's loads, on any thread and
+            # stream; the copy-out above) ends before the claim lets the learner write it
+            torch.cuda.synchronize(device)
         got = torch.zeros(HEADER + HANDLE_FRAME // 8, dtype=torch.int64)
         self.group.wait(self.group.all_reduce_async(got))
         fields, handle = read_staged_header(got)

@@ -205,6 +205,7 @@ class WeightBroadcaster(Generic[K]):
         self._slots: dict[K, HostSlot | CudaSlot] = {}
         self._views: dict[K, tuple[Slot, list[Bucket], list[list[torch.Tensor]]]] = {}
         self._plan: Plan | None = None
+        self._retired: dict[Hashable, Slot] = {}  # server -> a dead epoch's CUDA slot
         self.give_up: Callable[[], dict[K, str]] | None = None
         """Asked while a wait lasts, which members to stop waiting for (`_Fanout`); None: a
         member is waited for up to its group's timeout."""
@@ -257,9 +258,10 @@ class WeightBroadcaster(Generic[K]):
         """The header: a broadcast to wire members; to staged members, with their slot's
         handle, an all-reduce that is also the claim (module docstring)."""
         wire = [k for k, g in fan.live.items() if g.transport not in STAGED]
-        fan.run(_on_device(head), wire)
         sent = {k: staged_header(head, slot.handle()) for k, slot in slots.items()}
-        fan.run(lambda k, g: g.all_reduce_async(sent[k]), sent)
+        started = fan.start(_on_device(head), wire)  # every member's, before waiting on any
+        started += fan.start(lambda k, g: g.all_reduce_async(sent[k]), sent)
+        fan.finish(started)
 
     def _views_of(
         self, key: K, slot: Slot, buckets: list[Bucket], offsets: list[int]
@@ -283,7 +285,12 @@ class WeightBroadcaster(Generic[K]):
             if key not in fan.live or (have is not None and have.nbytes == nbytes):
                 continue
             if have is not None:
+                self._views.pop(key, None)
                 self._slots.pop(key).close()
+            spare = self._retired.pop(_as_tuple(key)[0], None)
+            if spare is not None and spare.nbytes == nbytes:
+                self._slots[key] = spare  # its last reader is gone: the server restarted
+                continue
             try:
                 tag = "-".join(str(part) for part in _as_tuple(key))
                 self._slots[key] = make_slot(fan.live[key].transport, nbytes, self.device, tag)
@@ -339,22 +346,36 @@ class WeightBroadcaster(Generic[K]):
     def _staged_keys(fan: _Fanout[K]) -> list[K]:
         return [k for k, g in fan.live.items() if g.transport in STAGED]
 
-    def close_slots(self, keep: Iterable[K] = ()) -> None:
+    def close_slots(self, keep: Iterable[K] = (), keep_spares: bool = True) -> None:
         """Free the slot of every member not in `keep` (gone: failed, or removed by the
-        owner); with nothing kept, every slot (at shutdown)."""
+        owner); a CUDA one is kept for the same server's next epoch. Without `keep_spares`
+        (at shutdown), every slot not kept goes."""
         for key in [k for k in self._slots if k not in set(keep)]:
             self._views.pop(key, None)
-            self._slots.pop(key).close()
+            slot = self._slots.pop(key)
+            if isinstance(slot, CudaSlot) and keep_spares:
+                # freed, torch would hold the block for good should the dead server have held
+                # it open (an importer that never let go): its next epoch reuses it instead
+                old = self._retired.pop(_as_tuple(key)[0], None)
+                if old is not None:
+                    old.close()
+                self._retired[_as_tuple(key)[0]] = slot
+            else:
+                slot.close()
+        if not keep_spares:
+            for spare in self._retired.values():
+                spare.close()
+            self._retired.clear()
 
     def shutdown(self) -> dict[K, BaseException]:
         """Tell every receiver that no more versions will come, and free every slot; returns
         the members that failed to hear it."""
-        fan = _Fanout(dict(self.members))
+        fan = _Fanout(dict(self.members), self.give_up)  # a frozen member is given up here too
         head = torch.tensor([SHUTDOWN, 0, 0, 0, 0], dtype=torch.int64)
         fan.run(_on_device(head), [k for k, g in fan.live.items() if g.transport not in STAGED])
         staged = staged_header(head, None)
         fan.run(lambda _, g: g.all_reduce_async(staged.clone()), self._staged_keys(fan))
-        self.close_slots()
+        self.close_slots(keep_spares=False)
         return fan.failed
 
 

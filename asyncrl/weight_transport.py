@@ -23,11 +23,16 @@ handle on the control group (`handle_frame`, `read_handle_frame`).
 Staging memory dies with the run: a server unlinks a /dev/shm segment as soon as it has mapped it
 (the memory then lives exactly as long as the two mappings), the learner unlinks every segment
 of a member it drops and at shutdown, and `sweep_dead_segments` unlinks the segments of learner
-processes that no longer exist (a SIGKILLed one): a learner runs it when it makes its first, and
-the launcher once every process of a run has ended. A CUDA slot is freed with its member; the
-driver frees the memory a process held when it dies, but leaves a small file of its own in
-/dev/shm for every process that exported an IPC handle, and torch one for its reference counters
-when its process is killed; the same sweep removes both.
+processes that no longer exist (a SIGKILLed one): a learner runs it when its sync starts, and the
+launcher once every process of a run has ended. The driver frees the GPU memory a process held
+when it dies, but leaves a small file of its own in /dev/shm for every process that exported an
+IPC handle, and torch one for its reference counters when its process is killed; the launcher's
+sweep removes those of the processes it started. A CUDA slot is freed with its member, or kept
+for the same server's next epoch when it died holding it (torch keeps a block an importer never
+released).
+
+"The same host" is the same boot id and hostname and the same /dev/shm (two containers of one
+machine may each have their own), and for CUDA IPC the same IPC namespace too.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ import re
 import secrets
 import socket
 import weakref
+from collections.abc import Collection
 from pathlib import Path
 from typing import Literal, TypeVar
 
@@ -52,12 +58,13 @@ STAGED: frozenset[str] = frozenset({"cuda_ipc", "shm"})
 """Transports whose data goes through a slot the server maps, not through a collective."""
 SHM_DIR = Path("/dev/shm")
 SEGMENT_PREFIX = "asyncrl-ws-"
-"""Every segment is `asyncrl-ws-<learner pid>-<tag>`: the pid lets a later learner sweep it."""
-_SEGMENT = re.compile(r"asyncrl-ws-(\d+)-[A-Za-z0-9_-]{1,64}")
-_CUDA_IPC_FILE = re.compile(r"cuda\.shm\.\d+\.([0-9a-f]+)\.\d+")
+"""Every segment is `asyncrl-ws-<learner pid>-<its pid namespace>-<tag>`: pid and namespace let a
+later learner of the same namespace tell whether its maker is gone (`sweep_dead_segments`)."""
+_SEGMENT = re.compile(r"asyncrl-ws-(\d{1,10})-(\d{1,20})-[A-Za-z0-9_-]{1,64}")
+_CUDA_IPC_FILE = re.compile(r"cuda\.shm\.\d{1,10}\.([0-9a-f]{1,8})\.\d{1,10}")
 """The file CUDA's driver leaves in /dev/shm for a process that exported an IPC handle
 (`cuda.shm.<n>.<pid in hex>.<n>`, seen on an H200): it outlives the process."""
-_TORCH_FILE = re.compile(r"torch_(\d+)_\d+_\d+")
+_TORCH_FILE = re.compile(r"torch_(\d{1,10})_\d{1,20}_\d{1,10}")
 """A file torch makes in /dev/shm for a process's shared tensors and its CUDA IPC reference
 counters (`torch_<pid>_<n>_<n>`, seen on an H200): left behind when that process is killed."""
 ALIGN = 256
@@ -74,9 +81,12 @@ class SyncPlace:
     device: Literal["cpu", "cuda"]  # where its weights live
     gpu: str  # the GPU's UUID ("" on CPU): equal UUIDs are one physical device
     shm_free: int  # bytes free in /dev/shm (-1: there is none)
+    shm: str  # which /dev/shm ("device:inode"; "" when none): containers of one host differ
+    ipc_ns: str  # its IPC namespace ("" when unknown): CUDA IPC needs the same one
 
     def validate(self) -> None:
         check(len(self.host) <= 512 and len(self.gpu) <= 128, "place fields too long")
+        check(len(self.shm) <= 64 and len(self.ipc_ns) <= 64, "place fields too long")
 
 
 @message("weight_sync_answer")
@@ -138,13 +148,30 @@ def shm_free_bytes() -> int:
     return st.f_bavail * st.f_frsize
 
 
+def _identity(path: str) -> str:
+    """ "device:inode" of `path` ("" when it cannot be read): the same file seen from two
+    processes, or not."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return ""
+    return f"{st.st_dev}:{st.st_ino}"
+
+
 def place_of(device: torch.device) -> SyncPlace:
     """This process's place with its weights on `device`."""
     gpu = ""
     if device.type == "cuda":  # (not run here: no GPU)
         gpu = str(torch.cuda.get_device_properties(device).uuid)
     kind: Literal["cpu", "cuda"] = "cuda" if device.type == "cuda" else "cpu"
-    return SyncPlace(host=host_id(), device=kind, gpu=gpu, shm_free=shm_free_bytes())
+    return SyncPlace(
+        host=host_id(),
+        device=kind,
+        gpu=gpu,
+        shm_free=shm_free_bytes(),
+        shm=_identity(str(SHM_DIR)),
+        ipc_ns=_identity("/proc/self/ns/ipc"),
+    )
 
 
 def choose_transport(
@@ -153,14 +180,15 @@ def choose_transport(
     """The transport for one server and why (module docstring); `wanted` is
     `launch.weight_transport`. Raises ValueError, naming that key, when the forced one cannot
     join these two places."""
-    same_host = learner.host == server.host
-    same_gpu = same_host and learner.gpu != "" and learner.gpu == server.gpu
+    same_host = learner.host == server.host and learner.shm == server.shm != ""
+    same_ipc = same_host and learner.ipc_ns == server.ipc_ns
+    same_gpu = same_ipc and learner.gpu != "" and learner.gpu == server.gpu
     both_cuda = learner.device == server.device == "cuda"
     room = learner.shm_free >= version_bytes
     if wanted == "auto":
         if same_gpu:
             return "cuda_ipc", "it shares learner rank 0's GPU"
-        if same_host and both_cuda:
+        if same_host and both_cuda and learner.gpu != server.gpu:
             return "nccl", "it is on another GPU of learner rank 0's host"
         if same_host and room:
             return "shm", "it shares learner rank 0's host"
@@ -170,13 +198,11 @@ def choose_transport(
         if both_cuda:
             return "nccl", "it is on another host, both on GPUs"
         return "gloo", "it is on another host, not both on GPUs"
+    no_shm = f"/dev/shm ({learner.shm_free} bytes free) cannot hold a version ({version_bytes})"
     refusals = {
-        "cuda_ipc": None if same_gpu else "the server is not on learner rank 0's GPU",
-        "shm": None
-        if same_host and room
-        else "the server is not on learner rank 0's host, "
-        f"or /dev/shm ({learner.shm_free} bytes free) cannot hold a version ({version_bytes})",
-        "nccl": None if both_cuda and not same_gpu else "NCCL needs two different GPUs",
+        "cuda_ipc": None if same_gpu else "the server is not on learner rank 0's GPU and IPC space",
+        "shm": None if same_host and room else f"no shared /dev/shm with the server, or {no_shm}",
+        "nccl": None if both_cuda and learner.gpu != server.gpu else "NCCL needs two GPUs",
         "gloo": None,
     }
     if wanted not in refusals:
@@ -209,7 +235,7 @@ class HostSlot:
         if not HostSlot._swept:
             sweep_dead_segments()
             HostSlot._swept = True
-        self.name = f"{SEGMENT_PREFIX}{os.getpid()}-{tag}-{secrets.token_hex(4)}"
+        self.name = f"{SEGMENT_PREFIX}{os.getpid()}-{_pid_ns()}-{tag}-{secrets.token_hex(4)}"
         self.nbytes = nbytes
         path = SHM_DIR / self.name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -228,11 +254,10 @@ class HostSlot:
         return SlotHandle(kind="shm", nbytes=self.nbytes, name=self.name, cuda=None)
 
     def close(self) -> None:
-        """Unlink the segment (the memory goes once the server's mapping goes too)."""
+        """Unlink the segment; this process unmaps it once no view of it is left (the tensors
+        hold the mapping: closing it under a live view would fault), the server likewise."""
         self._unlink()
-        del self.tensor
-        with contextlib.suppress(BufferError):  # a view still alive: unmapped when it goes
-            self._map.close()
+        del self.tensor, self._map
 
 
 class CudaSlot:
@@ -300,29 +325,46 @@ def _unlink(path: Path) -> None:
         path.unlink()
 
 
-def sweep_dead_segments() -> list[str]:
-    """Unlink the segments of learner processes that no longer exist, and the files CUDA's
-    driver and torch left in /dev/shm for processes that no longer exist; returns their
-    names."""
-    swept = []
+def sweep_dead_segments(started: Collection[int] = ()) -> list[str]:
+    """Unlink what dead processes left in /dev/shm; returns the names. Only files this user
+    owns: asyncrl's segments made in this pid namespace by a process that is gone, and the files
+    CUDA's driver and torch leave for a process (`cuda.shm.*`, `torch_<pid>_*`) when that process
+    is one of `started` (the launcher's own, now ended): a pid means nothing across namespaces,
+    and a /dev/shm may be shared with other jobs."""
+    swept, ns, uid = [], _pid_ns(), os.geteuid()
     with contextlib.suppress(OSError):
         for path in SHM_DIR.iterdir():
-            pid = _owner(path.name)
-            if pid is None or _alive(pid):
+            pid = _dead_owner(path.name, ns, set(started))
+            if pid is None:
                 continue
             with contextlib.suppress(OSError):
+                if path.lstat().st_uid != uid:
+                    continue
                 path.unlink()
                 swept.append(path.name)
     return swept
 
 
-def _owner(name: str) -> int | None:
-    """The pid of the process that made a /dev/shm file `sweep_dead_segments` knows, or None."""
-    for pattern, base in ((_SEGMENT, 10), (_TORCH_FILE, 10), (_CUDA_IPC_FILE, 16)):
+def _dead_owner(name: str, ns: str, started: set[int]) -> int | None:
+    """The pid that made a file `sweep_dead_segments` may remove, if that process is gone."""
+    ours = _SEGMENT.fullmatch(name)
+    if ours is not None:
+        pid = int(ours.group(1))
+        return pid if ours.group(2) == ns and not _alive(pid) else None
+    for pattern, base in ((_TORCH_FILE, 10), (_CUDA_IPC_FILE, 16)):
         m = pattern.fullmatch(name)
         if m is not None:
-            return int(m.group(1), base)
+            pid = int(m.group(1), base)
+            return pid if pid in started and not _alive(pid) else None
     return None
+
+
+def _pid_ns() -> str:
+    """This process's pid namespace, by inode ("0" when it cannot be read)."""
+    try:
+        return str(os.stat("/proc/self/ns/pid").st_ino)
+    except OSError:
+        return "0"
 
 
 def _alive(pid: int) -> bool:
@@ -330,8 +372,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
-        return True
+    except (PermissionError, OverflowError, ValueError):
+        return True  # someone else's, or no pid at all: not ours to judge
     return True
 
 

@@ -34,6 +34,7 @@ dropped | not_joined), server, epoch, version, reason}.
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import re
@@ -55,6 +56,7 @@ from asyncrl.weight_sync import ParamSpec, WeightBroadcaster
 from asyncrl.weight_transport import (
     choose_transport,
     place_of,
+    shm_free_bytes,
     sweep_dead_segments,
 )
 
@@ -102,6 +104,7 @@ class SyncFleet:
         self.transport, self.place = transport, place_of(device)
         sweep_dead_segments()  # what a SIGKILLed learner before this one left in /dev/shm
         self._version_bytes = 0  # of the version being sent (whether /dev/shm can hold one)
+        self._promised_shm = 0  # bytes of /dev/shm slots promised at joins, not yet made
         bind_collectives_to(host)
         timeout = datetime.timedelta(seconds=timeout_s)
         self.store = setup_store(host, port, None, True, timeout)
@@ -128,6 +131,7 @@ class SyncFleet:
         """Join new server epochs, then send `version` to every member (`WeightBroadcaster`);
         returns the members that have it (server id -> epoch)."""
         self._version_bytes = self.broadcaster.plan(specs).slot_bytes
+        self._promised_shm = 0  # every slot made so far is in /dev/shm's free space already
         self.maybe_join(version)
         failed = self.broadcaster.broadcast(specs, tensors, version, probe)
         for (server, epoch), error in failed.items():
@@ -216,13 +220,17 @@ class SyncFleet:
         read, or a forced transport that cannot join it, abandons it (its own failure)."""
         try:
             place = read_place(store)
-            transport, why = choose_transport(
-                self.place, place, self.transport, self._version_bytes
-            )
+            # /dev/shm as it is now, less the slots promised to members joined since the last
+            # version (made at the next one): N servers need N versions of room
+            free = shm_free_bytes() - self._promised_shm
+            here = dataclasses.replace(self.place, shm_free=free)
+            transport, why = choose_transport(here, place, self.transport, self._version_bytes)
         except ValueError as e:  # a garbled place (ProtocolError), or no transport
             self._abandon(server, epoch, version, str(e))
             return
         answer(store, True, transport, why)
+        if transport == "shm":
+            self._promised_shm += self._version_bytes
         try:
             # connecting is bounded by the join bound: a server that died between `ready` and
             # the rendezvous must not hold the learner for the long op bound

@@ -49,6 +49,7 @@ from asyncrl.placement import PlacementPlan, launch_placement, placement_env
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
 from asyncrl.transport import free_ports, tcp_address
+from asyncrl.weight_transport import sweep_dead_segments
 
 
 def _die_with_parent() -> None:
@@ -97,6 +98,7 @@ class LocalFleet:
     procs: list[Proc] = field(default_factory=list)
     checks: int = 0  # how many times every process has been polled
     commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)
+    started_pids: list[int] = field(default_factory=list)  # every child ever started
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
         log_path = Path(self.spec.run_dir) / "logs" / f"{name}.log"
@@ -113,6 +115,7 @@ class LocalFleet:
             )
         proc = Proc(name, popen, log_path)
         self.procs.append(proc)
+        self.started_pids.append(popen.pid)
         return proc
 
     def failures(self) -> list[Proc]:
@@ -162,7 +165,8 @@ class LocalFleet:
         return all(p.popen.poll() == 0 for p in learners)
 
     def stop_all(self, grace_s: float = 10.0) -> None:
-        """SIGTERM every process group, then SIGKILL whatever is left after the grace period."""
+        """SIGTERM every process group, then SIGKILL whatever is left after the grace period;
+        then remove what the run's dead processes left in /dev/shm (docs/gpus.md)."""
         for p in reversed(self.procs):
             if p.popen.poll() is None:
                 _signal_group(p.popen, signal.SIGTERM)
@@ -173,6 +177,7 @@ class LocalFleet:
         for p in self.procs:
             _signal_group(p.popen, signal.SIGKILL)  # also reaps stray grandchildren
             reap(p.popen, p.name)
+        sweep_dead_segments(started=self.started_pids)
 
 
 REAP_TIMEOUT_S = 30.0

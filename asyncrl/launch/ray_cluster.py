@@ -85,6 +85,7 @@ from asyncrl.placement import placement_env
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
 from asyncrl.transport import tcp_address
+from asyncrl.weight_transport import sweep_dead_segments
 
 
 @dataclass
@@ -258,6 +259,7 @@ class RayFleet:
                 remove_placement_group(pg)
         if self.owns_connection:
             ray.shutdown()
+        sweep_dead_segments()  # a killed learner's segments, when it ran on this machine
 
 
 def _signal(where: list[Location], sig: int, timeout_s: float) -> None:

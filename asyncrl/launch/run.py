@@ -21,7 +21,6 @@ from asyncrl.launch.progress import Progress
 from asyncrl.launch.resume import run_with_resumes
 from asyncrl.metrics import read_jsonl
 from asyncrl.placement import launch_placement
-from asyncrl.weight_transport import sweep_dead_segments
 
 
 def start_fleets(cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True) -> Fleet:
@@ -115,4 +114,3 @@ def train(cfg: Config, run_dir: Path, model_path: str, progress: Progress) -> No
         watch(fleet, progress)
     finally:
         fleet.stop_all()
-        sweep_dead_segments()  # what a killed learner left in /dev/shm (docs/gpus.md)

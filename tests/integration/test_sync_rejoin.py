@@ -316,3 +316,27 @@ def test_a_garbled_join_is_abandoned_naming_what_is_wrong(tmp_path):
         fleet.wait_received(0, 0, [1])
     finally:
         fleet.close()
+
+
+def test_servers_beyond_dev_shm_room_take_gloo_and_every_one_gets_each_version(
+    tmp_path, monkeypatch
+):
+    """/dev/shm with room for one version and a half: of two servers joining at once, one gets
+    a slot (shm) and the other gloo, since the first one's slot is promised; one version then
+    goes to a staged and a wire member together, byte for byte to both."""
+    import learner.sync_fleet as sync_fleet
+
+    fleet = Fleet(tmp_path)
+    version_bytes = fleet.fleet.broadcaster.plan(SPECS).slot_bytes
+    monkeypatch.setattr(sync_fleet, "shm_free_bytes", lambda: int(1.5 * version_bytes))
+    try:
+        for server in (0, 1):
+            fleet.start(server, 0)
+        assert fleet.send(1)[0] == {0: 0, 1: 0}
+        assert fleet.send(2)[0] == {0: 0, 1: 0}
+        joined = [r for r in read_jsonl(tmp_path / "sync_members.jsonl")]
+        assert sorted(r["transport"] for r in joined) == ["gloo", "shm"]
+        for server in (0, 1):
+            fleet.wait_received(server, 0, [1, 2])
+    finally:
+        fleet.close()

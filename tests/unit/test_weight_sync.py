@@ -84,3 +84,36 @@ def test_sync_reuses_released_staging_and_never_overwrites_an_unreleased_version
     assert receiver.receive() is None
     sender.join(timeout=60)
     assert not sent_error, sent_error
+
+
+def test_a_dead_servers_cuda_slot_waits_for_its_next_epoch_and_goes_at_shutdown(monkeypatch):
+    """torch never frees a CUDA block an importer that died still held open: rather than leak
+    a version of GPU memory per restart, the learner keeps a dead epoch's CUDA slot and gives
+    it to the same server's next epoch; at shutdown every slot goes."""
+    import asyncrl.weight_sync as weight_sync
+    from asyncrl.weight_transport import CudaSlot
+
+    class FakeCudaSlot(CudaSlot):  # the bookkeeping of a CUDA slot, in host memory
+        def __init__(self, nbytes: int, device: torch.device):
+            self.nbytes, self.tensor, self.closed = nbytes, torch.zeros(nbytes), False
+
+        def close(self) -> None:
+            self.closed = True
+
+    monkeypatch.setattr(weight_sync, "make_slot", lambda t, n, d, tag: FakeCudaSlot(n, d))
+
+    class Group:
+        transport = "cuda_ipc"
+
+        def abort(self) -> None:
+            pass
+
+    sender = weight_sync.WeightBroadcaster({}, 1024, torch.device("cpu"))
+    fan = weight_sync._Fanout({(0, 0): Group(), (1, 0): Group()})
+    first = sender._slots_for(fan, [(0, 0), (1, 0)], 1024)
+    sender.close_slots(keep=[(1, 0)])  # server 0 epoch 0 died
+    assert not first[(0, 0)].closed  # kept: its reader may never have let go
+    again = sender._slots_for(weight_sync._Fanout({(0, 1): Group()}), [(0, 1)], 1024)
+    assert again[(0, 1)] is first[(0, 0)]  # the restarted server gets it back
+    sender.close_slots(keep_spares=False)
+    assert first[(0, 0)].closed and first[(1, 0)].closed

@@ -33,8 +33,8 @@ from asyncrl.weight_transport import (
 GB = 2**30
 
 
-def place(host="a", device="cpu", gpu="", shm=64 * GB) -> SyncPlace:
-    return SyncPlace(host=host, device=device, gpu=gpu, shm_free=shm)
+def place(host="a", device="cpu", gpu="", shm=64 * GB, shm_id="1:2", ipc="3:4") -> SyncPlace:
+    return SyncPlace(host=host, device=device, gpu=gpu, shm_free=shm, shm=shm_id, ipc_ns=ipc)
 
 
 GPU0, GPU1 = place(device="cuda", gpu="GPU-0"), place(device="cuda", gpu="GPU-1")
@@ -51,6 +51,8 @@ GPU0, GPU1 = place(device="cuda", gpu="GPU-0"), place(device="cuda", gpu="GPU-1"
         (place(), place(host="b"), "gloo"),  # another host
         (GPU0, place(host="b", device="cuda", gpu="GPU-0"), "nccl"),  # another host's GPU
         (GPU0, place(host="b"), "gloo"),  # another host, one end on CPU
+        (place(), place(shm_id="9:9"), "gloo"),  # one machine, two containers' /dev/shm
+        (GPU0, place(device="cuda", gpu="GPU-0", ipc="8:8"), "shm"),  # one GPU, no shared IPC
     ],
 )
 def test_auto_picks_the_cheapest_transport_that_joins_the_two_places(learner, server, want):
@@ -62,10 +64,10 @@ def test_auto_picks_the_cheapest_transport_that_joins_the_two_places(learner, se
     "learner, server, forced, refusal",
     [
         (GPU0, GPU1, "cuda_ipc", "not on learner rank 0's GPU"),
-        (place(), place(host="b"), "shm", "not on learner rank 0's host"),
+        (place(), place(host="b"), "shm", "no shared /dev/shm"),
         (place(shm=10), place(), "shm", "cannot hold a version"),
-        (GPU0, GPU0, "nccl", "two different GPUs"),
-        (GPU0, place(), "nccl", "two different GPUs"),
+        (GPU0, GPU0, "nccl", "needs two GPUs"),
+        (GPU0, place(), "nccl", "needs two GPUs"),
     ],
 )
 def test_a_forced_transport_that_cannot_work_is_refused_naming_the_key(
@@ -89,9 +91,9 @@ def test_join_messages_round_trip_and_garbage_is_refused():
 
 
 def test_a_slot_handle_crosses_as_a_control_frame_and_a_bad_name_is_refused():
-    h = SlotHandle(kind="shm", nbytes=4096, name="asyncrl-ws-12-0-1-abcd", cuda=None)
+    h = SlotHandle(kind="shm", nbytes=4096, name="asyncrl-ws-12-4026531836-0-1-ab", cuda=None)
     assert read_handle_frame(handle_frame(h)) == h
-    for bad in ("../../etc/passwd", "asyncrl-ws-12-x/y", "psm_1234", ""):
+    for bad in ("../../etc/passwd", "asyncrl-ws-12-4-x/y", "asyncrl-ws-12-x", "psm_1234", ""):
         frame = handle_frame(SlotHandle(kind="shm", nbytes=1, name=bad, cuda=None))
         with pytest.raises(ProtocolError):  # checked on decode: no path outside /dev/shm
             read_handle_frame(frame)
@@ -136,29 +138,42 @@ def test_a_slot_dev_shm_cannot_hold_fails_at_once_and_leaves_nothing():
     assert segments() == before
 
 
-def test_segments_of_dead_learners_are_swept_and_live_ones_kept():
-    dead = subprocess.run(
+def test_the_sweep_removes_only_what_dead_processes_of_ours_left():
+    """Segments of a dead learner of this pid namespace go, a live one's stay, another
+    namespace's stay (its pids are not ours); CUDA's and torch's files go only for a process
+    the caller started; a hostile name (a pid no kernel has) neither crashes the sweep nor
+    goes."""
+    from asyncrl.weight_transport import _pid_ns
+
+    out = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
         text=True,
         capture_output=True,
         check=True,
-    ).stdout.strip()
-    stale = SHM_DIR / f"asyncrl-ws-{dead}-0-0-dead"
-    live = SHM_DIR / f"asyncrl-ws-{os.getpid()}-0-0-live"
-    cuda_stale = SHM_DIR / f"cuda.shm.0.{int(dead):x}.1"  # CUDA's file for an IPC exporter
-    cuda_live = SHM_DIR / f"cuda.shm.0.{os.getpid():x}.1"
-    torch_stale = SHM_DIR / f"torch_{dead}_12345_0"  # torch's, for a killed process
-    other = SHM_DIR / f"psm_{dead}"  # not ours: left alone
-    for p in (stale, live, cuda_stale, cuda_live, torch_stale, other):
-        p.write_bytes(b"x")
+    )
+    dead, ns, me = int(out.stdout), _pid_ns(), os.getpid()
+    unstarted = dead + 1 if dead + 1 != me else dead + 2
+    files = {
+        "stale": f"asyncrl-ws-{dead}-{ns}-0-0-x",
+        "live": f"asyncrl-ws-{me}-{ns}-0-0-x",
+        "other_ns": f"asyncrl-ws-{dead}-1{ns}-0-0-x",
+        "cuda_started": f"cuda.shm.0.{dead:x}.1",
+        "torch_started": f"torch_{dead}_12345_0",
+        "torch_not_started": f"torch_{unstarted}_1_0",
+        "hostile": "torch_4294967297_1_1",
+        "not_ours": f"psm_{dead}",
+    }
+    for name in files.values():
+        (SHM_DIR / name).write_bytes(b"x")
     try:
-        swept = sweep_dead_segments()
-        assert {stale.name, cuda_stale.name, torch_stale.name} <= set(swept)
-        assert not stale.exists() and not cuda_stale.exists() and not torch_stale.exists()
-        assert live.exists() and cuda_live.exists() and other.exists()
+        swept = set(sweep_dead_segments(started=[dead]))
+        gone = {"stale", "cuda_started", "torch_started"}
+        assert swept == {files[k] for k in gone}
+        for key, name in files.items():
+            assert (SHM_DIR / name).exists() == (key not in gone), key
     finally:
-        for p in (stale, live, cuda_stale, cuda_live, torch_stale, other):
-            p.unlink(missing_ok=True)
+        for name in files.values():
+            (SHM_DIR / name).unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("forced", ["cuda_ipc", "nccl"])
