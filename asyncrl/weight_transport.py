@@ -22,7 +22,8 @@ handle on the control group (`handle_frame`, `read_handle_frame`).
 
 Staging memory dies with the run: a server unlinks a /dev/shm segment as soon as it has mapped it
 (the memory then lives exactly as long as the two mappings), the learner unlinks every segment
-of a member it drops and at shutdown, and `sweep_dead_segments` unlinks the segments of learner
+of a member it drops and at shutdown, and `asyncrl.shm_segments.sweep_dead_segments` (torch-free,
+for the launchers) unlinks the segments of learner
 processes that no longer exist (a SIGKILLed one): a learner runs it when its sync starts, and the
 launcher once every process of a run has ended. The driver frees the GPU memory a process held
 when it dies, but leaves a small file of its own in /dev/shm for every process that exported an
@@ -40,33 +41,27 @@ from __future__ import annotations
 import contextlib
 import mmap
 import os
-import re
-import secrets
-import socket
 import weakref
-from collections.abc import Collection
-from pathlib import Path
 from typing import Literal, TypeVar
 
 import torch
 
 from asyncrl.codec import ProtocolError, check, decode, encode, message, struct
+from asyncrl.shm_segments import (
+    SEGMENT_NAME,
+    SHM_DIR,
+    host_id,
+    identity,
+    segment_name,
+    shm_free_bytes,
+    sweep_dead_segments,
+    unlink_quietly,
+)
 from asyncrl.weight_layout import Bucket
 
 Transport = Literal["cuda_ipc", "shm", "nccl", "gloo"]
 STAGED: frozenset[str] = frozenset({"cuda_ipc", "shm"})
 """Transports whose data goes through a slot the server maps, not through a collective."""
-SHM_DIR = Path("/dev/shm")
-SEGMENT_PREFIX = "asyncrl-ws-"
-"""Every segment is `asyncrl-ws-<learner pid>-<its pid namespace>-<tag>`: pid and namespace let a
-later learner of the same namespace tell whether its maker is gone (`sweep_dead_segments`)."""
-_SEGMENT = re.compile(r"asyncrl-ws-(\d{1,10})-(\d{1,20})-[A-Za-z0-9_-]{1,64}")
-_CUDA_IPC_FILE = re.compile(r"cuda\.shm\.\d{1,10}\.([0-9a-f]{1,8})\.\d{1,10}")
-"""The file CUDA's driver leaves in /dev/shm for a process that exported an IPC handle
-(`cuda.shm.<n>.<pid in hex>.<n>`, seen on an H200): it outlives the process."""
-_TORCH_FILE = re.compile(r"torch_(\d{1,10})_\d{1,20}_\d{1,10}")
-"""A file torch makes in /dev/shm for a process's shared tensors and its CUDA IPC reference
-counters (`torch_<pid>_<n>_<n>`, seen on an H200): left behind when that process is killed."""
 ALIGN = 256
 """Byte alignment of each bucket in a slot (CUDA's, and a multiple of every element size)."""
 HANDLE_FRAME = 1024
@@ -126,36 +121,8 @@ class SlotHandle:
     def validate(self) -> None:
         check(self.nbytes > 0, f"slot of {self.nbytes} bytes")
         if self.kind == "shm":
-            check(_SEGMENT.fullmatch(self.name) is not None, "not an asyncrl segment name")
+            check(SEGMENT_NAME.fullmatch(self.name) is not None, "not an asyncrl segment name")
         check((self.cuda is None) == (self.kind == "shm"), "cuda handle iff kind is cuda_ipc")
-
-
-def host_id() -> str:
-    """This machine as a weight sync compares it: boot id (one kernel) and hostname."""
-    try:
-        boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        boot = "no-boot-id"
-    return f"{boot}/{socket.gethostname()}"
-
-
-def shm_free_bytes() -> int:
-    """Bytes free in /dev/shm, -1 when this machine has none."""
-    try:
-        st = os.statvfs(SHM_DIR)
-    except OSError:
-        return -1
-    return st.f_bavail * st.f_frsize
-
-
-def _identity(path: str) -> str:
-    """ "device:inode" of `path` ("" when it cannot be read): the same file seen from two
-    processes, or not."""
-    try:
-        st = os.stat(path)
-    except OSError:
-        return ""
-    return f"{st.st_dev}:{st.st_ino}"
 
 
 def place_of(device: torch.device) -> SyncPlace:
@@ -169,8 +136,8 @@ def place_of(device: torch.device) -> SyncPlace:
         device=kind,
         gpu=gpu,
         shm_free=shm_free_bytes(),
-        shm=_identity(str(SHM_DIR)),
-        ipc_ns=_identity("/proc/self/ns/ipc"),
+        shm=identity(str(SHM_DIR)),
+        ipc_ns=identity("/proc/self/ns/ipc"),
     )
 
 
@@ -235,7 +202,7 @@ class HostSlot:
         if not HostSlot._swept:
             sweep_dead_segments()
             HostSlot._swept = True
-        self.name = f"{SEGMENT_PREFIX}{os.getpid()}-{_pid_ns()}-{tag}-{secrets.token_hex(4)}"
+        self.name = segment_name(tag)
         self.nbytes = nbytes
         path = SHM_DIR / self.name
         fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
@@ -248,7 +215,7 @@ class HostSlot:
         finally:
             os.close(fd)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)
-        self._unlink = weakref.finalize(self, _unlink, path)  # also at exit, on an exception
+        self._unlink = weakref.finalize(self, unlink_quietly, path)  # also at exit, on an exception
 
     def handle(self) -> SlotHandle:
         return SlotHandle(kind="shm", nbytes=self.nbytes, name=self.name, cuda=None)
@@ -318,63 +285,6 @@ def open_slot(handle: SlotHandle, device: torch.device) -> torch.Tensor:
     with contextlib.suppress(FileNotFoundError):
         os.unlink(path)
     return torch.frombuffer(mapped, dtype=torch.uint8)
-
-
-def _unlink(path: Path) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        path.unlink()
-
-
-def sweep_dead_segments(started: Collection[int] = ()) -> list[str]:
-    """Unlink what dead processes left in /dev/shm; returns the names. Only files this user
-    owns: asyncrl's segments made in this pid namespace by a process that is gone, and the files
-    CUDA's driver and torch leave for a process (`cuda.shm.*`, `torch_<pid>_*`) when that process
-    is one of `started` (the launcher's own, now ended): a pid means nothing across namespaces,
-    and a /dev/shm may be shared with other jobs."""
-    swept, ns, uid = [], _pid_ns(), os.geteuid()
-    with contextlib.suppress(OSError):
-        for path in SHM_DIR.iterdir():
-            pid = _dead_owner(path.name, ns, set(started))
-            if pid is None:
-                continue
-            with contextlib.suppress(OSError):
-                if path.lstat().st_uid != uid:
-                    continue
-                path.unlink()
-                swept.append(path.name)
-    return swept
-
-
-def _dead_owner(name: str, ns: str, started: set[int]) -> int | None:
-    """The pid that made a file `sweep_dead_segments` may remove, if that process is gone."""
-    ours = _SEGMENT.fullmatch(name)
-    if ours is not None:
-        pid = int(ours.group(1))
-        return pid if ours.group(2) == ns and not _alive(pid) else None
-    for pattern, base in ((_TORCH_FILE, 10), (_CUDA_IPC_FILE, 16)):
-        m = pattern.fullmatch(name)
-        if m is not None:
-            pid = int(m.group(1), base)
-            return pid if pid in started and not _alive(pid) else None
-    return None
-
-
-def _pid_ns() -> str:
-    """This process's pid namespace, by inode ("0" when it cannot be read)."""
-    try:
-        return str(os.stat("/proc/self/ns/pid").st_ino)
-    except OSError:
-        return "0"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except (PermissionError, OverflowError, ValueError):
-        return True  # someone else's, or no pid at all: not ours to judge
-    return True
 
 
 HEADER = 5

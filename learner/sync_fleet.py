@@ -51,14 +51,10 @@ from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.metrics import JsonlWriter
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
+from asyncrl.shm_segments import shm_free_bytes, sweep_dead_segments
 from asyncrl.sync_group import SyncGroup, answer, read_place, sync_prefix
 from asyncrl.weight_sync import ParamSpec, WeightBroadcaster
-from asyncrl.weight_transport import (
-    choose_transport,
-    place_of,
-    shm_free_bytes,
-    sweep_dead_segments,
-)
+from asyncrl.weight_transport import choose_transport, place_of
 
 log = logging.getLogger("asyncrl.learner")
 

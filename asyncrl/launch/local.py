@@ -48,8 +48,8 @@ from asyncrl.launch.fleet import (
 from asyncrl.placement import PlacementPlan, launch_placement, placement_env
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
+from asyncrl.shm_segments import sweep_dead_segments
 from asyncrl.transport import free_ports, tcp_address
-from asyncrl.weight_transport import sweep_dead_segments
 
 
 def _die_with_parent() -> None:

@@ -84,8 +84,8 @@ from asyncrl.launch.ray_placement import (
 from asyncrl.placement import placement_env
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
+from asyncrl.shm_segments import sweep_dead_segments
 from asyncrl.transport import tcp_address
-from asyncrl.weight_transport import sweep_dead_segments
 
 
 @dataclass

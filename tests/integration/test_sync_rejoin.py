@@ -21,8 +21,8 @@ import torch
 from sync_peers import BUCKET_BYTES, SPECS, version_checksum, version_tensors
 
 from asyncrl.metrics import JsonlWriter, read_jsonl
+from asyncrl.shm_segments import SHM_DIR
 from asyncrl.transport import free_port
-from asyncrl.weight_transport import SHM_DIR
 from learner.sync_fleet import SyncFleet
 
 pytestmark = pytest.mark.integration
@@ -194,8 +194,11 @@ def test_a_stopped_member_is_dropped_after_the_timeout_and_fails_when_it_wakes(f
     assert TIMEOUT_S * 0.9 < took < TIMEOUT_S * 3
     fleet.wait_received(0, 0, [1, 2])
     os.kill(fleet.procs[(1, 0)].pid, signal.SIGCONT)
-    assert fleet.procs[(1, 0)].wait(timeout=30) == 3
-    assert fleet.ended(1, 0) not in (None, "closed")  # its group failed (the peer closed it)
+    # its group fails: at once when the learner's abort reached it, else at its own op bound
+    # (60 s in sync_peers.py; seen once in CI, woken inside a claim the learner gave up on)
+    assert fleet.procs[(1, 0)].wait(timeout=90) == 3
+    assert fleet.ended(1, 0) not in (None, "closed")
+    assert set(fleet.received(1, 0)) == {1}  # nothing of version 2 was taken
     assert fleet.send(3)[0] == {0: 0}  # dropped for good: the same epoch is not joined again
     assert fleet.events() == [("dropped", 1, 0, 2), ("joined", 0, 0, 1), ("joined", 1, 0, 1)]
 

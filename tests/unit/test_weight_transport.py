@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from asyncrl.codec import ProtocolError
+from asyncrl.shm_segments import SHM_DIR, sweep_dead_segments
 from asyncrl.weight_layout import Bucket, ParamSpec
 from asyncrl.weight_transport import (
     ALIGN,
-    SHM_DIR,
     HostSlot,
     SlotHandle,
     SyncAnswer,
@@ -26,7 +26,6 @@ from asyncrl.weight_transport import (
     pack_message,
     read_handle_frame,
     slot_offsets,
-    sweep_dead_segments,
     unpack_message,
 )
 
@@ -143,7 +142,7 @@ def test_the_sweep_removes_only_what_dead_processes_of_ours_left():
     namespace's stay (its pids are not ours); CUDA's and torch's files go only for a process
     the caller started; a hostile name (a pid no kernel has) neither crashes the sweep nor
     goes."""
-    from asyncrl.weight_transport import _pid_ns
+    from asyncrl.shm_segments import _pid_ns
 
     out = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],
