@@ -53,6 +53,7 @@ log = logging.getLogger("asyncrl.rollout")
 PROBES = 3  # one-token requests that must all fail before a failed group stops the server
 PROBE_PAUSE_S = 1.0  # between two of them
 PROBE_TIMEOUT_S = 120.0  # one probe's wait (a busy engine queues it behind a full batch)
+RECEIVER_FINISH_S = 4.0  # at stop, for the version being applied (the launcher's grace is 10 s)
 
 
 class RolloutServer:
@@ -253,7 +254,7 @@ class RolloutServer:
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         background = self.client.start()
-        self.start_weight_receiver(loop)
+        receiver = self.start_weight_receiver(loop)
         started = time.monotonic()
         groups: set[asyncio.Task] = set()
         leases: set[asyncio.Task] = set()  # outstanding lease requests; every grant is used
@@ -292,9 +293,20 @@ class RolloutServer:
         self.trajectory_log.flush()
         for t in leases | groups:
             t.cancel()
+        await self._let_receiver_finish(receiver, RECEIVER_FINISH_S)
         left = await self.client.drain(timeout_s=5.0)
         if left:
             log.warning("%d trajectories were not acknowledged before shutdown", left)
+
+    async def _let_receiver_finish(self, thread: threading.Thread | None, timeout_s: float) -> None:
+        """At stop, give the weight receiver up to `timeout_s` to end: a learner that finished
+        has closed the group, so the receiver ends as soon as the version it holds is applied
+        and logged, instead of this process dying in the middle of that (its last version would
+        be applied by no one and missing from weights_server_<id>.jsonl). Waited for on this
+        loop, which the engine's apply runs on."""
+        deadline = time.monotonic() + timeout_s
+        while thread is not None and thread.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
 
     def _spawn(self, coro) -> asyncio.Task:
         task = asyncio.create_task(coro)
