@@ -17,6 +17,7 @@ from pydantic import Field, ValidationError
 
 from asyncrl.checkpoints import missing_parts
 from asyncrl.config_base import Section as _Section
+from asyncrl.config_docs import annotated_yaml, nearest_key
 from asyncrl.engine_config import HFConfig, SGLangConfig, VLLMConfig, check_engine
 from asyncrl.learner_config import AlgorithmConfig, LearnerConfig
 from asyncrl.rollout_config import RolloutConfig, ToolAgentConfig
@@ -69,10 +70,10 @@ class DataConfig(_Section):
     task_max_operand: int = Field(9, ge=1, le=999)
     """Embedded task only: operands are drawn from 0..task_max_operand."""
     task: str = "arith"
-    """Task whose rows are used when train_files is empty: a registered name (`asyncrl.data.
-    TASKS`) or `package.module:factory`. Embedded: single-digit addition (`arith`), or two-digit
-    times one-digit multiplication that the calculator tool solves (`arith_tool`, for
-    `rollout.agent_loop=tool_agent`; task_max_operand does not apply)."""
+    """Task whose rows are used when train_files is empty: a registered name
+    (`asyncrl.data.TASKS`) or `package.module:factory`. Embedded: single-digit addition
+    (`arith`), or two-digit times one-digit multiplication that the calculator tool solves
+    (`arith_tool`, for `rollout.agent_loop=tool_agent`; task_max_operand does not apply)."""
 
     @pydantic.field_validator("task")
     @classmethod
@@ -408,7 +409,11 @@ def _format_errors(err: ValidationError) -> str:
                 assert isinstance(field, type) and issubclass(field, pydantic.BaseModel), field
                 section = field
             allowed = ", ".join(sorted(section.model_fields))
-            msg = f"unknown key (allowed here: {allowed})"
+            where = ".".join(str(x) for x in e["loc"][:-1])
+            near = nearest_key(Config, where, str(e["loc"][-1]))
+            msg = (
+                f"unknown key{f'; did you mean {near}?' if near else ''} (allowed here: {allowed})"
+            )
         elif "input" in e and e["type"] != "missing" and e["loc"]:  # not the whole tree
             msg = f"{msg} (got {e['input']!r})"
         lines.append(f"  {key}: {msg}")
@@ -437,6 +442,9 @@ def load_config(
         raise ConfigError(_format_errors(e)) from None
 
 
-def config_to_yaml(cfg: Config) -> str:
-    """The resolved config as YAML (what --dry-run prints and the run directory keeps)."""
+def config_to_yaml(cfg: Config, comments: bool = False) -> str:
+    """The resolved config as YAML (what the run directory keeps); with `comments`, each key's
+    docstring above it (what --dry-run prints; `asyncrl.config_docs`)."""
+    if comments:
+        return annotated_yaml(Config, cfg.model_dump(mode="json"))
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

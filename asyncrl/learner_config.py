@@ -21,8 +21,11 @@ class LoraConfig(Section):
     the base weights (W = W0 + alpha / rank x B A). rank 0: full fine-tuning."""
 
     rank: int = Field(0, ge=0, le=4096)
+    """Rank of the adapters (r); 0: no adapters, full fine-tuning."""
     alpha: float = Field(16.0, gt=0)
+    """Scale numerator: the adapters' update is multiplied by alpha / rank."""
     dropout: float = Field(0.0, ge=0.0, lt=1.0)
+    """Dropout on the adapters' input during training."""
     target_modules: list[str] = Field(
         default_factory=lambda: [
             "q_proj",

@@ -8,6 +8,8 @@
     asyncrl data inspect FILE [--tokenizer PATH]                  look at a parquet file
     asyncrl model import-smollm2 --output DIR [--gguf FILE]       SmolLM2 GGUF -> HF directory
     asyncrl plot RUN_DIR [--out DIR] [--window A:B]               figures + Chrome trace
+    asyncrl config [SECTION]                                      every key, documented
+    asyncrl --version
 
 CONFIG defaults to configs/default.yaml (the embedded default: a tiny model on a synthetic task,
 on CPU). Overrides are validated with the file before anything starts.
@@ -39,7 +41,7 @@ def _interrupt(signum, frame) -> None:
 def cmd_launch(ns: argparse.Namespace) -> int:
     cfg = _config(ns.args)
     if ns.dry_run:
-        sys.stdout.write(config_to_yaml(cfg))
+        sys.stdout.write(config_to_yaml(cfg, comments=True))
         return 0
     from asyncrl.launch.run import LaunchError, launch
 
@@ -103,7 +105,12 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     from asyncrl.metrics import write_json_atomic
     from asyncrl.replay_client import ReplayClient
 
+    _move_config_args_out_of_data(ns)
     cfg = _config(ns.args)
+    if ns.output is None and ns.address and not ns.run_dir:
+        raise ConfigError(
+            "asyncrl eval --address without --run-dir: say where the results go with --output FILE"
+        )
     n = ns.n or cfg.data.val_n
     temperature = cfg.data.val_temperature if ns.temperature is None else ns.temperature
     check_eval_data(ns.data, cfg)
@@ -118,8 +125,9 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     try:
         if ns.address:
             address, auth = ns.address, _eval_key(ns)
+            run_dir = Path(ns.run_dir) if ns.run_dir else None
         else:
-            fleet, _ = serve(cfg, command="asyncrl eval " + shlex.join(ns.args))
+            fleet, run_dir = serve(cfg, command="asyncrl eval " + shlex.join(ns.args))
             address, auth = fleet.spec.replay_address, client_key(fleet.spec)
         print(
             f"asyncrl: evaluating {len(prompts)} prompts x {n} samples through {address}",
@@ -144,10 +152,30 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     print()
     for key, value in summary.items():
         print(f"  {key:40s} {value:.4f}")
-    out = Path(ns.output)
+    out = Path(ns.output) if ns.output else Path(run_dir or ".") / "eval" / f"{job}.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     write_json_atomic(out, {"data": ns.data, "n": n, "temperature": temperature, **summary})
     print(f"asyncrl: results written to {out}")
     return 0
+
+
+def _move_config_args_out_of_data(ns: argparse.Namespace) -> None:
+    """`--data` takes several files, so argparse also hands it whatever follows it: the
+    `section.key=value` overrides and a YAML config given after it go back where they belong,
+    in the order given, so `eval --data X key=value` means what it says."""
+    data = [a for a in ns.data if not _is_config_arg(a)]
+    moved = [a for a in ns.data if _is_config_arg(a)]
+    if not data:
+        raise ConfigError(f"asyncrl eval --data names no data file (got {ns.data})")
+    configs = [a for a in moved if "=" not in a]
+    ns.data, ns.args = data, configs + list(ns.args) + [a for a in moved if "=" in a]
+
+
+def _is_config_arg(arg: str) -> bool:
+    """A `section.key=value` override or a YAML config file, not a data file."""
+    key = arg.split("=", 1)[0]
+    is_override = "=" in arg and "/" not in key and "." in key
+    return is_override or arg.endswith((".yaml", ".yml"))
 
 
 def _eval_key(ns: argparse.Namespace):
@@ -170,6 +198,18 @@ def _eval_key(ns: argparse.Namespace):
 
 def _eval_progress(done: int, expected: int) -> None:
     print(f"\r  {done}/{expected} samples scored", end="", flush=True)
+
+
+def cmd_config(ns: argparse.Namespace) -> int:
+    """Every key of the config (or of one section): type, default, bound, docstring."""
+    from asyncrl.config import Config
+    from asyncrl.config_docs import describe
+
+    try:
+        sys.stdout.write(describe(Config, ns.section))
+    except KeyError as e:
+        raise ConfigError(e.args[0]) from None
+    return 0
 
 
 def cmd_plot(ns: argparse.Namespace) -> int:
@@ -222,10 +262,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asyncrl", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--version", action="version", version=f"asyncrl {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("launch", help="train: start the replay, rollout servers and learner")
+    p = sub.add_parser(
+        "launch",
+        help="train: start the replay, rollout servers and learner",
+        description="Train. Every key, its default and what it does: `asyncrl config [SECTION]`.",
+    )
     _add_config_args(p)
-    p.add_argument("--dry-run", action="store_true", help="print the resolved config and exit")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the resolved config, each key's docstring as a comment, and exit",
+    )
     p.set_defaults(func=cmd_launch)
     p = sub.add_parser("serve", help="start only the replay and rollout servers (no training)")
     _add_config_args(p)
@@ -237,9 +286,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--secret-file", help="with --address: the run's run.secret file")
     p.add_argument("--n", type=int, default=0, help="samples per prompt (default data.val_n)")
     p.add_argument("--temperature", type=float, help="default data.val_temperature")
-    p.add_argument("--output", default="eval_results.json", help="where to save the summary")
+    p.add_argument(
+        "--output",
+        help="where to save the summary (default: RUN_DIR/eval/<job>.json, RUN_DIR being the "
+        "fleet's run directory or --run-dir)",
+    )
     _add_config_args(p)
     p.set_defaults(func=cmd_eval)
+    p = sub.add_parser("config", help="every config key: type, default, bound, docstring")
+    p.add_argument("section", nargs="?", help="one section (replay, rollout.vllm, ...)")
+    p.set_defaults(func=cmd_config)
     p = sub.add_parser(
         "plot", help="PNG figures and a Chrome trace of a run directory", add_help=False
     )
@@ -268,6 +324,15 @@ def build_parser() -> argparse.ArgumentParser:
     m.add_argument("--force", action="store_true", help="write into a non-empty --output")
     p.set_defaults(func=cmd_model)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("asyncrl")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "(not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -156,7 +156,7 @@ def test_validation_then_eval_of_the_final_checkpoint(tmp_path, model_cache):
         [sys.executable, "-m", "asyncrl.launch.cli", "data", "arith", "--output", str(data)],
         check=True,
     )
-    out = tmp_path / "eval.json"
+    # the overrides after --data (as the README writes it), the results in the eval's run dir
     subprocess.run(
         [
             sys.executable,
@@ -165,14 +165,15 @@ def test_validation_then_eval_of_the_final_checkpoint(tmp_path, model_cache):
             "eval",
             "--data",
             str(data / "val.parquet"),
-            "--output",
-            str(out),
             f"trainer.model_path={run_dir / 'final'}",
             f"trainer.run_dir={tmp_path / 'eval_run'}",
         ],
         check=True,
         timeout=300,
+        cwd=tmp_path,
     )
+    [out] = (tmp_path / "eval_run" / "eval").glob("eval-*.json")
+    assert not (tmp_path / "eval_results.json").exists()
     result = json.loads(out.read_text())
     # greedy on the same 100 questions and the same weights: equal up to batch numerics
     assert abs(result["mean_score"] - val[-1]["val/mean_score"]) <= 0.03
