@@ -350,6 +350,7 @@ class RolloutServer:
             **{f"client_{k}": v for k, v in self.client.counters.items()},
             **{f"reward_{k}": v for k, v in self.rewards.failures.items()},
             "engine_version": self.engine.version,
+            "responses_capped_by_context": self.engine.responses_capped_by_context,
             "weight_syncs": len(self.sync_times),
             "weight_apply_mean_s": sum(times) / len(times),
             "peak_rss_mb": peak_rss_mb(),

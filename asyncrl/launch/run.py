@@ -9,6 +9,7 @@ backend.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -68,13 +69,48 @@ def check_eval_data(files: Sequence[str], cfg: Config) -> None:
     check_agent_names("--data", files, agent_loops(cfg))
 
 
+CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length")
+"""Where a Hugging Face config.json states the model's context, in the order looked for."""
+
+
+def check_lengths(cfg: Config, model_path: str) -> None:
+    """LaunchError, before any process starts, when the configured lengths cannot fit the
+    model's context (its config.json, or the engine's own cap when one is set): a response
+    budget with no room left for a prompt, or the longest prompt plus the response budget.
+    Without this a run trains on responses the engine silently cut at the context."""
+    path = Path(model_path) / "config.json"
+    model = json.loads(path.read_text())
+    key = next((k for k in CONTEXT_KEYS if isinstance(model.get(k), int)), None)
+    if key is None:
+        return  # a model that states no context: nothing to check against
+    context, where = model[key], f"{key} in {path}"
+    rc = cfg.rollout
+    engine_cap = {"vllm": rc.vllm.max_model_len, "sglang": rc.sglang.context_length}
+    if engine_cap.get(rc.engine, 0) and engine_cap[rc.engine] < context:
+        name = "max_model_len" if rc.engine == "vllm" else "context_length"
+        context, where = engine_cap[rc.engine], f"rollout.{rc.engine}.{name}"
+    budget, prompt = rc.max_new_tokens, cfg.data.max_prompt_length
+    if budget >= context:
+        raise LaunchError(
+            f"rollout.max_new_tokens={budget} leaves no room for a prompt in the model's "
+            f"context of {context} tokens ({where})"
+        )
+    if prompt is not None and prompt + budget > context:
+        raise LaunchError(
+            f"data.max_prompt_length={prompt} plus rollout.max_new_tokens={budget} is "
+            f"{prompt + budget} tokens, beyond the model's context of {context} ({where}): "
+            "lower one of them"
+        )
+
+
 def serve(cfg: Config, command: str = "asyncrl serve") -> tuple[Fleet, Path]:
     """Start the replay and the rollout servers only, on trainer.model_path (any checkpoint
     directory) or the embedded model; the caller stops the fleet."""
     check_run_data(cfg)
     launch_placement(cfg, with_learner=False)  # one that cannot work fails before the model
-    run_dir = prepare_run_dir(cfg, command)
     model_path = prepare_model(cfg)
+    check_lengths(cfg, model_path)
+    run_dir = prepare_run_dir(cfg, command)
     fleet = start_fleets(cfg, run_dir, model_path, with_learner=False)
     return fleet, run_dir
 
@@ -85,9 +121,10 @@ def launch(cfg: Config, command: str = "asyncrl launch") -> Path:
     started = time.monotonic()
     check_run_data(cfg)
     launch_placement(cfg)  # one that cannot work fails before the model is prepared
+    model_path = prepare_model(cfg)
+    check_lengths(cfg, model_path)
     run_dir = prepare_run_dir(cfg, command)
     print(f"asyncrl: run directory {run_dir}", flush=True)
-    model_path = prepare_model(cfg)
     progress = Progress(
         cfg.trainer.total_steps, cfg.replay.max_staleness, cfg.launch.progress, started
     )

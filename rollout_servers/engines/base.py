@@ -116,6 +116,9 @@ class AppliedVersion:
 class Engine(ABC):
     """Samples responses for many concurrent callers and swaps in new weights atomically."""
 
+    responses_capped_by_context = 0
+    """Requests whose response budget was cut to the room the prompt left in the model's
+    context (counted in the server's stats; the first is logged)."""
     on_batch: Callable[[float, float, int, int], None] | None = None
     """Called after each busy period (from the first sequence in flight to none; both engines
     batch continuously) with (unix start, seconds, sequences admitted, version at its start)."""

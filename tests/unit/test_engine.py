@@ -266,3 +266,18 @@ async def test_engine_dtype_and_device(random_model_path, prompts, device, dtype
     bound = 1e-4 if dtype == "float32" else 0.1
     for out, ref in zip(outputs, expected, strict=True):
         assert (torch.tensor(out.logprobs) - ref).abs().max().item() < bound
+
+
+async def test_a_response_cut_by_the_context_is_counted_and_logged(random_model_path, caplog):
+    """A prompt that leaves less room in the context than max_new_tokens: the response ends at
+    the context ("length"), and the engine says so instead of cutting it silently."""
+    engine = HFEngine(random_model_path, seed=0)
+    context = engine._context
+    prompt = [5] * (context - 3)
+    with caplog.at_level("WARNING", logger="asyncrl.rollout"):
+        out = await engine.generate(prompt, SamplingParams(temperature=0.0, max_new_tokens=10))
+        await engine.generate([5, 6], SamplingParams(temperature=0.0, max_new_tokens=3))
+    await engine.close()
+    assert len(out.token_ids) <= 3
+    assert engine.responses_capped_by_context == 1
+    assert "end at the context" in caplog.text
