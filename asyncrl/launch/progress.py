@@ -6,6 +6,7 @@ seconds, so a long run neither floods a log nor goes quiet.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from typing import Any
@@ -18,6 +19,11 @@ def training_rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
+
+
+DROP_ORDER = (5, 4, 3, 2, 6)
+"""Indexes of `Progress.render`'s fields, in the order they are left out of a narrow terminal:
+learner idle, tokens/s, samples/s, staleness, elapsed (step and reward always stay)."""
 
 
 class Progress:
@@ -37,18 +43,31 @@ class Progress:
         self.min_interval_s = min_interval_s
         self._shown_step, self._shown_at = 0, 0.0
 
-    def render(self, rows: list[dict[str, Any]]) -> str:
+    def render(self, rows: list[dict[str, Any]], width: int | None = None) -> str:
+        """The status line; with `width`, the fields that do not fit are left out, least
+        useful first (learner idle, tokens/s, samples/s, staleness), so a rewrite on a terminal
+        never wraps (a wrapped line leaves a fragment behind at every rewrite)."""
         last = rows[-1]
         recent = rows[-10:]
         elapsed = time.monotonic() - self.started
-        return (
-            f"step {last['step']}/{self.total} | reward {_mean([r['reward_mean'] for r in recent]):.3f}"
-            f" | staleness {last['staleness_mean']:.2f} (max {last['staleness_max']:.0f}/"
-            f"{self.max_staleness}) | {_mean([r['samples_per_s'] for r in recent]):.1f} samples/s"
-            f" | {_mean([r['gen_tokens_per_s'] for r in recent]):.0f} tok/s"
-            f" | learner idle {_mean([r['learner_idle_ratio'] for r in recent]):.0%}"
-            f" | {elapsed:.0f}s"
-        )
+        fields = [  # in the order shown; dropped from the end of DROP_ORDER when too wide
+            f"step {last['step']}/{self.total}",
+            f"reward {_mean([r['reward_mean'] for r in recent]):.3f}",
+            f"staleness {last['staleness_mean']:.2f} (max {last['staleness_max']:.0f}/"
+            f"{self.max_staleness})",
+            f"{_mean([r['samples_per_s'] for r in recent]):.1f} samples/s",
+            f"{_mean([r['gen_tokens_per_s'] for r in recent]):.0f} tok/s",
+            f"learner idle {_mean([r['learner_idle_ratio'] for r in recent]):.0%}",
+            f"{elapsed:.0f}s",
+        ]
+        shown = list(range(len(fields)))
+        line = " | ".join(fields[i] for i in shown)
+        for drop in DROP_ORDER:
+            if width is None or len(line) <= width:
+                break
+            shown.remove(drop)
+            line = " | ".join(fields[i] for i in shown)
+        return line if width is None else line[:width]
 
     def update(self, rows: list[dict[str, Any]], final: bool = False) -> None:
         rows = training_rows(rows)
@@ -58,7 +77,8 @@ class Progress:
             return
         now = time.monotonic()
         if self.mode == "tty":
-            self.stream.write("\r\x1b[2K" + self.render(rows) + ("\n" if final else ""))
+            width = shutil.get_terminal_size().columns - 1  # the last column would wrap
+            self.stream.write("\r\x1b[2K" + self.render(rows, width) + ("\n" if final else ""))
         elif final or now - self._shown_at >= self.min_interval_s:
             self.stream.write(self.render(rows) + "\n")
         else:
