@@ -27,5 +27,27 @@ Sub-packages:
 - `demo`: the embedded task and tiny model, and the SmolLM2 import; plugged in by entry points.
 - `analysis`: plots of a run and the pipeline's discrete-event model.
 
+The package itself is the public face: `asyncrl.run(config)` trains from Python
+(`asyncrl.launch.api`), imported only when called, so importing any core module never loads
+the launch layer.
+
 docs/architecture.md draws the layers; tests/unit/test_layout.py enforces the import rule.
 """
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
+    from asyncrl.launch.api import RunResult
+
+
+def run(config: Config | str | Path | None = None, overrides: Sequence[str] = ()) -> RunResult:
+    """Train as `asyncrl launch` does and return the run directory and per-step metrics
+    (`asyncrl.launch.api.run`)."""
+    from asyncrl.launch.api import run as run_job
+
+    return run_job(config, overrides)

@@ -8,6 +8,7 @@ invalid values fail at start-up, before any process starts, naming the key and w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,7 +18,7 @@ from pydantic import Field, ValidationError
 
 from asyncrl.checkpoints import missing_parts
 from asyncrl.config_base import Section as _Section
-from asyncrl.config_docs import annotated_yaml, nearest_key
+from asyncrl.config_docs import annotated_yaml, format_errors
 from asyncrl.engine_config import HFConfig, SGLangConfig, VLLMConfig, check_engine
 from asyncrl.learner_config import AlgorithmConfig, LearnerConfig
 from asyncrl.rollout_config import RolloutConfig, ToolAgentConfig
@@ -38,6 +39,7 @@ __all__ = [
     "ToolAgentConfig",
     "TrainerConfig",
     "VLLMConfig",
+    "apply_overrides",
     "config_to_yaml",
     "load_config",
     "parse_override",
@@ -396,30 +398,6 @@ def _apply(tree: dict[str, Any], path: list[str], value: Any) -> None:
     node[path[-1]] = value
 
 
-def _format_errors(err: ValidationError) -> str:
-    lines = []
-    for e in err.errors():
-        key = ".".join(str(x) for x in e["loc"]) or "(config)"
-        msg = e["msg"]
-        if e["type"] == "extra_forbidden":
-            section: type[pydantic.BaseModel] = Config
-            for part in e["loc"][:-1]:
-                field = section.model_fields[str(part)].annotation
-                # an unknown key's parents are sections (Config has no unions of sections)
-                assert isinstance(field, type) and issubclass(field, pydantic.BaseModel), field
-                section = field
-            allowed = ", ".join(sorted(section.model_fields))
-            where = ".".join(str(x) for x in e["loc"][:-1])
-            near = nearest_key(Config, where, str(e["loc"][-1]))
-            msg = (
-                f"unknown key{f'; did you mean {near}?' if near else ''} (allowed here: {allowed})"
-            )
-        elif "input" in e and e["type"] != "missing" and e["loc"]:  # not the whole tree
-            msg = f"{msg} (got {e['input']!r})"
-        lines.append(f"  {key}: {msg}")
-    return "invalid config:\n" + "\n".join(lines)
-
-
 def load_config(
     path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
 ) -> Config:
@@ -439,7 +417,20 @@ def load_config(
     try:
         return Config.model_validate(tree)
     except ValidationError as e:
-        raise ConfigError(_format_errors(e)) from None
+        raise ConfigError(format_errors(e, Config)) from None
+
+
+def apply_overrides(cfg: Config, overrides: Sequence[str] = ()) -> Config:
+    """`cfg` with `section.key=value` overrides applied, validated as `load_config` does
+    (ConfigError naming what is wrong); `cfg` itself is left as it was."""
+    tree = cfg.model_dump(mode="json")
+    for text in overrides:
+        key_path, value = parse_override(text)
+        _apply(tree, key_path, value)
+    try:
+        return Config.model_validate(tree)
+    except ValidationError as e:
+        raise ConfigError(format_errors(e, Config)) from None
 
 
 def config_to_yaml(cfg: Config, comments: bool = False) -> str:

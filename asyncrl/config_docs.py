@@ -114,6 +114,27 @@ def _annotated(model, values: dict[str, Any], depth: int, width: int) -> list[st
     return lines
 
 
+def format_errors(err: pydantic.ValidationError, model: type[pydantic.BaseModel]) -> str:
+    """A validation error of the tree `model` as one line per key: what is wrong, the value
+    given, and for an unknown key the nearest known one and the keys allowed there."""
+    lines = []
+    for e in err.errors():
+        key = ".".join(str(x) for x in e["loc"]) or "(config)"
+        msg = e["msg"]
+        if e["type"] == "extra_forbidden":
+            where = ".".join(str(x) for x in e["loc"][:-1])
+            # an unknown key's parents are sections (the tree has no unions of sections)
+            section = section_doc(model, where)[0] if where else model
+            allowed = ", ".join(sorted(section.model_fields))
+            near = nearest_key(model, where, str(e["loc"][-1]))
+            guess = f"; did you mean {near}?" if near else ""
+            msg = f"unknown key{guess} (allowed here: {allowed})"
+        elif "input" in e and e["type"] != "missing" and e["loc"]:  # not the whole tree
+            msg = f"{msg} (got {e['input']!r})"
+        lines.append(f"  {key}: {msg}")
+    return "invalid config:\n" + "\n".join(lines)
+
+
 def nearest_key(model: type[pydantic.BaseModel], section_path: str, key: str) -> str | None:
     """The known key closest to an unknown `key` typed in section `section_path` ("" for the
     top level): a close spelling in that section first, else the same or a close name in

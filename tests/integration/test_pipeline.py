@@ -161,22 +161,21 @@ def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness, extr
 
 
 def test_the_embedded_default_learns_with_a_bf16_learner(tmp_path, default_model_cache):
-    """`asyncrl launch` as shipped, with learner.dtype=bfloat16 (fp32 engine): the reward rises
-    as in fp32 (~0.30 -> ~0.77 over the first 200 steps)."""
-    from asyncrl.launch.progress import training_rows
+    """The default as shipped, with learner.dtype=bfloat16 (fp32 engine), run through the
+    Python entry point (`asyncrl.run`: a loaded `Config` changed in Python, plus overrides): the reward
+    rises as in fp32 (~0.30 -> ~0.77 over the first 200 steps)."""
+    import asyncrl
 
     steps = 200
-    cfg = load_config(
-        overrides=[
-            f"trainer.run_dir={tmp_path / 'run'}",
-            f"trainer.cache_dir={default_model_cache}",
-            f"trainer.total_steps={steps}",
-            "learner.dtype=bfloat16",
-            "launch.progress=none",
-        ]
+    cfg = load_config()  # configs/default.yaml; a bare Config() has the library's defaults
+    cfg.trainer.total_steps = steps  # assignments are validated as the YAML is
+    cfg.trainer.cache_dir = str(default_model_cache)
+    result = asyncrl.run(
+        cfg,
+        [f"trainer.run_dir={tmp_path / 'run'}", "learner.dtype=bfloat16", "launch.progress=none"],
     )
-    run_dir = launch(cfg)
-    rows = training_rows(read_jsonl(run_dir / "metrics.jsonl"))
+    run_dir, rows = result.run_dir, result.metrics
+    assert run_dir == tmp_path / "run" and result.final == rows[-1]
     assert_transports(run_dir, "shm")  # the default, on one host
     assert len(rows) == steps
     first = sum(r["reward_mean"] for r in rows[:5]) / 5

@@ -9,6 +9,8 @@ launch layer (`asyncrl.launch`). Around them: the demo (`asyncrl.demo`) and anal
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,7 +56,9 @@ def _imports(path: Path, modules: set[str]) -> set[str]:
 
 
 def layer(module: str) -> str:
-    """core | launch | demo | analysis | one of FLEETS."""
+    """facade | core | launch | demo | analysis | one of FLEETS."""
+    if module == "asyncrl":
+        return "facade"  # the package's __init__: `asyncrl.run`, the Python entry point
     top, _, rest = module.partition(".")
     if top in FLEETS:
         return top
@@ -105,6 +109,7 @@ ALLOWED = {
     "demo": {"core", "demo"},
     "analysis": {"core", "analysis", "replay"},  # the pipeline model runs the replay's admission
     "launch": {"core", "launch", "demo", "analysis", *FLEETS},
+    "facade": {"core", "launch"},  # and nothing imports the facade
 }
 """Which layers each layer may import."""
 
@@ -137,8 +142,9 @@ def test_the_checks_catch_what_they_are_for():
         "rollout_servers.rewards": {"asyncrl.demo.tasks"},
         "asyncrl.protocol": {"asyncrl.launch.cli"},
         "asyncrl.launch.cli": {"learner.trainer", "asyncrl.demo.tasks"},
+        "asyncrl.metrics": {"asyncrl"},  # the core reaching the entry point
     }
-    assert len(layer_violations(bad)) == 4
+    assert len(layer_violations(bad)) == 5
 
 
 def test_import_graph_sees_every_kind_of_import(tmp_path):
@@ -174,3 +180,13 @@ def test_files_and_functions_stay_readable(top):
     ]
     assert long_files == []
     assert [f for p in files for f in _long_functions(p)] == []
+
+
+def test_importing_the_package_or_a_core_module_does_not_load_the_launch_layer():
+    code = (
+        "import sys, asyncrl, asyncrl.config, asyncrl.protocol\n"
+        "loaded = sorted(m for m in sys.modules if m.startswith('asyncrl.launch'))\n"
+        "assert not loaded, loaded\n"
+        "assert callable(asyncrl.run)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
