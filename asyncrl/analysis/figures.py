@@ -56,8 +56,9 @@ EXTRA_STAGE_COLOURS = [
     "#f7b6d2",
     "#dbdb8d",
 ]
-# Raw per-step values are drawn this faint behind their rolling mean.
-RAW_ALPHA = 0.25
+# Raw per-step values are drawn this faint behind their rolling mean, under this legend entry.
+RAW_ALPHA = 0.2
+RAW_LABEL = "faint: raw value per step"
 # The rolling-mean window: a tenth of the points, odd (centred), at most this many.
 MAX_SMOOTHING = 51
 
@@ -211,30 +212,31 @@ def save_figure(fig: Figure, path: Path, title: str | None = None) -> Path:
 
 
 def plot_lines(
-    ax: Axes, rows: list[dict[str, Any]], keys: Sequence[tuple[str, str]], **kwargs: Any
+    ax: Axes,
+    rows: list[dict[str, Any]],
+    keys: Sequence[tuple[str, str]],
+    raw: bool = True,
+    **kwargs: Any,
 ) -> int:
     """Plots each present (key, label) against step as its rolling mean (see smoothing_window),
-    with the raw per-step values faint behind it in the same colour; the legend names the
-    window. Returns how many series were drawn."""
+    with the raw per-step values faint behind it in the same colour unless `raw` is False (over
+    a stack, where they would hide it); the legend names the window. Returns how many series
+    were drawn."""
     drawn = 0
-    window = 1
+    faint_drawn = False
     for key, label in keys:
         steps, values = series(rows, key)
         if not steps:
             continue
         window = smoothing_window(len(values))
-        if window == 1:
-            ax.plot(steps, values, label=label, **kwargs)
-        else:
-            smooth = f"{label} (rolling mean, {window} steps)"
-            (line,) = ax.plot(steps, rolling_mean(values, window), label=smooth, **kwargs)
+        name = label if window == 1 else f"{label} (rolling mean, {window} steps)"
+        (line,) = ax.plot(steps, rolling_mean(values, window), label=name, **kwargs)
+        drawn += 1
+        if raw and window > 1:
             faint = {k: v for k, v in kwargs.items() if k not in ("alpha", "linewidth", "marker")}
             faint["color"] = line.get_color()
             ax.plot(steps, values, alpha=RAW_ALPHA, linewidth=0.8, zorder=1.5, **faint)
-        drawn += 1
-    if drawn and window > 1 and not any(h.get_label() == RAW_LABEL for h in ax.get_lines()):
+            faint_drawn = True
+    if faint_drawn and not any(h.get_label() == RAW_LABEL for h in ax.get_lines()):
         ax.plot([], [], color="gray", alpha=RAW_ALPHA * 2, linewidth=0.8, label=RAW_LABEL)
     return drawn
-
-
-RAW_LABEL = "faint: raw value per step"

@@ -114,28 +114,73 @@ def plot_response_length(rows: list[dict[str, Any]], path: Path) -> Path | None:
 
 
 def plot_staleness(rows: list[dict[str, Any]], path: Path) -> Path | None:
+    """Left: the staleness histogram over time, each step's share of trained samples per
+    staleness stacked (rolling means: a batch's staleness flips between neighbouring values
+    every step, and raw lines of it read as noise); from runs without `staleness_hist`, the
+    rolling mean and max lines instead. Right: the histogram summed over every step, in the
+    same colours."""
     hist = _summed_histogram(rows)
-    has_lines = any(series(rows, k)[0] for k in ("staleness_mean", "staleness_max"))
-    if not has_lines and not hist:
-        return None
-    panels = int(has_lines) + int(bool(hist))
-    fig = new_figure(1, panels, size=(6.5 * panels, 4.5))
-    axes = list(fig.axes)
-    if has_lines:
-        ax = axes.pop(0)
+    if not hist:
+        if not any(series(rows, k)[0] for k in ("staleness_mean", "staleness_max")):
+            return None
+        fig = new_figure()
+        ax = fig.axes[0]
         # Max is drawn wider underneath, so mean stays visible where the two coincide.
         plot_lines(ax, rows, [("staleness_max", "max")], color="tab:red", linewidth=3, alpha=0.6)
         plot_lines(ax, rows, [("staleness_mean", "mean")], color="tab:blue")
         integer_ticks(ax.yaxis)
         finish_axes(ax, "Staleness of trained samples", "learner step", "staleness (versions)")
-    if hist:
-        ax = axes.pop(0)
-        ax.bar(range(len(hist)), hist, color="tab:purple")
-        integer_ticks(ax.xaxis)
-        finish_axes(
-            ax, "Staleness histogram (all steps)", "staleness (versions behind)", "trained samples"
-        )
+        return save_figure(fig, path)
+    fig = new_figure(1, 2, size=(13, 4.5))
+    over_time, total = fig.axes
+    colours = _staleness_colours(len(hist))
+    steps, shares = staleness_shares(rows, len(hist))
+    window = smoothing_window(len(steps))
+    smoothed = [rolling_mean(level, window) for level in shares]
+    labels = [f"{v} behind" for v in range(len(hist))]
+    over_time.stackplot(steps, smoothed, labels=labels, colors=colours, alpha=0.9)
+    over_time.set_ylim(0, 1)
+    title = "Staleness of trained samples over time"
+    if window > 1:
+        title += f"\n(share per step, rolling mean of {window} steps)"
+    finish_axes(over_time, title, "learner step", "share of trained samples")
+    handles, names = over_time.get_legend_handles_labels()
+    over_time.legend(handles[::-1], names[::-1], loc="lower left", title="versions")
+    total.bar(range(len(hist)), hist, color=colours)
+    integer_ticks(total.xaxis)
+    finish_axes(
+        total, "Staleness histogram (all steps)", "staleness (versions behind)", "trained samples"
+    )
     return save_figure(fig, path)
+
+
+def staleness_shares(
+    rows: list[dict[str, Any]], levels: int
+) -> tuple[list[float], list[list[float]]]:
+    """(steps, shares): for each staleness 0..levels-1, its share of each step's trained
+    samples (`staleness_hist` normalised; steps without one, or with no samples, left out)."""
+    steps: list[float] = []
+    shares: list[list[float]] = [[] for _ in range(levels)]
+    for row in rows:
+        hist = row.get("staleness_hist")
+        if not is_number(row.get("step")) or not isinstance(hist, list):
+            continue
+        counts = [c if is_number(c) else 0.0 for c in hist] + [0.0] * (levels - len(hist))
+        total = sum(counts)
+        if total <= 0:
+            continue
+        steps.append(row["step"])
+        for level in range(levels):
+            shares[level].append(counts[level] / total)
+    return steps, shares
+
+
+def _staleness_colours(levels: int) -> list[Any]:
+    """Fresh samples yellow-green, the stalest dark blue (viridis, reversed), one per level."""
+    from matplotlib import colormaps
+
+    cmap = colormaps["viridis_r"]
+    return [cmap(0.1 + 0.8 * i / max(levels - 1, 1)) for i in range(levels)]
 
 
 def _summed_histogram(rows: list[dict[str, Any]]) -> list[float]:
@@ -208,7 +253,8 @@ def plot_step_time(rows: list[dict[str, Any]], path: Path) -> Path | None:
     fig = new_figure(size=(9, 4.8))
     ax = fig.axes[0]
     ax.stackplot(steps, stacked, labels=labels, colors=[colours[n] for n in labels], alpha=0.85)
-    plot_lines(ax, rows, [("generation_pause_s", "generation pause")], color="black", ls="--")
+    pause = [("generation_pause_s", "servers' generation pause")]
+    plot_lines(ax, rows, pause, raw=False, color="black", linestyle="--")
     title = "Learner step time by stage"
     if window > 1:
         title += f" (rolling mean, {window} steps)"

@@ -23,8 +23,8 @@ from asyncrl.analysis.figures import (
 TIMELINE_STEPS = 5
 # Spans that are recorded but are waiting, not work: the learner's wait for a batch.
 IDLE_SPANS = frozenset({"fetch_batch"})
-# Windows whose least busy process is within this fraction of the best window's count as busy.
-BUSY_TOLERANCE = 0.05
+# A window counts as busy when its least busy process beats this fraction of all windows'.
+BUSY_QUANTILE = 0.75
 
 
 # ----------------------------------------------------------------------------- timeline
@@ -85,12 +85,14 @@ def timeline_window(
 def busiest_steps(
     steps: list[int], bounds: dict[int, tuple[float, float]], traces: dict[str, list[Span]]
 ) -> list[int]:
-    """The TIMELINE_STEPS consecutive steps in which every process is busy: the window whose
-    least busy process (busy: inside a span other than IDLE_SPANS) is busiest, and among the
-    windows within BUSY_TOLERANCE of it the one nearest the middle of the run, a typical stretch.
+    """TIMELINE_STEPS consecutive steps in which every process is busy, from the middle of the run.
 
-    The last steps of a run are a poor default: the servers have stopped generating by then (the
-    replay holds enough), so a timeline of them shows servers that never appear to work.
+    Each window is scored by its least busy process (busy: inside a span other than IDLE_SPANS);
+    of the windows scoring at least BUSY_QUANTILE of all windows' scores, the one nearest the
+    middle of the run. Not simply the top score: that is one outlier stretch (a long generate
+    batch), while the quantile keeps a typical one where the servers generate and the learner
+    trains. The last steps are a poor default: the servers may have stopped generating by then
+    (the run is ending), and a timeline of them shows servers that never appear to work.
     """
     k = min(TIMELINE_STEPS, len(steps))
     busy = [BusyTime(spans) for spans in traces.values()]
@@ -100,13 +102,10 @@ def busiest_steps(
     for i in range(len(steps) - k + 1):
         lo, hi = bounds[steps[i]][0], bounds[steps[i + k - 1]][1]
         candidates.append((min(b.fraction(lo, hi) for b in busy), (lo + hi) / 2, i))
-    best = max(score for score, _, _ in candidates)
+    scores = sorted(score for score, _, _ in candidates)
+    threshold = scores[int(BUSY_QUANTILE * (len(scores) - 1))]
     middle = (bounds[steps[0]][0] + bounds[steps[-1]][1]) / 2
-    near = [
-        (abs(centre - middle), i)
-        for score, centre, i in candidates
-        if score >= best - BUSY_TOLERANCE
-    ]
+    near = [(abs(centre - middle), i) for score, centre, i in candidates if score >= threshold]
     i = min(near)[1]
     return steps[i : i + k]
 

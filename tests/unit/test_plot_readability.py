@@ -17,7 +17,7 @@ from asyncrl.analysis.figures import (
     smoothing_window,
     stage_colours,
 )
-from asyncrl.analysis.plot import observed_reward_range, reward_band
+from asyncrl.analysis.plot import observed_reward_range, reward_band, staleness_shares
 from asyncrl.analysis.timeline import busiest_steps, step_bounds, timeline_window
 
 REPO = Path(__file__).resolve().parents[2]
@@ -64,6 +64,20 @@ def test_reward_band_of_a_binary_reward_stays_in_0_1(tmp_path: Path) -> None:
     assert min(lower) >= 0.0 and max(upper) <= 1.0
     assert min(lower) == 0.0 and max(upper) == 1.0  # clipped, not merely narrow
     assert observed_reward_range(tmp_path / "missing") is None
+
+
+def test_staleness_shares_are_each_steps_histogram_normalised() -> None:
+    rows: list[dict] = [
+        {"step": 1, "staleness_hist": [3, 1]},  # shorter than the longest: padded with 0
+        {"step": 2, "staleness_hist": [0, 0, 0]},  # no samples: left out
+        {"step": 3},  # an older row without a histogram
+        {"step": 4, "staleness_hist": [0, 2, 2]},
+    ]
+
+    steps, shares = staleness_shares(rows, 3)
+
+    assert steps == [1, 4]
+    assert shares == [[0.75, 0.0], [0.25, 0.5], [0.0, 0.5]]
 
 
 def _stop_early_trace(steps: int, generation_stops: float) -> tuple[list[dict], dict]:
