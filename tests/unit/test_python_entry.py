@@ -28,4 +28,3 @@ def test_a_bad_run_fails_before_anything_starts(tmp_path):
     cfg = load_config()
     with pytest.raises(pydantic.ValidationError):
         cfg.rollout.n = -1  # assignments are validated too
-
