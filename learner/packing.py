@@ -45,6 +45,15 @@ FLEX_BLOCK = 128
 """FlexAttention's block size; a block mask covers the packed row padded to a multiple of it."""
 
 
+class _MaskSlot:
+    """Where a PackedRows keeps its block mask. FSDP's mixed precision rebuilds the dataclasses
+    among a module's inputs (`dataclasses.replace`) at every sharded layer; the copies share
+    this one slot, so the mask built by the first layer serves all of them."""
+
+    def __init__(self) -> None:
+        self.mask: BlockMask | None = None
+
+
 @dataclass
 class PackedRows:
     """b right-padded rows packed into one row of N tokens (their real tokens, less the prompt
@@ -63,16 +72,16 @@ class PackedRows:
     num_rows: int
     segment_ids: torch.Tensor  # [N] each token's attention segment (a prompt, a response/row)
     prefix_ids: torch.Tensor  # [N] the segment a token also sees whole (its prompt), else -1
-    _flex_mask: BlockMask | None = field(default=None, init=False, repr=False, compare=False)
+    flex_mask: _MaskSlot = field(default_factory=lambda: _MaskSlot(), repr=False, compare=False)
 
     def flex_block_mask(self) -> BlockMask:
         """The block mask of `flex_packed_attention`, built on the first call and kept: one per
         forward (a PackedRows lives for one forward), shared by every layer and by the
         recomputation of checkpointed layers. It covers the row padded to a multiple of
         FLEX_BLOCK; a pad token sees only pad tokens and no real token sees a pad token."""
-        if self._flex_mask is None:
-            self._flex_mask = _document_block_mask(self.segment_ids, self.prefix_ids)
-        return self._flex_mask
+        if self.flex_mask.mask is None:
+            self.flex_mask.mask = _document_block_mask(self.segment_ids, self.prefix_ids)
+        return self.flex_mask.mask
 
     def attention_kwargs(self) -> dict:
         """Keyword arguments a transformers model passes down to its attention function."""

@@ -250,6 +250,36 @@ def test_block_mask_is_built_once_per_forward(monkeypatch):
     assert len(built) == 1 and p.flex_block_mask() is p.flex_block_mask()
 
 
+def test_block_mask_is_built_once_under_fsdp_mixed_precision(tmp_path, monkeypatch, cpu_backward):
+    """FSDP's bf16 policy copies the PackedRows at every sharded layer, and activation
+    checkpointing reruns each layer in the backward: still one mask for the whole step."""
+    import os
+
+    import torch.distributed as dist
+
+    from asyncrl.transport import free_port
+    from learner.fsdp import setup_model
+
+    _tiny_llama("sdpa").save_pretrained(tmp_path)
+    built = []
+    make = packing._document_block_mask
+    monkeypatch.setattr(packing, "_document_block_mask", lambda s, p: built.append(1) or make(s, p))
+    monkeypatch.setenv(PACKED_ATTENTION_ENV, FLEX_ATTENTION)
+    monkeypatch.setitem(os.environ, "MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setitem(os.environ, "MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        lc = LearnerConfig(dtype="bfloat16", activation_checkpointing=True)
+        model = setup_model(str(tmp_path), torch.device("cpu"), lc)
+        ids, mask, prompts, groups, _ = _batch(*CASES["small"])
+        p = pack_rows(ids, mask, prompts, groups)
+        out = model(input_ids=p.input_ids, position_ids=p.position_ids, **p.attention_kwargs())
+        out.logits.float().sum().backward()
+        assert len(built) == 1
+    finally:
+        dist.destroy_process_group()
+
+
 @pytest.mark.parametrize(
     ("device", "dtype", "share", "flash", "want"),
     [
