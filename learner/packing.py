@@ -11,7 +11,7 @@ implementations run packed rows (`learner.fsdp.attention_implementation` picks o
   call over gathered keys. Shares prompts. Exact.
 - `flex_packed_attention` ("asyncrl_flex", CUDA): PyTorch's FlexAttention, compiled, under
   one block mask per forward built from each token's segment and the prompt segment it sees
-  (`PackedRows.flex_block_mask`); memory linear in the tokens, no dense mask. Shares prompts.
+  (`PackedRows.flex_block_mask`); no [N, N] mask, no gathered keys. Shares prompts.
   FlexAttention has no backward on CPU (torch 2.13), so it trains on CUDA only.
 - transformers' "flash_attention_2" on `cu_seq_lens_*` (flash-attn's varlen kernel, CUDA in
   bf16, when installed): one segment per row, no prompt sharing.
@@ -72,7 +72,7 @@ class PackedRows:
     num_rows: int
     segment_ids: torch.Tensor  # [N] each token's attention segment (a prompt, a response/row)
     prefix_ids: torch.Tensor  # [N] the segment a token also sees whole (its prompt), else -1
-    flex_mask: _MaskSlot = field(default_factory=lambda: _MaskSlot(), repr=False, compare=False)
+    flex_mask: _MaskSlot = field(default_factory=_MaskSlot, repr=False, compare=False)
 
     def flex_block_mask(self) -> BlockMask:
         """The block mask of `flex_packed_attention`, built on the first call and kept: one per
