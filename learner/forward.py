@@ -18,7 +18,7 @@ from asyncrl.config import LearnerConfig
 from learner.batch import TrainBatch
 from learner.fsdp import attention_implementation
 from learner.losses import entropy_from_logits
-from learner.packing import PACKED_ATTENTION, pack_rows
+from learner.packing import SHARING_ATTENTIONS, pack_rows
 
 Layout = Literal["padded", "packed", "shared"]
 """How a micro-batch reaches the model: right-padded rows; packed rows; packed rows whose
@@ -27,12 +27,12 @@ groups share one copy of their prompt (`learner.packing`)."""
 
 def layout_of(lc: LearnerConfig, device: torch.device) -> Layout:
     """The layout `lc` asks for that the models' attention on `device` can run
-    (`learner.fsdp.attention_implementation`; flash-attn's varlen kernel cannot share
-    prompts)."""
+    (`learner.fsdp.attention_implementation`): the per-segment SDPA and FlexAttention share
+    prompts, flash-attn's varlen kernel cannot."""
     if not lc.packing:
         return "padded"
-    own_attention = attention_implementation(lc, device) == PACKED_ATTENTION
-    return "shared" if lc.share_prompts and own_attention else "packed"
+    sharing = attention_implementation(lc, device) in SHARING_ATTENTIONS
+    return "shared" if lc.share_prompts and sharing else "packed"
 
 
 def _outputs(model: torch.nn.Module, mb: TrainBatch, layout: Layout):

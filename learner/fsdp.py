@@ -8,7 +8,9 @@ the rollout engines agree on the weight layout.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import logging
 import os
 from collections.abc import Iterator
 from datetime import timedelta
@@ -34,7 +36,15 @@ from asyncrl.binds import bind_collectives_to, setup_store
 from asyncrl.config import LearnerConfig
 from asyncrl.weight_sync import ParamSpec
 from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters, is_adapted
-from learner.packing import register_packed_attention
+from learner.packing import (
+    FLEX_ATTENTION,
+    PACKED_ATTENTION,
+    choose_packed_attention,
+    register_flex_attention,
+    register_packed_attention,
+)
+
+log = logging.getLogger("asyncrl.learner")
 
 
 def setup_distributed(device_kind: str, timeout_s: float = 3600.0) -> tuple[int, int, torch.device]:
@@ -123,16 +133,38 @@ def hf_config(model: torch.nn.Module) -> PreTrainedConfig:
     return config
 
 
+PACKED_ATTENTION_ENV = "ASYNCRL_PACKED_ATTENTION"
+"""Environment variable that forces the packed attention (asyncrl_packed, asyncrl_flex or
+flash_attention_2) over `learner.packing.choose_packed_attention`'s rule: for tests and
+benchmarks, which run the learner in processes of their own."""
+
+
 def attention_implementation(lc: LearnerConfig, device: torch.device) -> str:
-    """sdpa on padded rows; on packed rows flash-attn's varlen kernel (CUDA in bf16, when
-    installed: flash-attn has no fp32 kernel), else asyncrl's exact per-row SDPA
-    (`learner.packing`)."""
+    """sdpa on padded rows; on packed rows the implementation that
+    `learner.packing.choose_packed_attention` picks for `device` (or PACKED_ATTENTION_ENV
+    forces), registered with transformers and named once in the learner's log."""
     if not lc.packing:
         return "sdpa"
-    flash = importlib.util.find_spec("flash_attn") is not None
-    if device.type == "cuda" and lc.dtype == "bfloat16" and flash:
-        return "flash_attention_2"
-    return register_packed_attention()
+    name, why = choose_packed_attention(
+        device.type,
+        lc.dtype,
+        lc.share_prompts,
+        flash_installed=importlib.util.find_spec("flash_attn") is not None,
+        forced=os.environ.get(PACKED_ATTENTION_ENV) or None,
+    )
+    if name == PACKED_ATTENTION:
+        register_packed_attention()
+    elif name == FLEX_ATTENTION:
+        register_flex_attention()
+    _log_choice(name, device.type, why)
+    return name
+
+
+@functools.cache
+def _log_choice(name: str, device_type: str, why: str) -> None:
+    """Log the packed attention once per process and choice (it is asked for per model and per
+    layout question)."""
+    log.info("packed attention on %s: %s, %s", device_type, name, why)
 
 
 def set_gradient_sync(model: torch.nn.Module, sync: bool) -> None:

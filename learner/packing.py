@@ -2,16 +2,19 @@
 
 Rows of a `TrainBatch` are right-padded to the batch's longest. Packing keeps only real tokens
 (`attention_mask == 1`), gives every token its position within its own row, and makes
-attention stay inside each row:
-- on CPU (and on CUDA without flash-attn) by `packed_attention`, registered with transformers
-  as the attention implementation "asyncrl_packed". Rows of a group with the same prompt (the
-  n samples of a GRPO group) share ONE copy of it: the prompt is a segment of its own and each
-  response attends to it as a prefix, then causally to itself, which is exactly the attention
-  each row would compute alone (a causal prompt does not depend on what follows it). Segments
-  of one shape run as one batched SDPA call;
-- on CUDA in bf16 with flash-attn installed by transformers' "flash_attention_2" on
-  `cu_seq_lens_*` (flash-attn's varlen kernel; one segment per row, no prompt sharing). Not
-  exercised on this project's CPU machines.
+attention stay inside each row. Rows of a group with the same prompt (the n samples of a GRPO
+group) may share ONE copy of it: the prompt is a segment of its own and each response attends
+to it as a prefix, then causally to itself, which is exactly the attention each row would
+compute alone (a causal prompt does not depend on what follows it). Three attention
+implementations run packed rows (`learner.fsdp.attention_implementation` picks one per device):
+- `packed_attention` ("asyncrl_packed", CPU): segments of one shape run as one batched SDPA
+  call over gathered keys. Shares prompts. Exact.
+- `flex_packed_attention` ("asyncrl_flex", CUDA): PyTorch's FlexAttention, compiled, under
+  one block mask per forward built from each token's segment and the prompt segment it sees
+  (`PackedRows.flex_block_mask`); no [N, N] mask, no gathered keys. Shares prompts.
+  FlexAttention has no backward on CPU (torch 2.13), so it trains on CUDA only.
+- transformers' "flash_attention_2" on `cu_seq_lens_*` (flash-attn's varlen kernel, CUDA in
+  bf16, when installed): one segment per row, no prompt sharing.
 
 Outputs (log-probs, entropies, values) come back to the [b, T] target layout of
 `learner.update` with `PackedRows.unpack`, 0 at positions past a row's end (a shared prompt's
@@ -21,14 +24,34 @@ computed exactly as in the padded layout.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
+from typing import cast
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 from transformers import AttentionInterface
 
 PACKED_ATTENTION = "asyncrl_packed"
 """Name of `packed_attention` in transformers' AttentionInterface."""
+FLEX_ATTENTION = "asyncrl_flex"
+"""Name of `flex_packed_attention` in transformers' AttentionInterface."""
+FLASH_ATTENTION = "flash_attention_2"
+"""transformers' flash-attn implementation (varlen on `cu_seq_lens_*`; no prompt sharing)."""
+SHARING_ATTENTIONS = (PACKED_ATTENTION, FLEX_ATTENTION)
+"""The implementations that run a shared prompt once for its whole group."""
+FLEX_BLOCK = 128
+"""FlexAttention's block size; a block mask covers the packed row padded to a multiple of it."""
+
+
+class _MaskSlot:
+    """Where a PackedRows keeps its block mask. FSDP's mixed precision rebuilds the dataclasses
+    among a module's inputs (`dataclasses.replace`) at every sharded layer; the copies share
+    this one slot, so the mask built by the first layer serves all of them."""
+
+    def __init__(self) -> None:
+        self.mask: BlockMask | None = None
 
 
 @dataclass
@@ -47,6 +70,18 @@ class PackedRows:
     flat: torch.Tensor  # [M] ... the packed position whose output predicts it
     target_ids: torch.Tensor  # [M] ... the token itself
     num_rows: int
+    segment_ids: torch.Tensor  # [N] each token's attention segment (a prompt, a response/row)
+    prefix_ids: torch.Tensor  # [N] the segment a token also sees whole (its prompt), else -1
+    flex_mask: _MaskSlot = field(default_factory=_MaskSlot, repr=False, compare=False)
+
+    def flex_block_mask(self) -> BlockMask:
+        """The block mask of `flex_packed_attention`, built on the first call and kept: one per
+        forward (a PackedRows lives for one forward), shared by every layer and by the
+        recomputation of checkpointed layers. It covers the row padded to a multiple of
+        FLEX_BLOCK; a pad token sees only pad tokens and no real token sees a pad token."""
+        if self.flex_mask.mask is None:
+            self.flex_mask.mask = _document_block_mask(self.segment_ids, self.prefix_ids)
+        return self.flex_mask.mask
 
     def attention_kwargs(self) -> dict:
         """Keyword arguments a transformers model passes down to its attention function."""
@@ -120,6 +155,12 @@ def pack_rows(
     col = torch.arange(n, device=device) - starts[row_of] + skip[row_of]
     prompt_start = starts[owner]
     response_start = torch.where(owns, starts + prompt, starts)
+    # segment 2r: row r's own prompt copy (owners only); 2r + 1: row r's response (unshared:
+    # the whole row); a response token also sees its owner's prompt segment whole
+    in_prompt = col < prompt[row_of]
+    segment_ids = 2 * row_of + (~in_prompt).long()
+    sees_prompt = ~in_prompt & (prompt[row_of] > 0)
+    prefix_ids = torch.where(sees_prompt, 2 * owner[row_of], -1)
     groups = _segments(prompt, lengths - prompt, owns, starts, response_start, prompt_start)
     rows, cols = torch.nonzero(keep[:, 1:], as_tuple=True)
     p = prompt[rows]
@@ -141,6 +182,8 @@ def pack_rows(
         flat=flat,
         target_ids=input_ids[rows, cols + 1],
         num_rows=b,
+        segment_ids=segment_ids,
+        prefix_ids=prefix_ids,
     )
 
 
@@ -227,7 +270,125 @@ def _gather(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     return t[:, index.reshape(-1)].reshape(t.shape[0], rows, length, t.shape[-1]).transpose(0, 1)
 
 
+def choose_packed_attention(
+    device_type: str,
+    dtype: str,
+    share_prompts: bool,
+    flash_installed: bool,
+    forced: str | None = None,
+) -> tuple[str, str]:
+    """(attention implementation for packed rows, why), the rule:
+    - CUDA, bf16, flash-attn installed and prompts not shared: flash-attn's varlen kernel (the
+      fastest kernel, but it cannot share a prompt);
+    - other CUDA: FlexAttention (shares prompts: a group of n samples computes its prompt once
+      in every layer instead of n times, which outweighs flash-attn's faster kernel; flash-attn
+      has no fp32 kernel);
+    - any other device: the per-segment SDPA (exact; FlexAttention has no backward on CPU).
+    `forced` (one of the three names) overrides the rule, for tests and benchmarks; flash-attn
+    is refused where it cannot run."""
+    if forced is not None:
+        if forced not in (PACKED_ATTENTION, FLEX_ATTENTION, FLASH_ATTENTION):
+            raise ValueError(
+                f"packed attention {forced!r}: expected {PACKED_ATTENTION}, {FLEX_ATTENTION} "
+                f"or {FLASH_ATTENTION}"
+            )
+        if forced == FLASH_ATTENTION and not (
+            device_type == "cuda" and dtype == "bfloat16" and flash_installed
+        ):
+            raise ValueError(f"{FLASH_ATTENTION} needs CUDA, bfloat16 and flash-attn installed")
+        return forced, "forced"
+    if device_type != "cuda":
+        return PACKED_ATTENTION, "per-segment SDPA (FlexAttention has no backward on CPU)"
+    if dtype == "bfloat16" and flash_installed and not share_prompts:
+        return FLASH_ATTENTION, "flash-attn varlen (installed, bf16, prompts not shared)"
+    if share_prompts:
+        why = "shares prompts"
+    elif not flash_installed:
+        why = "flash-attn not installed"
+    else:
+        why = "flash-attn has no fp32 kernel"
+    return FLEX_ATTENTION, f"FlexAttention, compiled ({why})"
+
+
 def register_packed_attention() -> str:
     """Make `packed_attention` available to transformers models as PACKED_ATTENTION."""
     AttentionInterface.register(PACKED_ATTENTION, packed_attention)
     return PACKED_ATTENTION
+
+
+def flex_packed_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    packed_rows: PackedRows | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """The attention of `packed_attention` (same signature and result) by FlexAttention under
+    `packed_rows.flex_block_mask()`: no dense mask, no gathered keys, and blocks that no query
+    sees are skipped. Queries, keys and values are zero-padded to the mask's length and the
+    pad's outputs dropped. Compiled on CUDA (the first call compiles; eager FlexAttention
+    materializes the full score matrix); eager elsewhere, where it has no backward.
+    Grouped-query attention is FlexAttention's `enable_gqa`. No dropout: FlexAttention has
+    none, and a model that asks for it is refused."""
+    if packed_rows is None:
+        raise ValueError(
+            f"attention {FLEX_ATTENTION!r} needs packed inputs (learner.packing.pack_rows); "
+            "this model was set up for packed sequences"
+        )
+    if dropout:
+        raise ValueError(f"attention {FLEX_ATTENTION!r} has no dropout (asked: {dropout})")
+    mask = packed_rows.flex_block_mask()
+    n, pad = query.shape[2], mask.shape[-1] - query.shape[2]
+    if pad:
+        query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
+    out = _maybe_compiled(flex_attention, query.device)(
+        query,
+        key,
+        value,
+        block_mask=mask,
+        scale=scaling,
+        enable_gqa=key.shape[1] != query.shape[1],
+    )
+    out = cast(torch.Tensor, out)  # [1, heads, N + pad, dim]
+    return out[:, :, :n].transpose(1, 2).contiguous(), None
+
+
+def _document_block_mask(segment_ids: torch.Tensor, prefix_ids: torch.Tensor) -> BlockMask:
+    """FlexAttention block mask over the packed row padded to a multiple of FLEX_BLOCK: query q
+    sees key k when they are in one segment and k <= q, or when k is in q's prefix segment
+    (the prompt its response shares). Pad tokens form a segment of their own (-2: no real
+    token's segment or prefix), so every query, pad included, sees at least itself."""
+    n = len(segment_ids)
+    length = -(-n // FLEX_BLOCK) * FLEX_BLOCK
+    segment = F.pad(segment_ids, (0, length - n), value=-2)
+    prefix = F.pad(prefix_ids, (0, length - n), value=-1)
+
+    def sees(b, h, q, k):
+        return ((segment[q] == segment[k]) & (k <= q)) | (prefix[q] == segment[k])
+
+    make = _maybe_compiled(create_block_mask, segment.device)
+    return make(sees, None, None, length, length, device=segment.device, BLOCK_SIZE=FLEX_BLOCK)
+
+
+def _maybe_compiled(fn, device: torch.device):
+    """`fn` compiled (once per process) on CUDA, where FlexAttention's fused kernels and a
+    block mask built without the dense [N, N] mask need torch.compile; `fn` itself elsewhere
+    and inside a model that is being compiled already."""
+    if device.type != "cuda" or torch.compiler.is_compiling():
+        return fn
+    return _compiled(fn)
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn)
+
+
+def register_flex_attention() -> str:
+    """Make `flex_packed_attention` available to transformers models as FLEX_ATTENTION."""
+    AttentionInterface.register(FLEX_ATTENTION, flex_packed_attention)
+    return FLEX_ATTENTION
