@@ -257,6 +257,12 @@ def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
     run directory, or when the checkpoint is already the run's last step."""
     run_dir = Path(run_dir)
     saved = run_dir / "config.yaml"
+    if (run_dir / TRAINER_FILE).is_file():
+        raise ConfigError(
+            f"cannot resume {run_dir}: it is a checkpoint, not a run directory: "
+            f"--resume {run_dir.parent.parent} continues its run from its newest checkpoint "
+            f"(with trainer.resume_from={run_dir}: from this one)"
+        )
     if not is_run_dir(run_dir):
         what = "does not exist" if not run_dir.exists() else "has no config.yaml"
         raise ConfigError(
@@ -320,13 +326,15 @@ def no_checkpoint_message(run_dir: Path, trainer: dict[str, Any]) -> str:
 
 
 def in_place_point(cfg: Config) -> RestartPoint | None:
-    """The checkpoint `cfg` resumes from when it is one of its own run directory's (a resume
-    in place); None otherwise (a fresh run, or one started from another run's checkpoint)."""
+    """The checkpoint `cfg` resumes from when it continues a run directory that exists
+    already (a resume in place: from one of that run's checkpoints, or from the other run's
+    checkpoint it started from); None otherwise (a fresh run, or a new directory)."""
     tc = cfg.trainer
     if tc.resume_from is None or "{time}" in tc.run_dir:
         return None
     ckpt = Path(tc.resume_from).resolve()
-    if ckpt.parent != (Path(tc.run_dir) / "checkpoints").resolve():
+    own = ckpt.parent == (Path(tc.run_dir) / "checkpoints").resolve()
+    if not own and not is_run_dir(tc.run_dir):
         return None
     return RestartPoint(ckpt, checkpoint_step(ckpt))
 

@@ -80,7 +80,12 @@ def test_an_older_checkpoint_of_the_run_can_be_named(tmp_path):
     ("make", "overrides", "message"),
     [
         (lambda t: t / "nowhere", lambda t: [], "it does not exist, so it is not a run directory"),
-        (lambda t: _checkpoint(t, 2), lambda t: [], "it has no config.yaml, so it is not a run"),
+        (
+            lambda t: _checkpoint(t, 2).parent,
+            lambda t: [],
+            "has no config.yaml, so it is not a run",
+        ),
+        (lambda t: _checkpoint(t, 2), lambda t: [], "it is a checkpoint, not a run directory"),
         (_run, lambda t: ["trainer.run_dir=elsewhere"], "continues in its own directory"),
         (
             _run,
@@ -153,12 +158,34 @@ def test_a_launch_that_is_not_a_resume_in_place_touches_nothing(tmp_path):
     elsewhere = tmp_path / "new_run"
     for overrides in (
         [f"trainer.run_dir={elsewhere}"],  # a fresh run
+        [f"trainer.run_dir={run_dir}"],  # not a resume: nothing to rewind to
         [f"trainer.run_dir={elsewhere}", f"trainer.resume_from={run_dir}/checkpoints/step_4"],
     ):
         cfg = load_config(overrides=overrides)
         assert resume_in_place(cfg, "asyncrl launch", pytest.fail) is cfg
     assert (run_dir / "metrics.jsonl").read_text() == before
     assert not (run_dir / RESUMES_FILE).exists() and not elsewhere.exists()
+
+
+def test_a_run_started_from_another_runs_checkpoint_resumes_from_it_in_place(tmp_path):
+    """Run b started from run a's step 2 and died at step 4 before writing a checkpoint of its
+    own: a resume of b goes back to a's step 2 (the restart point) and rewinds b's records,
+    leaving run a as it was."""
+    a = _run(tmp_path / "a")
+    a_metrics = (a / "metrics.jsonl").read_text()
+    b = tmp_path / "b"
+    started = load_config(
+        overrides=[f"trainer.run_dir={b}", f"trainer.resume_from={a / 'checkpoints' / 'step_2'}"]
+    )
+    prepare_run_dir(started, "asyncrl launch")
+    (b / "metrics.jsonl").write_text("".join(f'{{"step": {s}}}\n' for s in (3, 4)))
+
+    cfg = resume_config(b)
+    assert cfg.trainer.resume_from == str((a / "checkpoints" / "step_2").resolve())
+    resume_in_place(cfg, "asyncrl launch --resume b", lambda line: None)
+    assert _steps(b) == []
+    assert (a / "metrics.jsonl").read_text() == a_metrics
+    assert [p.name for p in complete_checkpoints(a)] == ["step_2", "step_4"]
 
 
 @pytest.mark.parametrize("form", ["--resume", "trainer.resume_from="])
