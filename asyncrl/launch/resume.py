@@ -276,16 +276,18 @@ def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
                 f"{text} with a resume of {run_dir}: a resume continues in its own directory"
             )
     cfg = load_config(saved, ["trainer.resume_from=null", *overrides, f"trainer.run_dir={run_dir}"])
+    started_from = _saved_trainer(saved).get("resume_from")  # another run's checkpoint
     if cfg.trainer.resume_from is not None:  # an explicit checkpoint: go back to it
         chosen = Path(cfg.trainer.resume_from).resolve()
-        if chosen.parent != (run_dir / "checkpoints").resolve():
+        started = started_from is not None and chosen == Path(started_from).resolve()
+        if chosen.parent != (run_dir / "checkpoints").resolve() and not started:
             raise ConfigError(
                 f"trainer.resume_from={cfg.trainer.resume_from} with a resume of {run_dir}: "
-                f"a resume in place continues from one of {run_dir / 'checkpoints'}"
+                f"a resume in place continues from one of {run_dir / 'checkpoints'} (or the "
+                "checkpoint the run started from)"
             )
         point = RestartPoint(chosen, checkpoint_step(chosen))
     else:
-        started_from = _saved_trainer(saved).get("resume_from")
         tc = cfg.trainer.model_copy(update={"resume_from": started_from})
         point = restart_point(cfg.model_copy(update={"trainer": tc}), run_dir)
     if point.checkpoint is None:

@@ -182,6 +182,10 @@ def test_a_run_started_from_another_runs_checkpoint_resumes_from_it_in_place(tmp
 
     cfg = resume_config(b)
     assert cfg.trainer.resume_from == str((a / "checkpoints" / "step_2").resolve())
+    named = resume_config(b, [f"trainer.resume_from={a / 'checkpoints' / 'step_2'}"])
+    assert named.trainer.resume_from == cfg.trainer.resume_from  # what config.yaml's command says
+    with pytest.raises(ConfigError, match="or the checkpoint the run started from"):
+        resume_config(b, [f"trainer.resume_from={a / 'checkpoints' / 'step_4'}"])
     resume_in_place(cfg, "asyncrl launch --resume b", lambda line: None)
     assert _steps(b) == []
     assert (a / "metrics.jsonl").read_text() == a_metrics
