@@ -1,6 +1,7 @@
 """The `asyncrl` command line.
 
     asyncrl launch [CONFIG] [section.key=value ...] [--dry-run]   train
+    asyncrl launch --resume RUN_DIR [section.key=value ...]      continue a run in place
     asyncrl serve  [CONFIG] [section.key=value ...]               rollout fleet only
     asyncrl eval --data FILE [--address ADDR --run-dir DIR] [CONFIG] [overrides]   evaluate
     asyncrl data gsm8k --input DIR --output DIR                   GSM8K -> verl parquet
@@ -39,14 +40,16 @@ def _interrupt(signum, frame) -> None:
 
 
 def cmd_launch(ns: argparse.Namespace) -> int:
-    cfg = _config(ns.args)
+    resume, args = _resumed_run_dir(ns)
+    cfg = _config(args) if resume is None else _resume_config(resume, args)
     if ns.dry_run:
         sys.stdout.write(config_to_yaml(cfg, comments=True))
         return 0
     from asyncrl.launch.run import LaunchError, launch
 
     signal.signal(signal.SIGTERM, _interrupt)  # stop the fleets in order, as on Ctrl-C
-    command = "asyncrl launch " + shlex.join(ns.args)
+    resumed = [] if resume is None else ["--resume", resume]
+    command = "asyncrl launch " + shlex.join([*resumed, *args])
     try:
         launch(cfg, command=command.strip())
     except LaunchError as e:
@@ -56,6 +59,38 @@ def cmd_launch(ns: argparse.Namespace) -> int:
         print("\nasyncrl: interrupted; every process was stopped", file=sys.stderr)
         return 130
     return 0
+
+
+def _resumed_run_dir(ns: argparse.Namespace) -> tuple[str | None, list[str]]:
+    """The run directory to resume in place (--resume RUN_DIR, or trainer.resume_from=RUN_DIR
+    naming a run directory rather than a checkpoint) and the other arguments; (None, args)
+    for any other launch."""
+    named = [a for a in ns.args if a.partition("=")[0].strip() == "trainer.resume_from"]
+    if not named:  # the launch layer stays unimported for a config that fails at once
+        return ns.resume, ns.args
+    from asyncrl.launch.resume import is_run_dir
+
+    run_dirs = [a for a in named if is_run_dir(a.partition("=")[2])]
+    if not run_dirs:
+        return ns.resume, ns.args
+    if ns.resume is not None or len(run_dirs) > 1:
+        raise ConfigError(
+            f"resume one run directory at a time, got --resume {ns.resume} {run_dirs}"
+        )
+    return run_dirs[0].partition("=")[2], [a for a in ns.args if a not in run_dirs]
+
+
+def _resume_config(run_dir: str, args: list[str]):
+    """`--resume RUN_DIR [overrides]`: the run's own config.yaml, the overrides on top."""
+    from asyncrl.launch.resume import resume_config
+
+    config_path, overrides = _split_config_and_overrides(args)
+    if config_path is not None:
+        raise ConfigError(
+            f"a resume of {run_dir} runs with its own config.yaml: give overrides only "
+            f"(section.key=value), not {config_path}"
+        )
+    return resume_config(run_dir, overrides)
 
 
 def _config(args: list[str]):
@@ -274,6 +309,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--dry-run",
         action="store_true",
         help="print the resolved config, each key's docstring as a comment, and exit",
+    )
+    p.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue RUN_DIR in place from its newest complete checkpoint, with its own "
+        "config.yaml (overrides given apply on top; same as trainer.resume_from=RUN_DIR)",
     )
     p.set_defaults(func=cmd_launch)
     p = sub.add_parser("serve", help="start only the replay and rollout servers (no training)")

@@ -24,6 +24,16 @@ An interrupt (Ctrl-C, SIGTERM) is not a failure: it propagates at any point, nev
 Records that are timelines, not steps, keep the dead attempt's events, as they happened:
 `logs/` (appended to), `trace/`, `rollout_metrics.jsonl`, `weights_server_*.jsonl` and
 `sync_members.jsonl`.
+
+A resume by hand goes through the same rewind. `asyncrl launch --resume RUN_DIR` (or
+`trainer.resume_from=RUN_DIR`) builds its config with `resume_config`: the run's own
+config.yaml, the overrides typed alongside on top, and the restart point above. Whenever a
+launch resumes from a checkpoint of its own run directory (that one, or
+`trainer.resume_from=RUN_DIR/checkpoints/step_N trainer.run_dir=RUN_DIR` typed out),
+`resume_in_place` rewinds the records past the checkpoint's step, sets aside the run's newer
+checkpoints (a future the resume abandons), records the resume with the keys that differ from
+the run's config.yaml, and prints them. Without it a resumed learner appended its steps to
+those of the attempt it replaces (steps 1-40, then 21-60 again).
 """
 
 from __future__ import annotations
@@ -33,15 +43,22 @@ import json
 import shlex
 import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.checkpoints import TRAINER_FILE, latest_checkpoint, missing_parts
-from asyncrl.config import Config
+import yaml
+
+from asyncrl.checkpoints import (
+    TRAINER_FILE,
+    complete_checkpoints,
+    latest_checkpoint,
+    missing_parts,
+)
+from asyncrl.config import Config, ConfigError, load_config, parse_override
 from asyncrl.launch.fleet import MAX_BACKOFF_S, LaunchError, prepare_run_dir
-from asyncrl.metrics import JsonlWriter
+from asyncrl.metrics import JsonlWriter, read_jsonl
 
 RESUMES_FILE = "resumes.jsonl"
 
@@ -206,6 +223,7 @@ def record_resume(
     writer.write(
         {
             "time": time.time(),
+            "by": "auto_resume",
             "failed": err.failed[0],
             "why": describe(err),
             "followers": list(err.failed[1:]),
@@ -217,3 +235,186 @@ def record_resume(
         }
     )
     writer.close()
+
+
+# ---- resume by hand, in place ------------------------------------------------------------
+RESUME_KEYS = ("trainer.run_dir", "trainer.resume_from", "trainer.val_before_train")
+"""What a resume sets itself; left out of the keys it reports as changed."""
+
+
+def is_run_dir(path: str | Path) -> bool:
+    """A run directory (the `trainer.run_dir` of a launch) holds its config.yaml; a checkpoint
+    directory does not."""
+    return (Path(path) / "config.yaml").is_file()
+
+
+def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
+    """The config that continues the run in `run_dir` in place: its own config.yaml with
+    `overrides` on top (`trainer.total_steps=...` to train on past its end), from its restart
+    point (`restart_point`: its newest complete checkpoint), in the same directory, without
+    validating again first. ConfigError when `run_dir` is not a run directory, when it has no
+    complete checkpoint (naming what `trainer.save_every` gave), when an override names another
+    run directory, or when the checkpoint is already the run's last step."""
+    run_dir = Path(run_dir)
+    saved = run_dir / "config.yaml"
+    if (run_dir / TRAINER_FILE).is_file():
+        raise ConfigError(
+            f"cannot resume {run_dir}: it is a checkpoint, not a run directory: "
+            f"--resume {run_dir.parent.parent} continues its run from its newest checkpoint "
+            f"(with trainer.resume_from={run_dir}: from this one)"
+        )
+    if not is_run_dir(run_dir):
+        what = "does not exist" if not run_dir.exists() else "has no config.yaml"
+        raise ConfigError(
+            f"cannot resume {run_dir}: it {what}, so it is not a run directory (the "
+            "trainer.run_dir of an `asyncrl launch`, holding config.yaml and checkpoints/)"
+        )
+    for text in overrides:
+        key, value = parse_override(text)
+        if key == ["trainer", "run_dir"] and Path(str(value)).resolve() != run_dir.resolve():
+            raise ConfigError(
+                f"{text} with a resume of {run_dir}: a resume continues in its own directory"
+            )
+    cfg = load_config(saved, ["trainer.resume_from=null", *overrides, f"trainer.run_dir={run_dir}"])
+    started_from = _saved_trainer(saved).get("resume_from")  # another run's checkpoint
+    if cfg.trainer.resume_from is not None:  # an explicit checkpoint: go back to it
+        chosen = Path(cfg.trainer.resume_from).resolve()
+        started = started_from is not None and chosen == Path(started_from).resolve()
+        if chosen.parent != (run_dir / "checkpoints").resolve() and not started:
+            raise ConfigError(
+                f"trainer.resume_from={cfg.trainer.resume_from} with a resume of {run_dir}: "
+                f"a resume in place continues from one of {run_dir / 'checkpoints'} (or the "
+                "checkpoint the run started from)"
+            )
+        point = RestartPoint(chosen, checkpoint_step(chosen))
+    else:
+        tc = cfg.trainer.model_copy(update={"resume_from": started_from})
+        point = restart_point(cfg.model_copy(update={"trainer": tc}), run_dir)
+    if point.checkpoint is None:
+        raise ConfigError(no_checkpoint_message(run_dir, _saved_trainer(saved)))
+    if point.step >= cfg.trainer.total_steps:
+        raise ConfigError(
+            f"{run_dir} is complete: its checkpoint {point.checkpoint.name} is step "
+            f"{point.step} of trainer.total_steps={cfg.trainer.total_steps}; to train on, "
+            f"resume with trainer.total_steps=N (N > {point.step})"
+        )
+    return resumed_config(cfg, run_dir, point)
+
+
+def _saved_trainer(saved: Path) -> dict[str, Any]:
+    """The trainer section of a run's config.yaml as written (before any override)."""
+    tree = yaml.safe_load(saved.read_text()) or {}
+    section = tree.get("trainer") if isinstance(tree, dict) else None
+    return section if isinstance(section, dict) else {}
+
+
+def no_checkpoint_message(run_dir: Path, trainer: dict[str, Any]) -> str:
+    """Why `run_dir` cannot be resumed: it wrote no complete checkpoint, and what its
+    `trainer.save_every` had it write."""
+    every = trainer.get("save_every", 0)
+    head = f"cannot resume {run_dir}: it has no complete checkpoint under {run_dir / 'checkpoints'}"
+    if not every:
+        return (
+            f"{head}; its config.yaml has trainer.save_every=0, so it never wrote one (run it "
+            "again with trainer.save_every=N to checkpoint every N steps)"
+        )
+    steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "reward_mean" in r]
+    partial = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.partial"))
+    return (
+        f"{head}; with trainer.save_every={every} the first is written after step {every}, "
+        f"and the run recorded {max(steps, default=0)} step(s)"
+        + (f"; {', '.join(partial)} never finished (never resumed from)" if partial else "")
+    )
+
+
+def in_place_point(cfg: Config) -> RestartPoint | None:
+    """The checkpoint `cfg` resumes from when it continues a run directory that exists
+    already (a resume in place: from one of that run's checkpoints, or from the other run's
+    checkpoint it started from); None otherwise (a fresh run, or a new directory)."""
+    tc = cfg.trainer
+    if tc.resume_from is None or "{time}" in tc.run_dir:
+        return None
+    ckpt = Path(tc.resume_from).resolve()
+    own = ckpt.parent == (Path(tc.run_dir) / "checkpoints").resolve()
+    if not own and not is_run_dir(tc.run_dir):
+        return None
+    return RestartPoint(ckpt, checkpoint_step(ckpt))
+
+
+def resume_in_place(cfg: Config, command: str, log: Callable[[str], None] = print) -> Config:
+    """Before a launch that resumes from a checkpoint of its own run directory: rewind the
+    per-step records past it (`rewind_records`), set the run's newer checkpoints aside
+    (`set_aside_newer`), append a line to resumes.jsonl (the command, the keys that differ
+    from the run's config.yaml, what was rewound and set aside) and print the same. Returns the
+    config to run: `cfg`, without validating before the first step (the step-0 record is
+    there already). Any other launch: `cfg` unchanged, nothing touched."""
+    point = in_place_point(cfg)
+    if point is None or point.checkpoint is None:
+        return cfg
+    run_dir = Path(cfg.trainer.run_dir)
+    changed = changed_keys(run_dir / "config.yaml", cfg)
+    aside = set_aside_newer(run_dir, point)
+    dropped = rewind_records(run_dir, point)
+    writer = JsonlWriter(run_dir / RESUMES_FILE)
+    writer.write(
+        {
+            "time": time.time(),
+            "by": "command",
+            "command": command,
+            "checkpoint": str(point.checkpoint),
+            "step": point.step,
+            "changed": changed,
+            "rewound": dropped,
+            "set_aside": [str(p) for p in aside],
+        }
+    )
+    writer.close()
+    log(
+        f"asyncrl: resuming {run_dir} in place from {point.checkpoint.name} (step {point.step} "
+        f"of {cfg.trainer.total_steps}); records past step {point.step} rewound "
+        f"({', '.join(f'{n}: {k} lines' for n, k in dropped.items() if k) or 'none'})"
+    )
+    if changed:
+        log(
+            "asyncrl: on top of its config.yaml: "
+            + ", ".join(f"{k}={c['now']} (was {c['was']})" for k, c in changed.items())
+        )
+    if aside:
+        log(f"asyncrl: newer checkpoints set aside (never resumed from): {aside[0].parent}")
+    return resumed_config(cfg, run_dir, point)
+
+
+def changed_keys(saved: Path, cfg: Config) -> dict[str, dict[str, Any]]:
+    """The keys whose value in `cfg` differs from the run's config.yaml (`saved`), as
+    {"section.key": {"was": old, "now": new}}, less those a resume sets itself."""
+    was = _flat(yaml.safe_load(saved.read_text()) or {}) if saved.is_file() else {}
+    now = _flat(cfg.model_dump(mode="json"))
+    return {
+        key: {"was": was.get(key), "now": value}
+        for key, value in now.items()
+        if key not in RESUME_KEYS and was.get(key) != value
+    }
+
+
+def _flat(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            out |= _flat(value, f"{prefix}{key}.")
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+def set_aside_newer(run_dir: Path, point: RestartPoint) -> list[Path]:
+    """Move the complete checkpoints newer than `point` into
+    `checkpoints/set_aside-<time>/`: they belong to the steps the resume takes back, so nothing
+    may resume from them, but they are the user's to delete. Returns their new paths."""
+    newer = [p for p in complete_checkpoints(run_dir) if checkpoint_step(p) > point.step]
+    if not newer:
+        return []
+    aside = run_dir / "checkpoints" / f"set_aside-{time.strftime('%Y%m%d-%H%M%S')}"
+    aside.mkdir(exist_ok=True)
+    for path in newer:
+        path.rename(aside / path.name)
+    return [aside / p.name for p in newer]

@@ -19,7 +19,7 @@ from asyncrl.data_check import check_agent_names, check_data, check_files, check
 from asyncrl.launch.fleet import Fleet, LaunchError, prepare_model, prepare_run_dir, watch
 from asyncrl.launch.local import start_local_fleets
 from asyncrl.launch.progress import Progress
-from asyncrl.launch.resume import run_with_resumes
+from asyncrl.launch.resume import resume_in_place, run_with_resumes
 from asyncrl.metrics import read_jsonl
 from asyncrl.placement import launch_placement
 
@@ -116,13 +116,16 @@ def serve(cfg: Config, command: str = "asyncrl serve") -> tuple[Fleet, Path]:
 
 
 def launch(cfg: Config, command: str = "asyncrl launch") -> Path:
-    """Run one training job end to end; returns the run directory. With trainer.auto_resume,
-    a learner or replay death restarts the run from its newest checkpoint (`resume.py`)."""
+    """Run one training job end to end; returns the run directory. A run resumed from a
+    checkpoint of its own run directory continues it in place, its records rewound to the
+    checkpoint (`resume_in_place`). With trainer.auto_resume, a learner or replay death
+    restarts the run from its newest checkpoint (`resume.py`)."""
     started = time.monotonic()
     check_run_data(cfg)
     launch_placement(cfg)  # one that cannot work fails before the model is prepared
     model_path = prepare_model(cfg)
     check_lengths(cfg, model_path)
+    cfg = resume_in_place(cfg, command)
     run_dir = prepare_run_dir(cfg, command)
     print(f"asyncrl: run directory {run_dir}", flush=True)
     progress = Progress(

@@ -1,12 +1,11 @@
-"""`trainer.auto_resume`: a learner SIGKILLed after its step-3 checkpoint is resumed from it by
-the launcher, in the same run directory, and the run completes every step; its records read
-like one run (each step once, no prompt repeated or skipped, the groups ready at the checkpoint
+"""`trainer.auto_resume`: a learner SIGKILLed after its step-3 checkpoint, and again after its
+step-6 one, is resumed from each by the launcher, in the same run directory, and the run
+completes every step; its records read like one run (each step once, no prompt repeated or skipped, the groups ready at the checkpoint
 trained after the resume rather than generated again). Without retries, or once they are spent,
 the same death fails the run naming it."""
 
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+from launched_runs import kill_learner_when, learner_of, start_launch, steps
 
 from asyncrl.checkpoints import REPLAY_FILE
 from asyncrl.launch.resume import RESUMES_FILE
@@ -32,14 +32,10 @@ def cache_dir(tmp_path_factory) -> Path:
 
 
 def _launch(run_dir: Path, cache_dir: Path, retries: int) -> subprocess.Popen:
-    argv = [
-        sys.executable,
-        "-m",
-        "asyncrl.launch.cli",
-        "launch",
+    return start_launch(
         f"trainer.run_dir={run_dir}",
         f"trainer.cache_dir={cache_dir}",
-        "trainer.warmstart_steps=10",
+        "trainer.warmstart_steps=0",  # an untrained model: enough to be killed and resumed
         "data.train_batch_size=4",
         "rollout.n=4",
         f"trainer.total_steps={TOTAL_STEPS}",
@@ -49,46 +45,20 @@ def _launch(run_dir: Path, cache_dir: Path, retries: int) -> subprocess.Popen:
         f"trainer.auto_resume={retries}",
         "launch.restart_backoff_s=0.2",
         "launch.progress=none",
-    ]
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    )
 
 
-def _learner(launcher: subprocess.Popen) -> psutil.Process | None:
-    """The launcher's learner_0 process now (None between attempts)."""
-    for p in psutil.Process(launcher.pid).children():
-        try:
-            if p.environ().get("ASYNCRL_PROCESS") == "learner_0":
-                return p
-        except psutil.NoSuchProcess:
-            continue
-    return None
-
-
-def _kill_learner_once(
-    launcher: subprocess.Popen, ready: Callable[[psutil.Process], bool], timeout_s: float = 120
-) -> int:
-    """SIGKILL learner_0 as soon as `ready(learner)`; returns its pid."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert launcher.poll() is None, launcher.communicate()
-        learner = _learner(launcher)
-        if learner is not None and ready(learner):
-            learner.kill()
-            return learner.pid
-        time.sleep(0.01)
-    launcher.kill()
-    pytest.fail(f"the learner was not ready within {timeout_s:.0f}s: {launcher.communicate()}")
-
-
-def _steps(path: Path) -> list[int]:
-    return [r["step"] for r in read_jsonl(path)]
-
-
-def _after_step_3(run_dir: Path) -> Callable[[psutil.Process], bool]:
-    """Ready once checkpoint step_3 exists and the learner has recorded a step past it (which
-    the rewind must take back)."""
-    ckpt = run_dir / "checkpoints" / "step_3"
-    return lambda _: ckpt.is_dir() and max(_steps(run_dir / "samples.jsonl"), default=0) >= 4
+def _past_checkpoint(
+    run_dir: Path, step: int, not_pid: int = 0
+) -> Callable[[psutil.Process], bool]:
+    """Ready once checkpoint step_<step> exists and a learner (other than `not_pid`) has
+    recorded a step past it (which the rewind must take back)."""
+    ckpt = run_dir / "checkpoints" / f"step_{step}"
+    return lambda learner: (
+        learner.pid != not_pid
+        and ckpt.is_dir()
+        and max(steps(run_dir / "samples.jsonl"), default=0) > step
+    )
 
 
 def _rows(samples: list[dict]) -> list[int]:
@@ -98,34 +68,40 @@ def _rows(samples: list[dict]) -> list[int]:
 def test_without_auto_resume_the_same_death_fails_the_run_naming_the_learner(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     launcher = _launch(run_dir, cache_dir, retries=0)
-    _kill_learner_once(launcher, lambda _: (run_dir / "checkpoints" / "step_3").is_dir())
+    kill_learner_when(launcher, lambda _: (run_dir / "checkpoints" / "step_3").is_dir())
     out, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 1
     assert "asyncrl: launch failed: process learner_0 was killed by signal SIGKILL" in err
     assert "resuming" not in out and not (run_dir / RESUMES_FILE).exists()
 
 
-def test_a_killed_learner_is_resumed_and_the_records_read_like_one_run(tmp_path, cache_dir):
+def test_a_learner_killed_twice_is_resumed_and_the_records_read_like_one_run(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
-    launcher = _launch(run_dir, cache_dir, retries=1)
-    _kill_learner_once(launcher, _after_step_3(run_dir))
+    launcher = _launch(run_dir, cache_dir, retries=2)
+    first = kill_learner_when(launcher, _past_checkpoint(run_dir, 3))
+    kill_learner_when(launcher, _past_checkpoint(run_dir, 6, not_pid=first))
     out, err = launcher.communicate(timeout=150)
     assert launcher.returncode == 0, err
     ckpt = run_dir / "checkpoints" / "step_3"
-    assert (
-        f"asyncrl: learner_0 was killed by signal SIGKILL; resuming from {ckpt} (step 3), "
-        "attempt 1/1" in out
-    )
-    [resume] = read_jsonl(run_dir / RESUMES_FILE)
-    assert (resume["failed"], resume["step"], resume["attempt"]) == ("learner_0", 3, 1)
-    assert resume["rewound"]["samples.jsonl"] >= 1, "the dead attempt recorded no step past 3"
+    for step, attempt in ((3, 1), (6, 2)):
+        assert (
+            f"asyncrl: learner_0 was killed by signal SIGKILL; resuming from "
+            f"{run_dir / 'checkpoints' / f'step_{step}'} (step {step}), attempt {attempt}/2" in out
+        )
+    resumes = read_jsonl(run_dir / RESUMES_FILE)
+    assert [(r["failed"], r["step"], r["attempt"]) for r in resumes] == [
+        ("learner_0", 3, 1),
+        ("learner_0", 6, 2),
+    ]
+    for resume in resumes:
+        assert resume["rewound"]["samples.jsonl"] >= 1, "no step past the checkpoint was taken back"
 
     # every step once, in order, as if the run had never died
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     samples = read_jsonl(run_dir / "samples.jsonl")
-    steps = list(range(1, TOTAL_STEPS + 1))
-    assert [r["step"] for r in metrics] == steps
-    assert [r["step"] for r in samples] == steps
+    every_step = list(range(1, TOTAL_STEPS + 1))
+    assert [r["step"] for r in metrics] == every_step
+    assert [r["step"] for r in samples] == every_step
 
     # the groups ready at the checkpoint are trained after the resume, their very samples
     # (only a group that became too stale meanwhile may be dropped, and is counted)
@@ -152,8 +128,8 @@ def test_a_killed_learner_is_resumed_and_the_records_read_like_one_run(tmp_path,
 def test_when_the_retries_run_out_the_last_death_is_named(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     launcher = _launch(run_dir, cache_dir, retries=1)
-    first = _kill_learner_once(launcher, lambda _: (run_dir / "checkpoints" / "step_3").is_dir())
-    _kill_learner_once(launcher, lambda learner: learner.pid != first)  # the resumed learner
+    first = kill_learner_when(launcher, lambda _: (run_dir / "checkpoints" / "step_3").is_dir())
+    kill_learner_when(launcher, lambda learner: learner.pid != first)  # the resumed learner
     out, err = launcher.communicate(timeout=60)
     assert launcher.returncode == 1
     assert "asyncrl: launch failed: process learner_0 was killed by signal SIGKILL" in err
@@ -164,9 +140,9 @@ def test_when_the_retries_run_out_the_last_death_is_named(tmp_path, cache_dir):
 def test_ctrl_c_after_a_resume_stops_everything_without_resuming(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     launcher = _launch(run_dir, cache_dir, retries=2)
-    first = _kill_learner_once(launcher, lambda _: (run_dir / "checkpoints" / "step_3").is_dir())
+    first = kill_learner_when(launcher, lambda _: (run_dir / "checkpoints" / "step_3").is_dir())
     deadline = time.monotonic() + 60
-    while (learner := _learner(launcher)) is None or learner.pid == first:
+    while (learner := learner_of(launcher)) is None or learner.pid == first:
         assert time.monotonic() < deadline and launcher.poll() is None, launcher.communicate()
         time.sleep(0.01)
     fleet = psutil.Process(launcher.pid).children(recursive=True)
