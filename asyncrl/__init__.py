@@ -45,9 +45,13 @@ if TYPE_CHECKING:
     from asyncrl.launch.api import RunResult
 
 
-def run(config: Config | str | Path | None = None, overrides: Sequence[str] = ()) -> RunResult:
-    """Train as `asyncrl launch` does and return the run directory and per-step metrics
-    (`asyncrl.launch.api.run`)."""
+def run(
+    config: Config | str | Path | None = None,
+    overrides: Sequence[str] = (),
+    resume: str | Path | None = None,
+) -> RunResult:
+    """Train as `asyncrl launch` does (or continue the run directory `resume` in place) and
+    return the run directory and per-step metrics (`asyncrl.launch.api.run`)."""
     from asyncrl.launch.api import run as run_job
 
-    return run_job(config, overrides)
+    return run_job(config, overrides, resume)

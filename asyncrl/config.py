@@ -147,7 +147,9 @@ class TrainerConfig(_Section):
     """Keep only the newest this many checkpoints, deleting older ones as each new one is
     written (0: keep all; `tools/chaos.py` audits every one)."""
     resume_from: str | None = None
-    """A complete checkpoint directory (run_dir/checkpoints/step_N) to continue training from."""
+    """A complete checkpoint directory (run_dir/checkpoints/step_N) to continue training from.
+    On the command line a run directory continues that run in place, with its own config
+    (`asyncrl launch --resume RUN_DIR`)."""
     auto_resume: int = Field(0, ge=0)
     """When the learner or the replay dies, restart the whole run from its latest checkpoint,
     up to this many times (0: a death ends the run); needs save_every > 0."""
@@ -279,6 +281,12 @@ class Config(_Section):
             )
         resume = self.trainer.resume_from
         if resume is not None and missing_parts(resume):
+            if (Path(resume) / "config.yaml").is_file():
+                raise ValueError(
+                    f"trainer.resume_from={resume!r} is a run directory, not a checkpoint: "
+                    f"continue it with `asyncrl launch --resume {resume}` (Python: "
+                    "asyncrl.run(resume=...))"
+                )
             raise ValueError(
                 f"trainer.resume_from={resume!r} is not a complete checkpoint: "
                 f"{missing_parts(resume)[0]} is missing"

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl.config import Config, apply_overrides, load_config
+from asyncrl.config import Config, ConfigError, apply_overrides, load_config
 from asyncrl.launch.progress import training_rows
+from asyncrl.launch.resume import resume_config
 from asyncrl.launch.run import launch
 from asyncrl.metrics import read_jsonl
 
@@ -42,14 +43,26 @@ class RunResult:
         return self.metrics[-1] if self.metrics else {}
 
 
-def run(config: Config | str | Path | None = None, overrides: Sequence[str] = ()) -> RunResult:
+def run(
+    config: Config | str | Path | None = None,
+    overrides: Sequence[str] = (),
+    resume: str | Path | None = None,
+) -> RunResult:
     """Train as `asyncrl launch` does: `config` is a `Config`, a YAML file, or None for the
     embedded default (configs/default.yaml); `overrides` are `section.key=value` strings
-    applied on top. Returns when the run ends."""
-    if isinstance(config, Config):
-        cfg = apply_overrides(config, overrides)
+    applied on top. `resume`: a run directory to continue in place from its newest checkpoint
+    with its own config (`asyncrl launch --resume`; `config` must then be None). Returns when
+    the run ends."""
+    if resume is not None:
+        if config is not None:
+            raise ConfigError("asyncrl.run(resume=...) continues the run with its own config")
+        cfg = resume_config(resume, overrides)
+        args = [f"resume={str(resume)!r}", *map(repr, overrides)]
     else:
-        cfg = load_config(config, list(overrides))
-    command = "asyncrl.run(" + ", ".join([repr(str(config)), *map(repr, overrides)]) + ")"
-    run_dir = launch(cfg, command=command)
+        if isinstance(config, Config):
+            cfg = apply_overrides(config, overrides)
+        else:
+            cfg = load_config(config, list(overrides))
+        args = [repr(str(config)), *map(repr, overrides)]
+    run_dir = launch(cfg, command="asyncrl.run(" + ", ".join(args) + ")")
     return RunResult(run_dir, training_rows(read_jsonl(run_dir / "metrics.jsonl")))

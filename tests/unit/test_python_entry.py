@@ -28,3 +28,13 @@ def test_a_bad_run_fails_before_anything_starts(tmp_path):
     cfg = load_config()
     with pytest.raises(pydantic.ValidationError):
         cfg.rollout.n = -1  # assignments are validated too
+
+
+def test_resume_from_python_is_checked_before_anything_starts(tmp_path):
+    with pytest.raises(ConfigError, match="not a run directory"):
+        asyncrl.run(resume=tmp_path)
+    with pytest.raises(ConfigError, match="its own config"):
+        asyncrl.run(load_config(), resume=tmp_path)
+    (tmp_path / "config.yaml").write_text("{}\n")
+    with pytest.raises(ConfigError, match="is a run directory, not a checkpoint"):
+        load_config(None, [f"trainer.resume_from={tmp_path}"])
