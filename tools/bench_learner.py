@@ -227,9 +227,10 @@ def finish(proc, job: dict, timeout: float) -> dict:
     return result
 
 
-def bench_learner(ctx, args, model: str, work: Path) -> dict:
-    """Every configuration of `args.configs`, one after the other, each in its own process."""
-    results = {}
+def bench_learner(ctx, args, model: str, work: Path, saved=None) -> dict:
+    """Every configuration of `args.configs`, one after the other, each in its own process;
+    `saved(results so far)` after each (a run cut short keeps what it measured)."""
+    results: dict = {}
     for name in args.configs:
         print(f"bench: {name} ...", flush=True)
         config = CONFIGS[name]
@@ -262,6 +263,8 @@ def bench_learner(ctx, args, model: str, work: Path) -> dict:
         print(f"bench: {name} took {time.perf_counter() - start:.1f}s", flush=True)
         if "error" in results[name]:
             print(f"bench: {name} FAILED: {results[name]['error']}", flush=True)
+        if saved is not None:
+            saved(results)
     return results
 
 
@@ -318,8 +321,13 @@ def summarize(results: dict, work: Path, batch) -> dict:
         base, ckpt = ok["bf16-packed"]["peak_rss_mb"], ok["bf16-ckpt"]["peak_rss_mb"]
         out["ckpt_rss_saved_mb"] = base - ckpt
         out["ckpt_rss_saved_frac"] = (base - ckpt) / base
-    out["bf16_vs_fp32_logprobs"] = compare_logprobs(work, batch, "fp32-packed", "bf16-packed")
-    out["packed_vs_padded_logprobs"] = compare_logprobs(work, batch, "fp32-padded", "fp32-packed")
+    for key, a, b in (
+        ("bf16_vs_fp32_logprobs", "fp32-packed", "bf16-packed"),
+        ("packed_vs_padded_logprobs", "fp32-padded", "fp32-packed"),
+    ):
+        diff = compare_logprobs(work, batch, a, b)
+        if diff is not None:
+            out[key] = diff
     return out
 
 
@@ -517,7 +525,16 @@ def main() -> int:
         batch, advantages, stats = make_batch(args, vocab)
         stats["flops"] = flops_shape(model)
         torch.save({**vars(batch), "advantages": advantages}, work / "batch.pt")
-        results = bench_learner(ctx, args, model, work)
+        record = {"model": what, "device": args.device, "threads": args.threads, "batch": stats}
+        record.update(args=_jsonable(vars(args)), partial=True)
+
+        def saved(results: dict) -> None:  # (whole or not at all: renamed into place)
+            if args.json:
+                partial = args.json.with_name(args.json.name + ".partial")
+                partial.write_text(json.dumps({**record, "configs": results}, indent=1))
+                partial.replace(args.json)
+
+        results = bench_learner(ctx, args, model, work, saved)
         peak = peak_tflops(args.peak_tflops, results)
         add_mfu(results, stats, stats["flops"], peak)
         derived = summarize(results, work, batch)
@@ -531,10 +548,8 @@ def main() -> int:
         f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (other work skews timings)"
     )
     if args.json:
-        record = {"model": what, "threads": args.threads, "batch": stats, "configs": results}
-        record.update(device=args.device, peak_tflops=peak)
-        record.update(derived=derived, sync=sync, seconds=took, args=_jsonable(vars(args)))
-        record.update(load_average=[load_before, load_after])
+        record.update(configs=results, peak_tflops=peak, derived=derived, sync=sync, partial=False)
+        record.update(seconds=took, load_average=[load_before, load_after])
         args.json.write_text(json.dumps(record, indent=1))
     failed = [n for n, r in results.items() if "error" in r] + (["sync"] if "error" in sync else [])
     return 1 if failed else 0

@@ -7,8 +7,11 @@ machine); token counts and the FLOPs of an update against the formula worked out
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,3 +81,25 @@ def test_bench_learner_reports_every_configuration_and_the_sync(tmp_path):
         assert sync["ratio"] > 0 and sync["sync_s"] > 0 and sync["floor_s"] > 0
         assert sync["bytes"] % itemsize == 0 and sync["params"] > 0
     assert report["sync"]["float32"]["bytes"] == 2 * report["sync"]["bfloat16"]["bytes"]
+
+
+def test_a_run_cut_short_keeps_the_configurations_it_measured(tmp_path):
+    """As tools/gpu_check.sh's timeout cuts it: SIGINT to the whole process group."""
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, str(ROOT / "tools" / "bench_learner.py"), "--tiny", "--threads", "1"]
+    cmd += ["--configs", "bare,fp32-padded,fp32-packed", "--sync-dtypes", "", "--json", str(out)]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+    )
+    try:
+        deadline = time.monotonic() + 150
+        while not out.exists() and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os.killpg(proc.pid, signal.SIGINT)  # long before the two padded and packed runs end
+        proc.wait(60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    report = json.loads(out.read_text())
+    assert report["partial"] is True and list(report["configs"]) == ["bare"]
+    assert report["configs"]["bare"]["tokens_per_s"] > 0
