@@ -64,6 +64,11 @@ class LearnerConfig(Section):
     """Token budget of one forward/backward (verl's use_dynamic_bsz): a rank's rows are packed
     into micro-batches of at most this many tokens (a longer row gets one of its own); 0: count
     rows (micro_batch_size). Rows are shared across ranks balanced by tokens either way."""
+    max_tokens_per_forward: int = Field(0, ge=0)
+    """Token budget of one no-grad recompute forward (proximal and reference log-probs, the
+    critic's values before the update), which keeps no activations for a backward and so can
+    take more tokens at once. 0: twice the update's budget, in the update's unit (2 x
+    max_tokens_per_micro_batch tokens, or 2 x micro_batch_size rows when that is 0)."""
     packing: bool = True
     """Run the policy, reference and critic on packed sequences (no pad token is computed):
     exact per-segment attention on CPU, flash-attention varlen on CUDA when installed.

@@ -112,11 +112,12 @@ class Learner:
 
     def compute_logprobs(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         """The no-grad forwards the chosen algorithm needs before the update: proximal policy
-        (decoupled PPO, IS, rejection), frozen reference (KL), critic values (gae)."""
+        (decoupled PPO, IS, rejection), frozen reference (KL), critic values (gae); in
+        micro-batches of their own budget (`learner.max_tokens_per_forward`)."""
         out: dict[str, torch.Tensor] = {}
         layout = self.updater.layout  # every model here is set up alike
         every_row = torch.arange(batch.size, device=self.device)
-        args = (self.updater.plan(batch, every_row), self.world, self.device)
+        args = (self.updater.recompute_plan(batch, every_row), self.world, self.device)
 
         def logp(model, b):
             return policy_forward(model, b, self.temperature, False, layout)[0]

@@ -58,6 +58,19 @@ def recompute(
     return out
 
 
+def forward_budget(lc: LearnerConfig) -> tuple[int, int]:
+    """(rows, tokens) per micro-batch of the no-grad recompute passes, as `plan_micro_batches`
+    takes them (tokens 0: count rows): `learner.max_tokens_per_forward` tokens when set, else
+    twice the update's budget in the update's unit. A forward without autograd keeps no
+    layer's activations for a backward, so it has room for more tokens at once than a
+    micro-batch that trains (its logits excepted: both hold those)."""
+    if lc.max_tokens_per_forward:
+        return lc.micro_batch_size, lc.max_tokens_per_forward
+    if lc.max_tokens_per_micro_batch:
+        return lc.micro_batch_size, 2 * lc.max_tokens_per_micro_batch
+    return 2 * lc.micro_batch_size, 0
+
+
 @dataclass
 class UpdateInputs:
     """What the optimizer step needs besides the batch, all [B, T] (None when not used)."""
@@ -96,17 +109,29 @@ class Updater:
         self.policy_loss = POLICY_LOSSES[algo.policy_loss]
 
     def plan(self, batch: TrainBatch, rows: torch.Tensor) -> list[MicroBatch]:
-        """This rank's micro-batches over `rows` of `batch` (`learner.micro_batches`); a
-        group's rows stay together when they share their prompt in the forward."""
+        """This rank's forward/backward micro-batches over `rows` of `batch`
+        (`learner.micro_batches`); a group's rows stay together when they share their prompt
+        in the forward."""
         lc = self.lc
+        return self._plan(batch, rows, lc.micro_batch_size, lc.max_tokens_per_micro_batch)
+
+    def recompute_plan(self, batch: TrainBatch, rows: torch.Tensor) -> list[MicroBatch]:
+        """This rank's micro-batches of the no-grad forwards over `rows` (`recompute`), cut by
+        `forward_budget`: the same invariants as `plan` (every rank runs as many, groups that
+        share a prompt stay together), fewer and larger micro-batches."""
+        return self._plan(batch, rows, *forward_budget(self.lc))
+
+    def _plan(
+        self, batch: TrainBatch, rows: torch.Tensor, micro_rows: int, max_tokens: int
+    ) -> list[MicroBatch]:
         shared = self.layout == "shared"
         return plan_micro_batches(
             rows,
             batch.attention_mask.sum(1),
             self.world,
             self.rank,
-            lc.micro_batch_size,
-            lc.max_tokens_per_micro_batch,
+            micro_rows,
+            max_tokens,
             batch.group_index if shared else None,
             batch.prompt_lengths if shared else None,
         )

@@ -1,9 +1,12 @@
 """Learner throughput, memory and weight-sync cost, configurations side by side in one run.
 
-    python tools/bench_learner.py [--model DIR] [--rows 16] [--batch-rows 256] [--n 4]
+    python tools/bench_learner.py [--model DIR | --shape smollm2|llama1b|llama3b] [--tiny]
+                                  [--device cpu|cuda] [--rows 16] [--batch-rows 256] [--n 4]
                                   [--steps 1] [--max-tokens 4096] [--micro-rows 2] [--threads N]
-                                  [--configs fp32-padded,fp32-packed,...] [--sync-dtypes
-                                  float32,bfloat16] [--sync-reps 5] [--tiny] [--json OUT.json]
+                                  [--forward-tokens 0] [--bare-row-tokens 2048]
+                                  [--peak-tflops T] [--configs fp32-padded,fp32-packed,...]
+                                  [--sync-dtypes float32,bfloat16] [--sync-reps 5]
+                                  [--json OUT.json]
 
 The batch: a whole batch of `--batch-rows` samples (groups of `--n` sharing a prompt) gets
 long-tailed response lengths: lognormal, median 128 and p99 1024 tokens (sigma = ln 8 /
@@ -13,8 +16,10 @@ the longest row of the whole batch, as a padded learner pads them (a 16-row batc
 would rarely hold a row near the cap). Length statistics and padding waste (1 - real tokens /
 (rows x longest)) are printed first.
 
-Then each configuration, in a fresh learner process (world size 1, gloo, `--threads`):
-1. `fp32-padded`: right-padded rows, `--micro-rows` rows per micro-batch;
+Then each configuration, in a fresh learner process (world size 1; gloo on `--device cpu`,
+NCCL on `cuda`; `--threads`):
+1. `fp32-padded`: right-padded rows, `--micro-rows` rows per micro-batch; `bf16-padded`: the
+   same with bf16 compute;
 2. `fp32-packed-rows`: packed rows, each row whole (`learner.share_prompts=false`), token-budget
    micro-batches of `--max-tokens`;
 3. `fp32-packed`: packed rows whose groups share one copy of their prompt (the default);
@@ -23,12 +28,25 @@ Then each configuration, in a fresh learner process (world size 1, gloo, `--thre
 6. `bf16-offload`: and CPU offload (on a CPU learner the weights are in host memory already,
    so this measures the offload policy's own overhead only);
 7. `bf16-lora`: `bf16-packed` training LoRA adapters of rank 16 on every linear layer of the
-   blocks (`learner.lora`), with the bytes one version's sync then carries next to a full one.
-Each runs one warm-up `Updater.run` (PPO, behaviour log-probs = the model's own plus noise)
-and `--steps` timed ones: learner tokens/s (real, unpadded tokens per second of update),
-seconds per update, and the process's peak RSS. Targets: packed >= 2x padded tokens/s;
-checkpointing lowers peak memory (reported in MiB and % against `bf16-packed`); bf16 log-probs
-stay close to fp32 (mean and max abs difference on response tokens, before any update).
+   blocks (`learner.lora`), with the bytes one version's sync then carries next to a full one;
+8. `bare`: the floor, no learner: the same real tokens through plain transformers (sdpa,
+   causal) forward + backward + fused AdamW, as dense rows of `--bare-row-tokens` (the samples
+   end to end, cut; no padding, no mask), `--max-tokens` per micro-batch, bf16 autocast over
+   float32 weights, the next-token loss (no RL loss).
+Each learner configuration recomputes the batch's log-probs first (the recompute plan,
+`learner.max_tokens_per_forward` = `--forward-tokens`), then runs one warm-up `Updater.run`
+(PPO, behaviour log-probs = the model's own plus noise) and `--steps` timed ones; `bare` its
+warm-up and timed updates. Figures: tokens/s (real, unpadded tokens per second of update),
+seconds per update, peak memory (on CUDA the device's `max_memory_allocated`, on CPU the
+process's peak RSS) and MFU: FLOPs per update = 6 x N x tokens + 6 x layers x hidden x sum(len^2)
+(N: the weights of the linear layers, the LM head's included; len: each sample's length, a dense
+row's for `bare`; the second term is causal attention's QK^T and AV, forward and backward, at
+half of 12 x layers x hidden x len^2), over seconds per update and the peak of `--peak-tflops`
+(on CUDA by default the bf16 dense peak of a known device: H100 and H200 989, A100 312; on CPU
+only when given). Targets: packed >= 2x padded tokens/s; checkpointing lowers peak memory
+(reported in MiB and % against `bf16-packed`); bf16 log-probs stay close to fp32 (mean and max
+abs difference on response tokens, before any update); on a GPU, `bf16-packed` reaches at least
+0.9x `bare`'s tokens/s with at most 1.1x its peak memory (issue 28).
 
 Weight sync: a learner process sends full versions of the model to one receiver process over
 the real path (`iter_full_tensors` -> `WeightBroadcaster` -> `WeightReceiver`, a `SyncGroup`
@@ -36,11 +54,14 @@ on loopback gloo) in each `--sync-dtypes`; bytes and median seconds per version 
 `--sync-reps`, next to the copy floor: one gloo broadcast of one contiguous buffer of the same
 bytes between the same two processes. Target: sync / floor <= 2x.
 
-The model is the SmolLM2-135M import (`asyncrl model import-smollm2 --output
-models/smollm2-135m-instruct`) when it is there, else a random Llama of the same shape.
-`--tiny` shrinks model and lengths to a few seconds' work (for tests). The defaults take about
-ten minutes on an idle 2-core CPU (SmolLM2 fwd+bwd: ~200 tokens/s fp32; the padded run, about
-4.7x the tokens of the packed one, takes most of it). Worker processes come from a fork server
+The model is `--model`, else a random Llama of `--shape` (`SHAPES`: SmolLM2-135M's;
+Llama-3.2-1B's, 1.24B parameters; Llama-3.2-3B's, 3.2B; both with a 128k vocabulary), else the
+SmolLM2-135M import (`asyncrl model import-smollm2 --output models/smollm2-135m-instruct`) when
+it is there, else a random Llama of its shape. `--tiny` shrinks model and lengths to a few
+seconds' work (for tests). The weight sync is measured on the CPU whatever `--device` says. The
+defaults took about ten minutes on an idle 2-core CPU before `bf16-padded` and `bare` joined
+them (SmolLM2 fwd+bwd: ~200 tokens/s fp32; a padded run, about 4.7x the tokens of a packed one,
+takes most of it). Worker processes come from a fork server
 (`setup_workers`). Other work on the machine skews every figure (the load average is printed):
 compare figures of one run only; with more threads than free cores, OpenMP's barriers make
 small ops orders of magnitude slower.
@@ -64,38 +85,28 @@ sys.path[:0] = [str(REPO), str(REPO / "tools")]
 
 import bench_learner_worker  # noqa: E402  (tools/, next to this file)
 import torch  # noqa: E402
+from bench_learner_model import (  # noqa: E402
+    SHAPES,
+    add_mfu,
+    flops_shape,
+    matmul_params,
+    peak_tflops,
+    shape_config,
+)
 
 from asyncrl.transport import free_port  # noqa: E402
 
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
 CONFIGS = {
     "fp32-padded": {"packing": False, "dtype": "float32"},
+    "bf16-padded": {"packing": False, "dtype": "bfloat16"},
     "fp32-packed-rows": {"packing": True, "share_prompts": False, "dtype": "float32"},
     "fp32-packed": {"packing": True, "dtype": "float32"},
     "bf16-packed": {"packing": True, "dtype": "bfloat16"},
     "bf16-ckpt": {"packing": True, "dtype": "bfloat16", "activation_checkpointing": True},
     "bf16-offload": {"packing": True, "dtype": "bfloat16", "offload": True},
     "bf16-lora": {"packing": True, "dtype": "bfloat16", "lora": {"rank": 16, "alpha": 32.0}},
-}
-SMOLLM2_SHAPE = {
-    "vocab_size": 49152,
-    "hidden_size": 576,
-    "intermediate_size": 1536,
-    "num_hidden_layers": 30,
-    "num_attention_heads": 9,
-    "num_key_value_heads": 3,
-    "max_position_embeddings": 2048,
-    "rope_theta": 100000.0,
-}
-TINY_SHAPE = {
-    "vocab_size": 512,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 512,
-    "rope_theta": 10000.0,
+    "bare": {"bare": True, "dtype": "bfloat16"},
 }
 P99_Z = 2.326  # standard normal quantile of 0.99
 
@@ -105,27 +116,27 @@ P99_Z = 2.326  # standard normal quantile of 0.99
 
 def setup_model_dir(args, work: Path) -> tuple[str, str, int]:
     """(model directory, what it is, vocabulary size)."""
-    from transformers import AutoConfig, LlamaConfig, LlamaForCausalLM
+    from transformers import AutoConfig, LlamaForCausalLM
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
 
-    model = args.model or (DEFAULT_MODEL if DEFAULT_MODEL.is_dir() and not args.tiny else None)
+    imported = DEFAULT_MODEL.is_dir() and not args.tiny and not args.shape
+    model = args.model or (DEFAULT_MODEL if imported else None)
     if model is not None:
         return (
             str(model),
-            f"SmolLM2-135M from {model}",
+            f"{model}" if args.model else f"SmolLM2-135M from {model}",
             AutoConfig.from_pretrained(model).vocab_size,
         )
-    shape = dict(TINY_SHAPE if args.tiny else SMOLLM2_SHAPE)
-    if args.layers:
-        shape["num_hidden_layers"] = args.layers
+    name = args.shape or ("tiny" if args.tiny else "smollm2")
+    config = shape_config(name, args.layers)
     torch.manual_seed(0)
-    config = LlamaConfig(**shape, tie_word_embeddings=True, pad_token_id=0)
     LlamaForCausalLM(config).save_pretrained(work / "model")
-    what = "random tiny Llama" if args.tiny else "random SmolLM2-135M-shaped Llama"
-    params = "{hidden_size} hidden, {num_hidden_layers} layers, vocab {vocab_size}".format(**shape)
-    return str(work / "model"), f"{what} ({params}; not imported here)", shape["vocab_size"]
+    params = f"{config.hidden_size} hidden, {config.num_hidden_layers} layers, vocab "
+    params += f"{config.vocab_size}, {matmul_params(config) / 1e9:.3g}B linear weights"
+    what = f"random Llama of the {name} shape ({params})"
+    return str(work / "model"), what, config.vocab_size
 
 
 def draw_lengths(args) -> tuple[torch.Tensor, torch.Tensor, dict]:
@@ -187,6 +198,7 @@ def make_batch(args, vocab: int):
         "rows_response_median": float(response.float().median()),
         "rows_response_max": int(response.max()),
         "real_tokens": real,
+        "attention_sq": int((lengths**2).sum()),
         "padded_tokens": rows * width,
         "padding_waste": 1 - real / (rows * width),
     }
@@ -215,32 +227,44 @@ def finish(proc, job: dict, timeout: float) -> dict:
     return result
 
 
-def bench_learner(ctx, args, model: str, work: Path) -> dict:
-    """Every configuration of `args.configs`, one after the other, each in its own process."""
-    results = {}
+def bench_learner(ctx, args, model: str, work: Path, saved=None) -> dict:
+    """Every configuration of `args.configs`, one after the other, each in its own process;
+    `saved(results so far)` after each (a run cut short keeps what it measured)."""
+    results: dict = {}
     for name in args.configs:
         print(f"bench: {name} ...", flush=True)
+        config = CONFIGS[name]
         job = {
             "name": name,
             "model": model,
             "batch": str(work / "batch.pt"),
             "out": str(work / f"result_{name}.json"),
             "logprobs": str(work / f"logprobs_{name}.pt"),
-            "lc": {
-                **CONFIGS[name],
-                "device": "cpu",
-                "max_tokens_per_micro_batch": args.max_tokens if CONFIGS[name]["packing"] else 0,
-                "micro_batch_size": args.micro_rows,
-            },
+            "device": args.device,
             "steps": args.steps,
             "threads": args.threads,
             "master_port": free_port(),
         }
+        if config.get("bare"):
+            role = "bare"
+            job.update(dtype=config["dtype"], row_tokens=args.bare_row_tokens)
+            job.update(max_tokens=args.max_tokens)
+        else:
+            role = "learner"
+            job["lc"] = {
+                **config,
+                "device": args.device,
+                "max_tokens_per_micro_batch": args.max_tokens if config["packing"] else 0,
+                "micro_batch_size": args.micro_rows,
+                "max_tokens_per_forward": args.forward_tokens,
+            }
         start = time.perf_counter()
-        results[name] = finish(start_worker(ctx, "learner", job), job, args.timeout)
+        results[name] = finish(start_worker(ctx, role, job), job, args.timeout)
         print(f"bench: {name} took {time.perf_counter() - start:.1f}s", flush=True)
         if "error" in results[name]:
             print(f"bench: {name} FAILED: {results[name]['error']}", flush=True)
+        if saved is not None:
+            saved(results)
     return results
 
 
@@ -280,6 +304,13 @@ def summarize(results: dict, work: Path, batch) -> dict:
     """The derived figures: speed and memory ratios, log-prob differences."""
     ok = {k: v for k, v in results.items() if "error" not in v}
     out: dict = {}
+    for name, key in (("bf16-packed", "packed_over_bare"), ("bf16-padded", "padded_over_bare")):
+        if "bare" in ok and name in ok:
+            out[f"{key}_tokens_per_s"] = ok[name]["tokens_per_s"] / ok["bare"]["tokens_per_s"]
+            out[f"{key}_peak_mem"] = ok[name]["peak_mem_mib"] / ok["bare"]["peak_mem_mib"]
+    if "bf16-packed" in ok and "bf16-padded" in ok:
+        bf16 = ok["bf16-packed"]["tokens_per_s"] / ok["bf16-padded"]["tokens_per_s"]
+        out["bf16_packed_over_padded"] = bf16
     for name, key in (
         ("fp32-packed", "packed_over_padded"),
         ("fp32-packed-rows", "rows_over_padded"),
@@ -290,8 +321,13 @@ def summarize(results: dict, work: Path, batch) -> dict:
         base, ckpt = ok["bf16-packed"]["peak_rss_mb"], ok["bf16-ckpt"]["peak_rss_mb"]
         out["ckpt_rss_saved_mb"] = base - ckpt
         out["ckpt_rss_saved_frac"] = (base - ckpt) / base
-    out["bf16_vs_fp32_logprobs"] = compare_logprobs(work, batch, "fp32-packed", "bf16-packed")
-    out["packed_vs_padded_logprobs"] = compare_logprobs(work, batch, "fp32-padded", "fp32-packed")
+    for key, a, b in (
+        ("bf16_vs_fp32_logprobs", "fp32-packed", "bf16-packed"),
+        ("packed_vs_padded_logprobs", "fp32-padded", "fp32-packed"),
+    ):
+        diff = compare_logprobs(work, batch, a, b)
+        if diff is not None:
+            out[key] = diff
     return out
 
 
@@ -309,7 +345,9 @@ def lora_sync_bytes(model: str, lora: dict) -> dict:
     return {"adapter_bytes": adapters, "full_bytes": full, "ratio": adapters / full}
 
 
-def report(model_what: str, stats: dict, results: dict, derived: dict, sync: dict) -> None:
+def report(
+    model_what: str, stats: dict, results: dict, derived: dict, sync: dict, args, peak
+) -> None:
     w = stats["whole_batch"]
     print(f"\nmodel: {model_what}")
     print(
@@ -323,18 +361,37 @@ def report(model_what: str, stats: dict, results: dict, derived: dict, sync: dic
         f"{stats['real_tokens']}, padded tokens {stats['rows']} x {w['longest_row']} = "
         f"{stats['padded_tokens']}, padding waste {stats['padding_waste']:.1%}"
     )
-    head = f"{'config':<18}{'tokens/s':>10}{'s/update':>10}{'peak RSS MiB':>14}{'micro':>7}"
-    print(f"\n{head}{'computed tokens':>17}")
+    memory = "peak GPU MiB" if args.device == "cuda" else "peak RSS MiB"
+    head = f"{'config':<18}{'tokens/s':>10}{'s/update':>10}{memory:>14}{'micro':>7}"
+    print(f"\n{head}{'computed tokens':>17}{'TFLOP/s':>9}{'MFU':>7}")
     for name, r in results.items():
         if "error" in r:
             print(f"{name:<18}  FAILED: {r['error']}")
             continue
+        mfu = f"{r['mfu']:>7.1%}" if "mfu" in r else f"{'-':>7}"
         print(
             f"{name:<18}{r['tokens_per_s']:>10.1f}{r['seconds_per_update']:>10.2f}"
-            f"{r['peak_rss_mb']:>14.0f}{r['micro_batches']:>7}{r['computed_tokens']:>17}"
+            f"{r['peak_mem_mib']:>14.0f}{r['micro_batches']:>7}{r['computed_tokens']:>17}"
+            f"{r['tflops_per_s']:>9.3g}{mfu}"
         )
     print("(tokens/s: the batch's real tokens per second; computed: what the forwards ran on)")
-    if "bf16-offload" in results:
+    print(
+        "(FLOPs per update = 6 x N x tokens + 6 x layers x hidden x sum(len^2): N "
+        f"{stats['flops']['params']:,} linear weights; len: each sample's length, a dense "
+        f"row's for bare; MFU against {f'{peak:.0f} TFLOP/s' if peak else 'no peak given'})"
+    )
+    for key, label, target in (
+        ("packed_over_bare", "bf16-packed", " (targets: >= 0.9x, <= 1.1x on a GPU)"),
+        ("padded_over_bare", "bf16-padded", ""),
+    ):
+        if f"{key}_tokens_per_s" in derived:
+            print(
+                f"{label} / bare: tokens/s {derived[f'{key}_tokens_per_s']:.2f}x, peak memory "
+                f"{derived[f'{key}_peak_mem']:.2f}x{target}"
+            )
+    if "bf16_packed_over_padded" in derived:
+        print(f"packed / padded tokens/s (bf16): {derived['bf16_packed_over_padded']:.2f}x")
+    if "bf16-offload" in results and args.device == "cpu":
         print("note: bf16-offload on a CPU learner: parameters already live in host memory; the")
         print("      figure is the CPUOffloadPolicy's own overhead, not a GPU memory saving")
     if "rows_over_padded" in derived:
@@ -392,6 +449,16 @@ def parse_args() -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     ap.add_argument("--model", type=Path, help="a model directory (default: the SmolLM2 import)")
+    ap.add_argument("--shape", choices=SHAPES, help="a random Llama of this shape")
+    ap.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    ap.add_argument("--peak-tflops", type=float, help="the device's peak, for MFU")
+    ap.add_argument(
+        "--forward-tokens",
+        type=int,
+        default=0,
+        help="learner.max_tokens_per_forward (0: its default, twice the update's budget)",
+    )
+    ap.add_argument("--bare-row-tokens", type=int, help="bare: dense row length (default 2048)")
     ap.add_argument("--tiny", action="store_true", help="tiny random model and lengths (tests)")
     ap.add_argument("--layers", type=int, default=0, help="override the random model's depth")
     ap.add_argument("--rows", type=int, help="samples in the batch (default 16; --tiny 8)")
@@ -419,7 +486,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--json", type=Path, help="write every figure here")
     args = ap.parse_args()
     small = {"rows": 8, "response_max": 64, "prompt_median": 12, "max_tokens": 256}
+    small["bare_row_tokens"] = 64
     full = {"rows": 16, "response_max": 1024, "prompt_median": 96, "max_tokens": 4096}
+    full["bare_row_tokens"] = 2048
     for key, value in (small if args.tiny else full).items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -428,6 +497,8 @@ def parse_args() -> argparse.Namespace:
     if unknown:
         ap.error(f"unknown configs {sorted(unknown)}; known: {', '.join(CONFIGS)}")
     args.sync_dtypes = [d for d in args.sync_dtypes.split(",") if d]
+    if args.model and args.shape:
+        ap.error("--model or --shape, not both")
     return args
 
 
@@ -452,22 +523,33 @@ def main() -> int:
         model, what, vocab = setup_model_dir(args, work)
         print(f"bench: model {what}", flush=True)
         batch, advantages, stats = make_batch(args, vocab)
+        stats["flops"] = flops_shape(model)
         torch.save({**vars(batch), "advantages": advantages}, work / "batch.pt")
-        results = bench_learner(ctx, args, model, work)
+        record = {"model": what, "device": args.device, "threads": args.threads, "batch": stats}
+        record.update(args=_jsonable(vars(args)), partial=True)
+
+        def saved(results: dict) -> None:  # (whole or not at all: renamed into place)
+            if args.json:
+                partial = args.json.with_name(args.json.name + ".partial")
+                partial.write_text(json.dumps({**record, "configs": results}, indent=1))
+                partial.replace(args.json)
+
+        results = bench_learner(ctx, args, model, work, saved)
+        peak = peak_tflops(args.peak_tflops, results)
+        add_mfu(results, stats, stats["flops"], peak)
         derived = summarize(results, work, batch)
         if "bf16-lora" in results:
             derived["lora_sync"] = lora_sync_bytes(model, CONFIGS["bf16-lora"]["lora"])
         sync = bench_sync(ctx, args, model, work) if args.sync_dtypes else {}
-    report(what, stats, results, derived, sync)
+    report(what, stats, results, derived, sync, args, peak)
     took, load_after = time.perf_counter() - started, os.getloadavg()
     print(
         f"\nbench: {took:.0f}s in all, {args.threads} threads per process; load average "
         f"{load_before[0]:.1f} before, {load_after[0]:.1f} after (other work skews timings)"
     )
     if args.json:
-        record = {"model": what, "threads": args.threads, "batch": stats, "configs": results}
-        record.update(derived=derived, sync=sync, seconds=took, args=_jsonable(vars(args)))
-        record.update(load_average=[load_before, load_after])
+        record.update(configs=results, peak_tflops=peak, derived=derived, sync=sync, partial=False)
+        record.update(seconds=took, load_average=[load_before, load_after])
         args.json.write_text(json.dumps(record, indent=1))
     failed = [n for n, r in results.items() if "error" in r] + (["sync"] if "error" in sync else [])
     return 1 if failed else 0

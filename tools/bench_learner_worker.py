@@ -2,12 +2,18 @@
 
 The driver forks each from a fork server that has imported this module (torch, transformers,
 the learner) and calls `run_job(role, job)`:
-- `learner`: one learner configuration (world size 1, gloo) as `Learner` sets it up: FSDP2
-  model, AdamW, `Updater`; it recomputes the batch's log-probs (written to a file, so the
-  driver compares dtypes and layouts), then times `Updater.run`.
+- `learner`: one learner configuration (world size 1; gloo on CPU, NCCL on CUDA, as
+  `setup_distributed` picks) as `Learner` sets it up: FSDP2 model, fused AdamW, `Updater`; it
+  recomputes the batch's log-probs in the recompute plan (written to a file, so the driver
+  compares dtypes and layouts), then times `Updater.run`.
+- `bare`: the floor: the same real tokens through plain transformers (sdpa, causal), forward,
+  backward and fused AdamW, as dense rows (`dense_micro_batches`), no RL loss.
 - `sync-send` / `sync-recv`: the two ends of the weight sync, as `Learner.broadcast_weights`
   and `HFEngine.follow_learner` do it, then the copy floor between the same two processes.
-Each writes its figures, or its error and traceback, as JSON to the job's `out`.
+Each writes its figures, or its error and traceback, as JSON to the job's `out`. Peak memory is
+the process's: on CUDA `torch.cuda.max_memory_allocated` (and reserved), on CPU the peak RSS;
+each job is a fresh process, so each configuration's counters start at zero. On CUDA every
+timed interval ends with `torch.cuda.synchronize` (kernels are asynchronous).
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from learner.fsdp import (  # noqa: E402
     setup_distributed,
     setup_model,
 )
+from learner.optim import setup_optimizer  # noqa: E402
 from learner.packing import pack_rows  # noqa: E402
 from learner.update import UpdateInputs, Updater, recompute  # noqa: E402
 
@@ -60,53 +67,166 @@ def run_job(role: str, job: dict) -> None:
         raise
 
 
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued kernels (CUDA runs them asynchronously): before a clock is
+    read, so the interval holds the work."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def memory_figures(device: torch.device) -> dict:
+    """Peak memory of this process (on CUDA: since the last `reset_peak_memory_stats`):
+    `peak_mem_mib` is the figure configurations are compared by (device memory on CUDA,
+    resident memory on CPU)."""
+    out = {"peak_rss_mb": peak_rss_mb()}
+    if device.type == "cuda":
+        out["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
+        out["peak_reserved_mib"] = torch.cuda.max_memory_reserved(device) / 2**20
+        out["device_name"] = torch.cuda.get_device_name(device)
+    else:
+        out["peak_mem_mib"] = out["peak_rss_mb"]
+    return out
+
+
+def timed_updates(device: torch.device, steps: int, update) -> tuple[list[float], object]:
+    """One warm-up `update()`, then the seconds of `steps` timed ones (and the last's result)."""
+    result = update()
+    seconds = []
+    for _ in range(steps):
+        synchronize(device)
+        start = time.perf_counter()
+        result = update()
+        synchronize(device)
+        seconds.append(time.perf_counter() - start)
+    return seconds, result
+
+
+def load_batch(job: dict, device: torch.device) -> tuple[TrainBatch, torch.Tensor]:
+    saved = torch.load(job["batch"])
+    advantages = saved.pop("advantages")
+    return TrainBatch(**saved).to(device), advantages.to(device)
+
+
 def learner_worker(job: dict) -> None:
     """One configuration: set up, recompute log-probs, warm up, time `steps` updates."""
 
-    rank, world, device = setup_distributed("cpu")
+    rank, world, device = setup_distributed(job["lc"]["device"])
     lc = LearnerConfig(**job["lc"])
-    saved = torch.load(job["batch"])
-    advantages = saved.pop("advantages")
-    batch = TrainBatch(**saved)
+    batch, advantages = load_batch(job, device)
     start = time.perf_counter()
     model = setup_model(job["model"], device, lc)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    optimizer = setup_optimizer(model, 1e-6, lc)
     updater = Updater(model, optimizer, AlgorithmConfig(), lc, 1.0, world, rank, device)
-    setup_s, setup_rss = time.perf_counter() - start, peak_rss_mb()
-    plan = updater.plan(batch, torch.arange(batch.size))
+    setup_s, setup_memory = time.perf_counter() - start, memory_figures(device)
+    every_row = torch.arange(batch.size, device=device)
+    plan, forward_plan = updater.plan(batch, every_row), updater.recompute_plan(batch, every_row)
 
     def logp(m, b):
         return policy_forward(m, b, 1.0, False, layout_of(lc, device))[0]
 
+    synchronize(device)
     start = time.perf_counter()
-    logprobs = recompute(model, batch, logp, plan, world, device)
-    recompute_s = time.perf_counter() - start
-    torch.save(logprobs, job["logprobs"])
+    logprobs = recompute(model, batch, logp, forward_plan, world, device)
+    synchronize(device)
+    recompute_s, recompute_memory = time.perf_counter() - start, memory_figures(device)
+    if device.type == "cuda":  # from here the update's own peak (RSS cannot be reset)
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.save(logprobs.cpu(), job["logprobs"])
     mask = batch.loss_mask[:, 1:]
     noise = 0.05 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(1))
-    behaviour = (logprobs + noise) * mask  # near the policy's own: some ratios clip
+    behaviour = (logprobs + noise.to(device)) * mask  # near the policy's own: some ratios clip
     inputs = UpdateInputs(advantages, behaviour, None, None, None, None, None, None)
-    updater.run(batch, inputs, 1, 0)  # warm-up
-    seconds = []
-    for _ in range(job["steps"]):
-        start = time.perf_counter()
-        stats = updater.run(batch, inputs, 1, 0)
-        seconds.append(time.perf_counter() - start)
+    seconds, stats = timed_updates(device, job["steps"], lambda: updater.run(batch, inputs, 1, 0))
     per_update = statistics.median(seconds)
     tokens = int(batch.attention_mask.sum())
+    memory = memory_figures(device)
+    if device.type == "cuda":
+        memory["update_peak_mem_mib"] = memory["peak_mem_mib"]
+    for key in ("peak_mem_mib", "peak_reserved_mib"):  # the whole process's
+        if key in memory:
+            memory[key] = max(memory[key], recompute_memory[key])
     result = {
         "tokens_per_s": tokens / per_update,
         "seconds_per_update": per_update,
         "seconds": seconds,
-        "peak_rss_mb": peak_rss_mb(),
-        "setup_peak_rss_mb": setup_rss,
+        **memory,
+        "setup_peak_mem_mib": setup_memory["peak_mem_mib"],
+        "recompute_peak_mem_mib": recompute_memory["peak_mem_mib"],
         "setup_s": setup_s,
         "recompute_s": recompute_s,
         "micro_batches": len(plan),
+        "recompute_micro_batches": len(forward_plan),
         "threads": torch.get_num_threads(),
         "real_tokens": tokens,
         "computed_tokens": computed_tokens(batch, plan, updater.layout),
         "update_stats": stats,
+    }
+    Path(job["out"]).write_text(json.dumps(result, indent=1))
+
+
+def dense_micro_batches(batch: TrainBatch, row_tokens: int, max_tokens: int) -> list:
+    """The batch's real tokens end to end (each sample's, in row order), cut into dense rows of
+    `row_tokens` (the last one shorter), `max_tokens // row_tokens` rows per micro-batch (at
+    least one; the short row in one of its own): as a pretraining loop packs documents, with
+    no padding and no attention mask."""
+    ids = batch.input_ids[batch.attention_mask.bool()]
+    full = len(ids) // row_tokens
+    rows = ids[: full * row_tokens].view(full, row_tokens)
+    per_micro = max(1, max_tokens // row_tokens)
+    micro = list(rows.split(per_micro)) if full else []
+    if len(ids) > full * row_tokens + 1:  # (a last token alone has no target: dropped)
+        micro.append(ids[full * row_tokens :][None])
+    return micro
+
+
+def bare_worker(job: dict) -> None:
+    """The floor: plain transformers forward + backward + fused AdamW on the batch's real
+    tokens as dense rows (`dense_micro_batches`), the next-token loss summed over every token
+    (one optimizer step per update, as the learner's); float32 weights and optimizer, the
+    forward and backward under bf16 autocast for `dtype` bfloat16 (the learner's bf16: bf16
+    compute, float32 master weights)."""
+    device = torch.device("cuda", 0) if job["device"] == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    batch, _ = load_batch(job, device)
+    start = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(
+        job["model"], dtype=torch.float32, attn_implementation="sdpa"
+    ).to(device)
+    model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
+    setup_s = time.perf_counter() - start
+    micro = dense_micro_batches(batch, job["row_tokens"], job["max_tokens"])
+    targets = sum(mb.numel() - mb.shape[0] for mb in micro)
+    bf16 = job["dtype"] == "bfloat16"
+
+    def update() -> float:
+        total = torch.zeros((), device=device)
+        for mb in micro:
+            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+                loss = model(input_ids=mb, labels=mb).loss  # mean over mb's targets
+            weighted = loss * ((mb.numel() - mb.shape[0]) / targets)
+            weighted.backward()
+            total += weighted.detach()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(total)
+
+    seconds, loss = timed_updates(device, job["steps"], update)
+    per_update = statistics.median(seconds)
+    tokens = sum(mb.numel() for mb in micro)
+    result = {
+        "tokens_per_s": tokens / per_update,
+        "seconds_per_update": per_update,
+        "seconds": seconds,
+        **memory_figures(device),
+        "setup_s": setup_s,
+        "micro_batches": len(micro),
+        "threads": torch.get_num_threads(),
+        "real_tokens": tokens,
+        "computed_tokens": tokens,
+        "attention_sq": sum(mb.shape[0] * mb.shape[1] ** 2 for mb in micro),
+        "loss": loss,
     }
     Path(job["out"]).write_text(json.dumps(result, indent=1))
 
@@ -248,4 +368,9 @@ def sync_recv_worker(job: dict) -> None:
     Path(job["out"]).write_text(json.dumps(out, indent=1))
 
 
-WORKERS = {"learner": learner_worker, "sync-send": sync_send_worker, "sync-recv": sync_recv_worker}
+WORKERS = {
+    "learner": learner_worker,
+    "bare": bare_worker,
+    "sync-send": sync_send_worker,
+    "sync-recv": sync_recv_worker,
+}

@@ -3,13 +3,17 @@
     python tools/gpu_check_report.py launch NAME RUN_DIR    # a run's learning and speed
     python tools/gpu_check_report.py junit NAME FILE.xml    # a pytest run's counts and failures
     python tools/gpu_check_report.py json NAME FILE.json    # every scalar of a bench's report
+    python tools/gpu_check_report.py learner NAME FILE.json # tools/bench_learner.py's figures
 
 `launch` reads the run directory `asyncrl launch` writes (metrics.jsonl, launch.json): steps
 done, the mean reward of the first 5 and last 20 steps and the gain (the launcher's own summary,
 `asyncrl.launch.progress.Progress.summary`), whether it learned (gain of at least +0.3, the
 acceptance of issue 27), and the medians of step time and weight-sync time. It works on a run
-cut short by a timeout too: the steps written so far count. Standard library only, so it runs
-in any Python the check finds.
+cut short by a timeout too: the steps written so far count. `learner` reads the JSON of
+tools/bench_learner.py: each configuration's speed, memory and MFU (or its error), the derived
+ratios, and the verdicts of issue 28's acceptance (bf16-packed at least 0.9x the bare model's
+tokens/s with at most 1.1x its peak memory). Standard library only, so it runs in any Python the
+check finds.
 """
 
 from __future__ import annotations
@@ -22,6 +26,23 @@ from pathlib import Path
 
 LEARNS_GAIN = 0.3
 """The reward gain over the run that counts as learning (issue 27: "learns (+0.3)")."""
+PACKED_OVER_BARE = {"tokens_per_s": (">=", 0.9), "peak_mem": ("<=", 1.1)}
+"""Issue 28's acceptance: bf16-packed against the bare model, on a GPU."""
+LEARNER_KEYS = (
+    "tokens_per_s",
+    "seconds_per_update",
+    "mfu",
+    "tflops_per_s",
+    "peak_mem_mib",
+    "update_peak_mem_mib",
+    "recompute_peak_mem_mib",
+    "peak_reserved_mib",
+    "micro_batches",
+    "recompute_micro_batches",
+    "recompute_s",
+    "computed_tokens",
+)
+"""What `learner` prints of each configuration of tools/bench_learner.py."""
 
 
 def launch_figures(name: str, run_dir: Path) -> list[str]:
@@ -122,8 +143,43 @@ def json_figures(name: str, path: Path) -> list[str]:
         return [f"{name}.json: unreadable ({e})"]
 
 
+def learner_figures(name: str, path: Path) -> list[str]:
+    if not path.is_file():
+        return [f"{name}.json: missing ({path})"]
+    try:
+        record = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        return [f"{name}.json: unreadable ({e})"]
+    lines = [f"{name}.{k}: {record.get(k)}" for k in ("model", "device", "peak_tflops")]
+    if record.get("partial"):
+        lines.append(f"{name}.partial: yes (cut short after {len(record['configs'])} configs)")
+    lines += flatten(f"{name}.real_tokens", record["batch"]["real_tokens"])
+    for config, result in record["configs"].items():
+        if "error" in result:
+            lines.append(f"{name}.{config}.error: {result['error'].splitlines()[0][:160]}")
+            continue
+        for key in LEARNER_KEYS:
+            if key in result:
+                lines += flatten(f"{name}.{config}.{key}", result[key])
+    derived = record.get("derived", {})
+    lines += flatten(f"{name}.derived", derived)
+    for figure, (sign, bound) in PACKED_OVER_BARE.items():
+        value = derived.get(f"packed_over_bare_{figure}")
+        if value is None or record.get("device") != "cuda":  # the acceptance is the GPU's
+            continue
+        met = value >= bound if sign == ">=" else value <= bound
+        verdict = "yes" if met else "no"
+        lines.append(f"{name}.packed_over_bare_{figure}.meets: {verdict} ({sign} {bound}x)")
+    return lines
+
+
 def main(argv: list[str]) -> int:
-    kinds = {"launch": launch_figures, "junit": junit_figures, "json": json_figures}
+    kinds = {
+        "launch": launch_figures,
+        "junit": junit_figures,
+        "json": json_figures,
+        "learner": learner_figures,
+    }
     if len(argv) != 3 or argv[0] not in kinds:
         print(__doc__, file=sys.stderr)
         return 2

@@ -87,7 +87,7 @@ def run_case(path, lc: LearnerConfig, algo: AlgorithmConfig, batch, old, adv, wo
     model = setup_model(path, device, lc)
     optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
     updater = Updater(model, optimizer, algo, lc, 1.0, world, rank, device)
-    plan = updater.plan(batch, torch.arange(batch.size, device=device))
+    plan = updater.recompute_plan(batch, torch.arange(batch.size, device=device))
 
     def logp(m, b):
         return policy_forward(m, b, 1.0, False, layout_of(lc, device))[0]
@@ -105,7 +105,7 @@ def critic_values(path, lc: LearnerConfig, batch, world, rank) -> torch.Tensor:
     device = batch.input_ids.device
     critic = setup_model(path, device, lc, head="value")
     updater = Updater(critic, None, AlgorithmConfig(), lc, 1.0, world, rank, device)
-    plan = updater.plan(batch, torch.arange(batch.size, device=device))
+    plan = updater.recompute_plan(batch, torch.arange(batch.size, device=device))
     return recompute(
         critic, batch, lambda m, b: value_forward(m, b, layout_of(lc, device)), plan, world, device
     )

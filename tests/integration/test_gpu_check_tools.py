@@ -125,3 +125,44 @@ def test_report_of_a_bench_json_keys_records_by_their_names(tmp_path):
     ]
     missing = _tool("gpu_check_report.py", "json", "b", str(tmp_path / "none.json"))
     assert missing.startswith("b.json: missing")
+
+
+def test_report_of_the_learner_bench_judges_packed_against_bare(tmp_path):
+    path = tmp_path / "learner.json"
+    fast = {"tokens_per_s": 23188.0, "peak_mem_mib": 119706.0, "mfu": 0.17, "seconds": [3.0]}
+    path.write_text(
+        json.dumps(
+            {
+                "model": "m",
+                "device": "cuda",
+                "peak_tflops": 989.0,
+                "batch": {"real_tokens": 71065},
+                "configs": {
+                    "bf16-packed": {**fast, "update_stats": {"loss": 0.1}},
+                    "bare": {"tokens_per_s": 51191.0, "peak_mem_mib": 62669.0},
+                    "bf16-padded": {"error": "OutOfMemoryError: CUDA out of memory\ntrace"},
+                },
+                "derived": {
+                    "packed_over_bare_tokens_per_s": 23188.0 / 51191.0,
+                    "packed_over_bare_peak_mem": 119706.0 / 62669.0,
+                },
+            }
+        )
+    )
+    lines = _tool("gpu_check_report.py", "learner", "l", str(path)).splitlines()
+    assert lines == [
+        "l.model: m",
+        "l.device: cuda",
+        "l.peak_tflops: 989.0",
+        "l.real_tokens: 71065",
+        "l.bf16-packed.tokens_per_s: 23188",
+        "l.bf16-packed.mfu: 0.17",
+        "l.bf16-packed.peak_mem_mib: 119706",
+        "l.bare.tokens_per_s: 51191",
+        "l.bare.peak_mem_mib: 62669",
+        "l.bf16-padded.error: OutOfMemoryError: CUDA out of memory",
+        "l.derived.packed_over_bare_tokens_per_s: 0.45297",
+        "l.derived.packed_over_bare_peak_mem: 1.91013",
+        "l.packed_over_bare_tokens_per_s.meets: no (>= 0.9x)",  # 0.45x
+        "l.packed_over_bare_peak_mem.meets: no (<= 1.1x)",  # 1.91x
+    ]
