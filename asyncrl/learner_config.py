@@ -70,13 +70,16 @@ class LearnerConfig(Section):
     take more tokens at once. 0: twice the update's budget, in the update's unit (2 x
     max_tokens_per_micro_batch tokens, or 2 x micro_batch_size rows when that is 0)."""
     packing: bool = True
-    """Run the policy, reference and critic on packed sequences (no pad token is computed):
-    exact per-segment attention on CPU, flash-attention varlen on CUDA when installed.
-    false: right-padded rows (every row as long as the longest)."""
+    """Run the policy, reference and critic on packed sequences (no pad token is computed), with
+    exact per-segment attention: per-segment SDPA on CPU; on CUDA compiled FlexAttention, or
+    flash-attn varlen when installed, bf16 and share_prompts=false
+    (`learner.packing.choose_packed_attention`). false: right-padded rows (every row as long as
+    the longest)."""
     share_prompts: bool = True
     """With packing, the samples of a group that have the same prompt share one copy of it in
-    the forward (each response attends to it as to its own prompt: exact). CPU attention only;
-    flash-attn's varlen kernel packs every row whole."""
+    the forward (each response attends to it as to its own prompt: exact). Runs on CPU and with
+    FlexAttention on CUDA; false lets CUDA use flash-attn's varlen kernel (when installed, bf16),
+    which packs every row whole."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Compute dtype (FSDP2 MixedPrecisionPolicy): bfloat16 computes forward and backward in
     bf16 while master weights, gradients' reduction, optimizer state and log-softmax stay fp32."""
