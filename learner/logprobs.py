@@ -31,10 +31,11 @@ import torch.nn.functional as F
 
 from learner.losses import entropy_from_logits
 
-DEFAULT_CHUNK_BYTES = 512 * 2**20
-"""The default chunk: as many tokens as fill 512 MiB of float32 logits (1,046 tokens of a 128k
-vocabulary, 2,730 of SmolLM2's 49k). The backward holds about four such chunk-sized buffers at
-a time; a chunk this size still gives the matmul a thousand rows, enough for a GPU."""
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+"""The default chunk: as many tokens as fill 256 MiB of float32 logits (523 tokens of a 128k
+vocabulary, 1,365 of SmolLM2's 49k). Forward and backward hold up to about six chunk-sized
+buffers at a time (tools/bench_logprob_memory.py: ~1.5 GiB whatever the micro-batch); a chunk
+this size still gives the matmul hundreds of rows."""
 
 
 def default_chunk_tokens(vocab_size: int) -> int:

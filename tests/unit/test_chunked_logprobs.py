@@ -100,7 +100,7 @@ def test_entropy_gradient_by_hand():
 
 
 def test_default_chunk_fills_its_byte_budget():
-    assert default_chunk_tokens(128256) == 1046  # 512 MiB of float32 logits
+    assert default_chunk_tokens(128256) == 523  # 256 MiB of float32 logits
     assert default_chunk_tokens(2**40) == 1
 
 
@@ -370,3 +370,23 @@ if __name__ == "__main__":
 
     _fsdp_rank(sys.argv[1], sys.argv[2])
     exit_now(0)  # as learner ranks: torch's process-group threads can abort teardown
+
+
+# ---- the memory benchmark ----------------------------------------------------------------
+def test_memory_benchmark_sees_the_float32_logits_go():
+    """tools/bench_logprob_memory.py, one small case per path in fresh processes: the chunked
+    path's extra peak is below the full path's by more than one float32 copy of the logits."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_logprob_memory", Path(__file__).parents[2] / "tools" / "bench_logprob_memory.py"
+    )
+    assert spec is not None and spec.loader is not None
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    tokens, vocab = 512, 16384
+    budget = bench.available_bytes() - bench.MARGIN
+    full = bench.measure("full", tokens, vocab, 64, 1, budget)
+    chunked = bench.measure("chunked", tokens, vocab, 64, 1, budget)
+    logits = full["targets"] * vocab * 4  # 32 MiB
+    assert full["extra_peak"] - chunked["extra_peak"] > logits
