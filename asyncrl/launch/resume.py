@@ -134,16 +134,26 @@ def rewind_records(run_dir: Path, point: RestartPoint) -> dict[str, int]:
 
 def rewind_jsonl(path: Path, keep: Callable[[dict[str, Any]], bool]) -> int:
     """Rewrite `path` (atomically) with only its complete records that `keep` accepts;
-    returns how many lines went."""
+    returns how many lines went. The lines that go are kept, not deleted, in
+    `rewound/<time>-<name>` beside it (with the checkpoints set aside, a rewound future stays
+    whole for whoever wants it back)."""
     lines = path.read_text().splitlines(keepends=True)
-    left = []
+    left, gone = [], []
     for line in lines:
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
-            continue
+            record = None
         if line.endswith("\n") and isinstance(record, dict) and keep(record):
             left.append(line)
+        else:
+            gone.append(line)
+    if gone:
+        rewound = path.parent / "rewound"
+        rewound.mkdir(exist_ok=True)
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        with open(rewound / f"{stamp}-{path.name}", "a") as f:
+            f.write("".join(gone))
     tmp = path.with_name(f".{path.name}.rewind")
     tmp.write_text("".join(left))
     tmp.replace(path)
@@ -338,6 +348,14 @@ def in_place_point(cfg: Config) -> RestartPoint | None:
     own = ckpt.parent == (Path(tc.run_dir) / "checkpoints").resolve()
     if not own and not is_run_dir(tc.run_dir):
         return None
+    if not own:  # only the checkpoint this run started from continues it
+        started = _saved_trainer(Path(tc.run_dir) / "config.yaml").get("resume_from")
+        if started is None or Path(started).resolve() != ckpt:
+            raise ConfigError(
+                f"trainer.run_dir={tc.run_dir} holds another run (it did not start from "
+                f"{tc.resume_from}): a fresh start from that checkpoint needs a new "
+                f"trainer.run_dir; to continue that run, `asyncrl launch --resume {tc.run_dir}`"
+            )
     return RestartPoint(ckpt, checkpoint_step(ckpt))
 
 

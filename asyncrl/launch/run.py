@@ -9,6 +9,8 @@ backend.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import time
 from collections.abc import Sequence
@@ -106,6 +108,15 @@ def check_lengths(cfg: Config, model_path: str) -> None:
 def serve(cfg: Config, command: str = "asyncrl serve") -> tuple[Fleet, Path]:
     """Start the replay and the rollout servers only, on trainer.model_path (any checkpoint
     directory) or the embedded model; the caller stops the fleet."""
+    existing = Path(cfg.trainer.run_dir)
+    if "{time}" not in cfg.trainer.run_dir and (
+        (existing / "metrics.jsonl").exists() or (existing / "checkpoints").exists()
+    ):
+        raise LaunchError(
+            f"trainer.run_dir={existing} holds a training run: serving or evaluating into it "
+            "would overwrite its config.yaml (which --resume trusts) and run.secret; use "
+            "another trainer.run_dir (eval: --output FILE puts the results anywhere)"
+        )
     check_run_data(cfg)
     launch_placement(cfg, with_learner=False)  # one that cannot work fails before the model
     model_path = prepare_model(cfg)
@@ -125,20 +136,48 @@ def launch(cfg: Config, command: str = "asyncrl launch") -> Path:
     launch_placement(cfg)  # one that cannot work fails before the model is prepared
     model_path = prepare_model(cfg)
     check_lengths(cfg, model_path)
-    cfg = resume_in_place(cfg, command)
-    run_dir = prepare_run_dir(cfg, command)
-    print(f"asyncrl: run directory {run_dir}", flush=True)
-    progress = Progress(
-        cfg.trainer.total_steps, cfg.replay.max_staleness, cfg.launch.progress, started
-    )
-    run_with_resumes(
-        cfg, run_dir, command, lambda attempt: train(attempt, run_dir, model_path, progress)
-    )
+    with contextlib.ExitStack() as held:
+        existing = Path(cfg.trainer.run_dir)
+        locked = existing.is_dir()
+        if locked:  # a resume, say: held before its records are rewound
+            hold_run_dir(existing, held)
+        cfg = resume_in_place(cfg, command)
+        run_dir = prepare_run_dir(cfg, command)
+        if not locked or run_dir.resolve() != existing.resolve():
+            hold_run_dir(run_dir, held)
+        print(f"asyncrl: run directory {run_dir}", flush=True)
+        progress = Progress(
+            cfg.trainer.total_steps, cfg.replay.max_staleness, cfg.launch.progress, started
+        )
+        run_with_resumes(
+            cfg, run_dir, command, lambda attempt: train(attempt, run_dir, model_path, progress)
+        )
     summary = progress.summary(read_jsonl(run_dir / "metrics.jsonl"))
     print(f"asyncrl: done in {time.monotonic() - started:.0f}s. {summary}", flush=True)
     if cfg.trainer.save_final:
         print(f"asyncrl: final weights in {run_dir / 'final'}", flush=True)
     return run_dir
+
+
+LOCK_FILE = ".launch.lock"
+"""Held (flock) by the launch training in a run directory, for as long as it runs."""
+
+
+def hold_run_dir(run_dir: Path, held: contextlib.ExitStack) -> None:
+    """Take `run_dir`'s LOCK_FILE until `held` closes (or this process ends): a second launch
+    or resume into a directory a launch is training in would rewind and interleave the
+    records the first is still writing. LaunchError naming the directory when it is taken."""
+    path = run_dir / LOCK_FILE
+    lock = open(path, "a")  # noqa: SIM115 (held open until `held` closes)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        lock.close()
+        raise LaunchError(
+            f"{run_dir} is in use: another asyncrl launch is training in it ({path} is "
+            "locked); wait for it to end, or use another trainer.run_dir"
+        ) from None
+    held.callback(lock.close)
 
 
 def train(cfg: Config, run_dir: Path, model_path: str, progress: Progress) -> None:

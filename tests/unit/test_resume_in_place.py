@@ -144,6 +144,11 @@ def test_resuming_from_an_own_checkpoint_rewinds_the_run_and_records_it(tmp_path
     assert record["changed"] == {"learner.lr": {"was": 5e-4, "now": 1e-5}}
     assert record["rewound"] == {"metrics.jsonl": 4, "samples.jsonl": 3}
     assert record["set_aside"] == [str(aside / "step_4")]
+    # the rewound lines are kept beside the records, not deleted (the torn line too)
+    [kept] = (run_dir / "rewound").glob("*-metrics.jsonl")
+    assert [json.loads(line)["step"] for line in kept.read_text().splitlines()[:3]] == [3, 4, 5]
+    [kept] = (run_dir / "rewound").glob("*-samples.jsonl")
+    assert kept.read_text().count("\n") == 3
     assert lines == [
         f"asyncrl: resuming {run_dir} in place from step_2 (step 2 of 6); records past step 2 "
         "rewound (metrics.jsonl: 4 lines, samples.jsonl: 3 lines)",
@@ -210,3 +215,18 @@ def test_the_cli_refuses_a_config_file_with_a_resume(tmp_path, capsys):
     run_dir = _run(tmp_path)
     assert main(["launch", "--resume", str(run_dir), "configs/default.yaml", "--dry-run"]) == 2
     assert "runs with its own config.yaml: give overrides only" in capsys.readouterr().err
+
+
+def test_a_fresh_start_into_another_runs_directory_is_refused_and_touches_nothing(tmp_path):
+    """Resuming run a's checkpoint with trainer.run_dir naming run x, which did not start from
+    it, would rewind x's records to another lineage: refused, x left as it was."""
+    a = _run(tmp_path / "a")
+    x = _run(tmp_path / "x")
+    before = (x / "metrics.jsonl").read_text()
+    cfg = load_config(
+        overrides=[f"trainer.run_dir={x}", f"trainer.resume_from={a / 'checkpoints' / 'step_2'}"]
+    )
+    with pytest.raises(ConfigError, match="holds another run"):
+        resume_in_place(cfg, "asyncrl launch", pytest.fail)
+    assert (x / "metrics.jsonl").read_text() == before
+    assert [p.name for p in complete_checkpoints(x)] == ["step_2", "step_4"]
