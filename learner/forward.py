@@ -7,8 +7,8 @@ outputs are unpacked into that layout (0 past a row's end); padded, on the right
 Log-softmax and entropy are computed in float32 whatever the compute dtype, and only at
 target positions (a packed forward never computes the vocabulary softmax of a pad token).
 
-Log-probs come from the final hidden states through `learner.logprobs.chunked_logprobs`, a few
-thousand tokens at a time, never from a [tokens x vocabulary] float32 copy of the logits. The
+Log-probs come from the final hidden states through `learner.logprobs.chunked_logprobs`, in
+chunks of 256 MiB of float32 logits (523 tokens of a 128k vocabulary), never from a [tokens x vocabulary] float32 copy of the logits. The
 model still runs through `model(...)` (FSDP2's hooks fire, so its root parameters, the output
 head's and the tied embeddings' included, are unsharded), with its output head made to return
 its input for that one call (`_head_returns_hidden`). A head that cannot be chunked exactly
@@ -21,7 +21,7 @@ import functools
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 
@@ -187,7 +187,14 @@ def _head_returns_hidden(head: torch.nn.Module) -> Iterator[dict]:
     seen: dict = {}
 
     def returns_hidden(hidden: torch.Tensor) -> torch.Tensor:
-        seen.update(weight=head.weight, bias=head.bias, hidden=hidden)
+        weight = cast(torch.Tensor, head.weight)
+        if weight.untyped_storage().size() == 0:  # FSDP2 would free it before the backward
+            raise RuntimeError(
+                "the output head's weight has no storage at its call: the root FSDP module "
+                "must keep its parameters unsharded after forward (reshard_after_forward "
+                "left at its default, learner.fsdp.setup_model) for the chunked log-probs"
+            )
+        seen.update(weight=weight, bias=head.bias, hidden=hidden)
         return hidden
 
     before = head.__dict__.get("forward")  # (a hook library may have set one)

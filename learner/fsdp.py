@@ -121,6 +121,9 @@ def setup_model(
     for module in model.modules():
         if type(module).__name__ in layer_classes:
             fully_shard(module, mp_policy=mp_policy, offload_policy=offload_policy)
+    # the root keeps its parameters (output head, tied embeddings) unsharded after forward,
+    # FSDP2's default for the root: learner.forward's chunked log-probs use the head's weight
+    # after the model returns, until the backward (do not pass reshard_after_forward=True)
     fully_shard(model, mp_policy=mp_policy, offload_policy=offload_policy)
     return model
 

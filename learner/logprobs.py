@@ -85,6 +85,14 @@ def chunked_logprobs(
     return logp, entropy if with_entropy else None
 
 
+def _cast_once(
+    weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The head's weight and bias in the matmul's dtype, cast once for every chunk (a no-op
+    under FSDP2's bf16 policy; a [V, H] copy per pass under autocast with fp32 weights)."""
+    return weight.to(dtype), bias.to(dtype) if bias is not None else None
+
+
 def _chunk_logits(
     hidden: torch.Tensor,
     weight: torch.Tensor,
@@ -121,8 +129,9 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         m = hidden.shape[0]
         logp = torch.empty(m, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(m if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        w, b = _cast_once(weight, bias, dtype)
         for s in range(0, m, chunk):
-            z = _chunk_logits(hidden[s : s + chunk], weight, bias, dtype, temperature)
+            z = _chunk_logits(hidden[s : s + chunk], w, b, dtype, temperature)
             t = targets[s : s + chunk, None]
             logp[s : s + chunk] = (z.gather(-1, t) - torch.logsumexp(z, -1, keepdim=True))[:, 0]
             if with_entropy:
@@ -147,9 +156,10 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
         grad_w = torch.zeros(weight.shape, dtype=f32, device=weight.device) if need_w else None
         grad_b = torch.zeros(bias.shape, dtype=f32, device=bias.device) if need_b else None
         with_entropy_grad = ctx.entropy_grad
+        w, b = _cast_once(weight, bias, dtype)
         for s in range(0, hidden.shape[0], chunk):
             h = hidden[s : s + chunk]
-            z = _chunk_logits(h, weight, bias, dtype, temperature)
+            z = _chunk_logits(h, w, b, dtype, temperature)
             p = torch.softmax(z, dim=-1)
             if with_entropy_grad:
                 # dH/dz_j = -p_j (z_j - E_p[z]), shifted by the max as entropy_from_logits is;
@@ -169,7 +179,7 @@ class _ChunkedHeadLogprobs(torch.autograd.Function):
                 d_logits = dz.to(dtype)
                 del dz
                 if grad_h is not None:
-                    grad_h[s : s + chunk] = (d_logits @ weight.to(dtype)).to(hidden.dtype)
+                    grad_h[s : s + chunk] = (d_logits @ w).to(hidden.dtype)
                 if grad_w is not None:
                     grad_w += (d_logits.T @ h.to(dtype)).float()
             if grad_b is not None:

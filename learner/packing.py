@@ -217,6 +217,20 @@ def _segments(prompt, response, owns, starts, response_start, prompt_start):
     return groups
 
 
+def refuse_unsupported(name: str, packed_rows: PackedRows, kwargs: dict) -> None:
+    """ValueError when the model asks for attention these kernels do not compute: logit
+    soft-capping (Gemma 2), or a sliding window shorter than a packed row (Mistral-style);
+    computing full causal attention instead would give other numbers than the engine's."""
+    if kwargs.get("softcap") is not None:
+        raise ValueError(f"attention {name!r} has no logit soft-capping (the model asks for it)")
+    window = kwargs.get("sliding_window")
+    if window is not None and packed_rows.max_len > window:
+        raise ValueError(
+            f"attention {name!r} has no sliding window: a row of {packed_rows.max_len} tokens "
+            f"exceeds the model's window of {window} (learner.packing=false runs it padded)"
+        )
+
+
 def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -240,6 +254,7 @@ def packed_attention(
             f"attention {PACKED_ATTENTION!r} needs packed inputs (learner.packing.pack_rows); "
             "this model was set up for packed sequences"
         )
+    refuse_unsupported(PACKED_ATTENTION, packed_rows, kwargs)
     q, k, v = query[0], key[0], value[0]  # [heads, N, dim]
     gqa = k.shape[0] != q.shape[0]
     outs = []
@@ -341,6 +356,7 @@ def flex_packed_attention(
         )
     if dropout:
         raise ValueError(f"attention {FLEX_ATTENTION!r} has no dropout (asked: {dropout})")
+    refuse_unsupported(FLEX_ATTENTION, packed_rows, kwargs)
     mask = packed_rows.flex_block_mask()
     n, pad = query.shape[2], mask.shape[-1] - query.shape[2]
     if pad:

@@ -63,7 +63,10 @@ def forward_budget(lc: LearnerConfig) -> tuple[int, int]:
     takes them (tokens 0: count rows): `learner.max_tokens_per_forward` tokens when set, else
     twice the update's budget in the update's unit. A forward without autograd keeps no
     layer's activations for a backward, so it has room for more tokens at once than a
-    micro-batch that trains (its logits excepted: both hold those)."""
+    micro-batch that trains; its log-probs are chunked (`learner.logprobs`), so the logits do
+    not grow with it. A model on the full-logits path (`learner.forward.full_logits_reason`:
+    soft-capped or scaled logits) holds [tokens x vocabulary] logits at twice the tokens:
+    set max_tokens_per_forward to the update's budget there."""
     if lc.max_tokens_per_forward:
         return lc.micro_batch_size, lc.max_tokens_per_forward
     if lc.max_tokens_per_micro_batch:

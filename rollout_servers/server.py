@@ -293,8 +293,12 @@ class RolloutServer:
         self.trajectory_log.flush()
         for t in leases | groups:
             t.cancel()
-        await self._let_receiver_finish(receiver, RECEIVER_FINISH_S)
-        left = await self.client.drain(timeout_s=5.0)
+        # both at once: a learner still alive never closes the group, and the launcher's
+        # grace (10 s) must cover the drain too
+        _, left = await asyncio.gather(
+            self._let_receiver_finish(receiver, RECEIVER_FINISH_S),
+            self.client.drain(timeout_s=5.0),
+        )
         if left:
             log.warning("%d trajectories were not acknowledged before shutdown", left)
 

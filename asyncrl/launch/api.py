@@ -63,6 +63,7 @@ def run(
             cfg = apply_overrides(config, overrides)
         else:
             cfg = load_config(config, list(overrides))
-        args = [repr(str(config)), *map(repr, overrides)]
+        given = "Config(...)" if isinstance(config, Config) else repr(str(config))
+        args = [given, *map(repr, overrides)]  # (a Config's values are in config.yaml)
     run_dir = launch(cfg, command="asyncrl.run(" + ", ".join(args) + ")")
     return RunResult(run_dir, training_rows(read_jsonl(run_dir / "metrics.jsonl")))

@@ -150,7 +150,7 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     temperature = cfg.data.val_temperature if ns.temperature is None else ns.temperature
     check_eval_data(ns.data, cfg)
     rows = load_eval_rows(ns.data, cfg.data)
-    job = f"eval-{time.strftime('%Y%m%d-%H%M%S')}"
+    job = f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # two in one second differ
     try:
         prompts = eval_prompts(rows, n, temperature, job)
     except ValueError as e:  # a bad row after the first (rows counted across the files)

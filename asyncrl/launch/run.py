@@ -77,9 +77,10 @@ CONTEXT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_length",
 
 def check_lengths(cfg: Config, model_path: str) -> None:
     """LaunchError, before any process starts, when the configured lengths cannot fit the
-    model's context (its config.json, or the engine's own cap when one is set): a response
-    budget with no room left for a prompt, or the longest prompt plus the response budget.
-    Without this a run trains on responses the engine silently cut at the context."""
+    model's context (its config.json, or the engine's own cap when one is set, which wins: a
+    rope-scaled model may serve more than its max_position_embeddings): a response budget with
+    no room left for a prompt, or the longest prompt plus the response budget. Without this a
+    run trains on responses the engine silently cut at the context."""
     path = Path(model_path) / "config.json"
     model = json.loads(path.read_text())
     key = next((k for k in CONTEXT_KEYS if isinstance(model.get(k), int)), None)
@@ -88,7 +89,7 @@ def check_lengths(cfg: Config, model_path: str) -> None:
     context, where = model[key], f"{key} in {path}"
     rc = cfg.rollout
     engine_cap = {"vllm": rc.vllm.max_model_len, "sglang": rc.sglang.context_length}
-    if engine_cap.get(rc.engine, 0) and engine_cap[rc.engine] < context:
+    if engine_cap.get(rc.engine, 0):  # set by the user: trusted (rope scaling may allow more)
         name = "max_model_len" if rc.engine == "vllm" else "context_length"
         context, where = engine_cap[rc.engine], f"rollout.{rc.engine}.{name}"
     budget, prompt = rc.max_new_tokens, cfg.data.max_prompt_length

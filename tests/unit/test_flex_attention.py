@@ -367,3 +367,18 @@ def test_compiled_flex_on_cuda_equals_segment_sdpa(dtype):
             flex_err, sdpa_err = (a - e).abs().max().item(), (b - e).abs().max().item()
             print(f"bf16 N={n} {name}: flex {flex_err:.3e}, sdpa {sdpa_err:.3e} (vs fp32)")
             assert flex_err <= 2 * sdpa_err + 1e-2, name
+
+
+@pytest.mark.parametrize("attention", [packed_attention, flex_packed_attention])
+def test_attention_the_kernels_do_not_compute_is_refused(attention):
+    """Logit soft-capping and a sliding window shorter than a row would silently compute
+    other numbers than the model's: refused by name. A window longer than every row is exact."""
+    ids, mask, prompts, groups, _ = _batch(*CASES["small"])
+    rows = pack_rows(ids, mask, prompts, groups)
+    q = torch.randn(1, 2, rows.input_ids.shape[1], 8)
+    with pytest.raises(ValueError, match="soft-capping"):
+        attention(None, q, q, q, None, packed_rows=rows, softcap=30.0)
+    with pytest.raises(ValueError, match="sliding window: a row of 7 tokens exceeds"):
+        attention(None, q, q, q, None, packed_rows=rows, sliding_window=4)
+    out, _ = attention(None, q, q, q, None, packed_rows=rows, sliding_window=4096, softcap=None)
+    assert out.shape == (1, q.shape[2], 2, 8)

@@ -65,3 +65,11 @@ def test_other_names_of_the_context_and_none_at_all(tmp_path):
     with pytest.raises(LaunchError, match="n_positions"):
         check_lengths(cfg, _model(tmp_path, n_positions=1024))
     check_lengths(cfg, _model(tmp_path, hidden_size=8))  # states no context: nothing to check
+
+
+def test_an_engine_cap_set_above_the_config_is_trusted(tmp_path):
+    """A rope-scaled model (YaRN) serves more than its max_position_embeddings when the engine
+    is told so: the cap the user set wins."""
+    model = _model(tmp_path, max_position_embeddings=32768)
+    overrides = ["rollout.engine=vllm", "rollout.vllm.max_model_len=131072"]
+    check_lengths(load_config(None, [*overrides, "rollout.max_new_tokens=40000"]), model)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from concurrent.futures import CancelledError
 
 from asyncrl.config import load_config
 from asyncrl.metrics import read_jsonl
@@ -31,7 +32,10 @@ class _Engine:
         assert self.loop is not None
         asyncio.run_coroutine_threadsafe(self.stopping.wait(), self.loop).result()
         start = time.perf_counter()
-        asyncio.run_coroutine_threadsafe(asyncio.sleep(self.apply_s), self.loop).result()
+        try:
+            asyncio.run_coroutine_threadsafe(asyncio.sleep(self.apply_s), self.loop).result()
+        except (CancelledError, RuntimeError):  # the process ended mid-apply (bounded wait)
+            return
         self.version = 1
         yield AppliedVersion(1, time.perf_counter() - start)
 
