@@ -194,8 +194,12 @@ def _head_returns_hidden(head: torch.nn.Module) -> Iterator[dict]:
                 "must keep its parameters unsharded after forward (reshard_after_forward "
                 "left at its default, learner.fsdp.setup_model) for the chunked log-probs"
             )
-        seen.update(weight=weight, bias=head.bias, hidden=hidden)
-        return hidden
+        # the model passes a view (hidden_states[:, slice]) and returns what this returns: an
+        # FSDP2 root returning a view warns that an in-place op on it would skip its
+        # pre-backward hook, so a view is returned as a copy ([tokens x hidden], small)
+        out = hidden.clone() if hidden._is_view() else hidden
+        seen.update(weight=weight, bias=head.bias, hidden=out)
+        return out
 
     before = head.__dict__.get("forward")  # (a hook library may have set one)
     head.forward = returns_hidden
