@@ -1,5 +1,5 @@
 """`asyncrl launch` as a user starts it (a CLI subprocess), and its learner killed mid-run:
-shared by the resume tests (test_auto_resume.py, test_resume_in_place.py)."""
+shared by the resume tests (test_auto_resume.py, test_resume_in_place_runs.py)."""
 
 from __future__ import annotations
 

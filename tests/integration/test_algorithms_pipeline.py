@@ -11,6 +11,9 @@ from asyncrl.metrics import read_jsonl
 
 pytestmark = pytest.mark.integration
 
+LONG = {"decoupled_tis_reject"}
+"""Cases of a few minutes on 2 cores: the `long` tier (.ci/run's own step)."""
+
 CASES = {
     "gae_two_ranks": (
         ["algorithm.adv_estimator=gae", "learner.world_size=2"],
@@ -73,7 +76,9 @@ def model_cache(tmp_path_factory):
     return tmp_path_factory.mktemp("model_cache")
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize(
+    "case", [pytest.param(c, marks=pytest.mark.long) if c in LONG else c for c in sorted(CASES)]
+)
 def test_algorithm_runs_end_to_end(case, tmp_path, model_cache):
     overrides, extra_metrics = CASES[case]
     cfg = load_config(

@@ -65,6 +65,7 @@ def _rows(samples: list[dict]) -> list[int]:
     return [int(g.split("-")[0]) for s in samples for g in s["group_ids"]]
 
 
+@pytest.mark.long
 def test_without_auto_resume_the_same_death_fails_the_run_naming_the_learner(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     launcher = _launch(run_dir, cache_dir, retries=0)
@@ -75,6 +76,7 @@ def test_without_auto_resume_the_same_death_fails_the_run_naming_the_learner(tmp
     assert "resuming" not in out and not (run_dir / RESUMES_FILE).exists()
 
 
+@pytest.mark.long
 def test_a_learner_killed_twice_is_resumed_and_the_records_read_like_one_run(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     launcher = _launch(run_dir, cache_dir, retries=2)

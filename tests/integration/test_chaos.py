@@ -25,7 +25,10 @@ pytestmark = pytest.mark.integration
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.parametrize("kills", [False, pytest.param(True, marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "kills",
+    [pytest.param(False, marks=pytest.mark.long), pytest.param(True, marks=pytest.mark.slow)],
+)
 def test_chaos_run_passes_its_audit(tmp_path, kills):
     run_dir = tmp_path / "run"
     faults = ["--kinds", "kill,stop"] if kills else ["--kinds", "stop"]

@@ -59,6 +59,7 @@ def _run(tmp_path, cache, *overrides):
     return launch(cfg)
 
 
+@pytest.mark.long
 def test_verl_parquet_and_a_misbehaving_custom_reward(tmp_path, model_cache):
     data = _verl_style_parquet(tmp_path / "train.parquet", "my_source")
     reward = tmp_path / "my_reward.py"

@@ -160,6 +160,7 @@ def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness, extr
     assert sum(p.numel() for p in model.parameters()) > 0
 
 
+@pytest.mark.long
 def test_the_embedded_default_learns_with_a_bf16_learner(tmp_path, default_model_cache):
     """The default as shipped, with learner.dtype=bfloat16 (fp32 engine), run through the
     Python entry point (`asyncrl.run`: a loaded `Config` changed in Python, plus overrides): the reward
@@ -183,6 +184,7 @@ def test_the_embedded_default_learns_with_a_bf16_learner(tmp_path, default_model
     assert last > 0.55 and last - first > 0.25, f"reward {first:.3f} -> {last:.3f}"
 
 
+@pytest.mark.long
 def test_hf_server_updates_weights_in_flight(tmp_path, model_cache):
     """`weight_update_mode=inflight` at max_staleness=1 through the whole pipeline: versions
     land between decode steps of running requests, so some trajectories span two versions, and

@@ -12,7 +12,7 @@ from asyncrl.config import load_config
 from asyncrl.launch.cli import main
 from asyncrl.launch.run import launch
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 PNGS = {
     "reward.png",

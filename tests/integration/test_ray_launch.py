@@ -15,7 +15,7 @@ import pytest
 from asyncrl.launch.progress import training_rows
 from asyncrl.metrics import read_jsonl
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 STEPS = 200  # the local launcher's default run: reward ~0.30 -> ~0.77 over its first 200 steps
 

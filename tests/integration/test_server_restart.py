@@ -216,6 +216,7 @@ TRAIN = [
 ]
 
 
+@pytest.mark.long
 def test_a_killed_server_is_restarted_as_epoch_1_and_the_run_completes(tmp_path):
     proc, run_dir = _start(
         tmp_path, "launch", *TRAIN, f"trainer.total_steps={STEPS}", "learner.weight_checksum=true"
@@ -238,6 +239,7 @@ def test_a_killed_server_is_restarted_as_epoch_1_and_the_run_completes(tmp_path)
     _rejoined_with_the_learners_weights(run_dir, server=1, epoch=1, not_before=killed_at)
 
 
+@pytest.mark.long
 def test_a_frozen_server_holds_training_for_the_give_up_bound_not_the_server_timeout(tmp_path):
     """A server SIGSTOPped while training: the learner's next weight sync waits for it only
     until the replay has not heard from it for launch.sync_give_up_s (2 s here, against a
@@ -316,6 +318,7 @@ def test_a_stopped_server_is_declared_dead_within_the_timeout_killed_and_restart
     assert "asyncrl: server_1 was declared dead by the replay (silent for " in out
 
 
+@pytest.mark.long
 def test_a_server_out_of_restarts_is_dropped_and_training_goes_on_with_the_other(tmp_path):
     proc, run_dir = _start(
         tmp_path, "launch", *TRAIN, f"trainer.total_steps={STEPS}", "launch.max_restarts=1"

@@ -9,7 +9,7 @@ from asyncrl.config import load_config
 from asyncrl.launch.run import launch
 from asyncrl.metrics import read_jsonl
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 STEPS = 3
 

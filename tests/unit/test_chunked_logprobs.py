@@ -373,6 +373,7 @@ if __name__ == "__main__":
 
 
 # ---- the memory benchmark ----------------------------------------------------------------
+@pytest.mark.long
 def test_memory_benchmark_sees_the_float32_logits_go():
     """tools/bench_logprob_memory.py, one small case per path in fresh processes: the chunked
     path's extra peak is below the full path's by more than one float32 copy of the logits."""

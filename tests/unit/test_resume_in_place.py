@@ -3,7 +3,7 @@ builds the config from the run's config.yaml with the overrides on top, `resume_
 rewinds the records to the checkpoint, sets newer checkpoints aside and records the resume, and
 the CLI takes `--resume RUN_DIR` or `trainer.resume_from=RUN_DIR`. Checkpoints here are fakes
 (only their parts' names and trainer.json matter); the real processes, killed and resumed, are
-in tests/integration/test_resume_in_place.py."""
+in tests/integration/test_resume_in_place_runs.py."""
 
 import json
 from pathlib import Path

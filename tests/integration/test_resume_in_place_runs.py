@@ -16,7 +16,7 @@ from asyncrl.config import load_config
 from asyncrl.launch.resume import RESUMES_FILE
 from asyncrl.metrics import read_jsonl
 
-pytestmark = pytest.mark.integration
+pytestmark = [pytest.mark.integration, pytest.mark.long]
 
 
 def _killed_after(launcher: subprocess.Popen, run_dir: Path, step: int) -> str:
