@@ -108,9 +108,12 @@ def policy_forward(
     detached logits, so its vocabulary-sized intermediates are not kept for the backward.
 
     chunked: from the hidden states, `chunk_tokens` at a time (`learner.logprobs`; None: its
-    default by bytes), unless the model's head cannot be (`full_logits_reason`); else from the
-    model's full logits (the path the chunked one is tested against)."""
+    default by bytes, and the full path while the micro-batch's float32 logits fit
+    `WHOLE_LOGITS_MAX_BYTES`), unless the model's head cannot be (`full_logits_reason`); else
+    from the model's full logits (the path the chunked one is tested against)."""
     reason = full_logits_reason(model) if chunked else None
+    if chunked and reason is None and chunk_tokens is None:
+        chunked = not _logits_fit_whole(model, mb)
     if not chunked or reason is not None:
         if reason is not None:
             _say_full_logits(type(model).__name__, reason)
@@ -150,6 +153,22 @@ def _full_logits_policy_forward(
     if with_entropy:
         entropy = unpack(entropy_from_logits(logits if entropy_grad else logits.detach()))
     return unpack(logp), entropy
+
+
+WHOLE_LOGITS_MAX_BYTES = 512 * 2**20
+"""A micro-batch whose float32 logits fit in this takes the full-logits path: the chunked path
+computes the head's matmul again in the backward (chunked / full tokens/s measured 0.86-0.90x
+on a 4-layer SmolLM2-shaped model on CPU, `tools/bench_logprob_speed.py`), which buys nothing
+while the logits are this small; the full path's peak is then about six such copies (~3 GiB)."""
+
+
+def _logits_fit_whole(model: torch.nn.Module, mb: TrainBatch) -> bool:
+    head = _output_head(model)
+    vocab = getattr(head, "out_features", None)
+    if vocab is None:
+        return False
+    tokens = int(mb.attention_mask.sum())  # every target position is a real token's
+    return tokens * vocab * 4 <= WHOLE_LOGITS_MAX_BYTES
 
 
 def full_logits_reason(model: torch.nn.Module) -> str | None:

@@ -70,6 +70,7 @@ def run_case(path: str, tokens: int, vocab: int, chunk_tokens: int | None) -> di
 
     from learner.batch import TrainBatch
     from learner.forward import policy_forward
+    from learner.logprobs import default_chunk_tokens
     from learner.packing import register_packed_attention
 
     torch.manual_seed(0)
@@ -105,8 +106,10 @@ def run_case(path: str, tokens: int, vocab: int, chunk_tokens: int | None) -> di
     )
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     start = time.perf_counter()
+    # the chunked path forced (by default small micro-batches take the full one)
+    chunk = chunk_tokens or default_chunk_tokens(vocab)
     logp, entropy = policy_forward(
-        model, mb, 1.0, True, "shared", chunked=path == "chunked", chunk_tokens=chunk_tokens
+        model, mb, 1.0, True, "shared", chunked=path == "chunked", chunk_tokens=chunk
     )
     logp.sum().backward()
     seconds = time.perf_counter() - start

@@ -221,7 +221,8 @@ def test_policy_forward_chunked_equals_full_logits(layout, tied, entropy_grad):
 def test_padded_chunked_is_zero_past_a_rows_end():
     """As packed: no vocabulary softmax for a pad position; its output is 0."""
     mb = _batch()
-    logp, entropy = policy_forward(_tiny_llama(layout="padded"), mb, 1.0, True, "padded")
+    model = _tiny_llama(layout="padded")
+    logp, entropy = policy_forward(model, mb, 1.0, True, "padded", chunk_tokens=4)
     assert entropy is not None
     pad = mb.attention_mask[:, 1:] == 0
     assert pad.any() and (logp[pad] == 0).all() and (entropy[pad] == 0).all()
@@ -233,7 +234,7 @@ def test_the_head_is_restored_and_a_no_grad_pass_works():
     model = _tiny_llama(True)
     mb = _batch()
     with torch.no_grad():
-        logp, _ = policy_forward(model, mb, 1.0, False, "packed")
+        logp, _ = policy_forward(model, mb, 1.0, False, "packed", chunk_tokens=4)
         want, _ = policy_forward(model, mb, 1.0, False, "packed", chunked=False)
     torch.testing.assert_close(logp, want, atol=TOLERANCE, rtol=TOLERANCE)
     assert "forward" not in model.lm_head.__dict__
@@ -300,7 +301,7 @@ def test_a_model_that_changes_its_logits_unannounced_is_refused():
     model = _tiny_llama()
     scaled = Scaled(model.config)
     with pytest.raises(RuntimeError, match="POSTPROCESSED_LOGITS"):
-        policy_forward(scaled, _batch(), 1.0, False, "packed")
+        policy_forward(scaled, _batch(), 1.0, False, "packed", chunk_tokens=4)
     assert "forward" not in scaled.lm_head.__dict__
 
 
@@ -391,3 +392,23 @@ def test_memory_benchmark_sees_the_float32_logits_go():
     chunked = bench.measure("chunked", tokens, vocab, 64, 1, budget)
     logits = full["targets"] * vocab * 4  # 32 MiB
     assert full["extra_peak"] - chunked["extra_peak"] > logits
+
+
+def test_a_micro_batch_whose_logits_are_small_takes_the_full_path(monkeypatch):
+    """By default (no chunk size asked for) the chunked path, which computes the head again in
+    the backward, is taken only once the float32 logits outgrow WHOLE_LOGITS_MAX_BYTES; both
+    give the same numbers."""
+    import learner.forward as forward
+
+    model, mb = _tiny_llama(), _batch()
+    taken: list[str] = []
+    real = forward.chunked_logprobs
+    monkeypatch.setattr(
+        forward, "chunked_logprobs", lambda *a, **k: taken.append("chunked") or real(*a, **k)
+    )
+    small, _ = policy_forward(model, mb, 1.0, False, "packed")
+    assert taken == []
+    monkeypatch.setattr(forward, "WHOLE_LOGITS_MAX_BYTES", 0)
+    large, _ = policy_forward(model, mb, 1.0, False, "packed")
+    assert taken == ["chunked"]
+    torch.testing.assert_close(large, small, atol=TOLERANCE, rtol=TOLERANCE)
