@@ -20,6 +20,7 @@ Invariants every engine keeps:
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -30,6 +31,8 @@ if TYPE_CHECKING:  # the launcher checks agent-loop names through this module: n
 
     from asyncrl.delivery_probe import DeliveryProbe
     from asyncrl.weight_transport import Transport
+
+log = logging.getLogger("asyncrl.rollout")
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,30 @@ class Engine(ABC):
 
     responses_capped_by_context = 0
     """Requests whose response budget was cut to the room the prompt left in the model's
-    context (counted in the server's stats; the first is logged)."""
+    context (counted in the server's stats; the first is logged): `note_context_cap`."""
+    context_tokens: int | None = None
+    """The most tokens (prompt plus response) the engine samples in one sequence, where it
+    knows it; None: not checked."""
+
+    def note_context_cap(self, prompt_len: int, max_new_tokens: int) -> None:
+        """Count (and log the first) request whose response budget runs past the context:
+        the engine ends such a response at the context ("length"), which would otherwise
+        look like a response the model chose to make long."""
+        context = self.context_tokens
+        if context is None or prompt_len + max_new_tokens <= context:
+            return
+        if not self.responses_capped_by_context:
+            log.warning(
+                "a prompt of %d tokens leaves %d of the %d new tokens asked for in the "
+                "model's context of %d: such responses end at the context (counted in stats "
+                "as responses_capped_by_context; data.max_prompt_length bounds it)",
+                prompt_len,
+                max(0, context - prompt_len),
+                max_new_tokens,
+                context,
+            )
+        self.responses_capped_by_context += 1
+
     on_batch: Callable[[float, float, int, int], None] | None = None
     """Called after each busy period (from the first sequence in flight to none; both engines
     batch continuously) with (unix start, seconds, sequences admitted, version at its start)."""

@@ -97,6 +97,7 @@ class GatedEngine(Engine):
         if not prompt_ids:
             raise ValueError("prompt_ids must not be empty")
         self._check_params(params)
+        self.note_context_cap(len(prompt_ids), params.max_new_tokens)  # it ends at the context
         future = asyncio.run_coroutine_threadsafe(
             self._generate(list(prompt_ids), params), self._loop
         )

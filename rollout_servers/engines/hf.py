@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import logging
 import time
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
@@ -38,8 +37,6 @@ from rollout_servers.engines.base import (
 )
 from rollout_servers.engines.hf_sampling import AdmitError, InflightKV, LiveBatch, Row
 from rollout_servers.engines.hf_versions import HFVersionGate
-
-log = logging.getLogger("asyncrl.rollout")
 
 ATTN_IMPLEMENTATION = "sdpa"
 """Attention kernel of the HF engine; its log-probs match a right-padded sdpa or eager forward
@@ -141,6 +138,7 @@ class HFEngine(HFVersionGate):
         # prompt and response together fit the positions the model has (the replay refuses
         # longer trajectories, so a response running past them would be generated for nothing)
         self._context = getattr(config, "max_position_embeddings", None) or 2**31
+        self.context_tokens = self._context
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._closed = False
         self._pending: deque[_Request] = deque()  # appended by the loop, taken by the worker
@@ -161,17 +159,7 @@ class HFEngine(HFVersionGate):
                 f"context of {self._context}"
             )
         if params.max_new_tokens > room:  # the response ends at the context ("length")
-            if not self.responses_capped_by_context:
-                log.warning(
-                    "a prompt of %d tokens leaves %d of the %d new tokens asked for in the "
-                    "model's context of %d: such responses end at the context (counted in "
-                    "stats as responses_capped_by_context; data.max_prompt_length bounds it)",
-                    len(prompt_ids),
-                    room,
-                    params.max_new_tokens,
-                    self._context,
-                )
-            self.responses_capped_by_context += 1
+            self.note_context_cap(len(prompt_ids), params.max_new_tokens)
             params = dataclasses.replace(params, max_new_tokens=room)
         vocab = cast(int, self.model.get_input_embeddings().num_embeddings)
         if bad := [t for t in prompt_ids if not 0 <= t < vocab]:

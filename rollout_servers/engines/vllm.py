@@ -183,6 +183,7 @@ class VLLMEngine(GatedEngine):
             self.model_path, options, seed, dtype, gpu_memory_fraction, tensor_parallel
         )
         self.llm = self._start_loop("vllm-engine-loop", lambda: AsyncLLM.from_engine_args(args))
+        self.context_tokens = self.llm.model_config.max_model_len  # vLLM ends a response there
 
     # ---- generation -------------------------------------------------------------------------
     async def _run(

@@ -30,6 +30,7 @@ from asyncrl.config import VLLMConfig
 from asyncrl.learner_config import LoraConfig
 from learner.delivery import delivery_probe
 from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters
+from rollout_servers.engines.base import SamplingParams
 from rollout_servers.engines.vllm import VLLMEngine
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -50,6 +51,10 @@ async def test_engine_follows_two_broadcast_versions(model_path):
 async def test_engine_maps_sampling_parameters(model_path):
     async with closed_after(VLLMEngine(model_path, OPTIONS, seed=1)) as engine:
         await check_sampling_parameters(engine)
+        # a response budget past the context: vLLM ends it there, the engine counts it
+        assert engine.context_tokens == 256  # the tiny model's max_position_embeddings
+        out = await engine.generate([5] * 250, SamplingParams(temperature=0.0, max_new_tokens=20))
+        assert len(out.token_ids) <= 6 and engine.responses_capped_by_context == 1
 
 
 async def test_delivery_check_stops_an_engine_whose_weights_are_not_the_version(model_path):
