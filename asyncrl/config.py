@@ -419,19 +419,17 @@ def load_config(
         raise ConfigError(f"{path}: not valid YAML ({e})") from e
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    for text in overrides:
-        key_path, value = parse_override(text)
-        _apply(tree, key_path, value)
-    try:
-        return Config.model_validate(tree)
-    except ValidationError as e:
-        raise ConfigError(format_errors(e, Config)) from None
+    return _validated(tree, overrides)
 
 
 def apply_overrides(cfg: Config, overrides: Sequence[str] = ()) -> Config:
     """`cfg` with `section.key=value` overrides applied, validated as `load_config` does
     (ConfigError naming what is wrong); `cfg` itself is left as it was."""
-    tree = cfg.model_dump(mode="json")
+    return _validated(cfg.model_dump(mode="json"), overrides)
+
+
+def _validated(tree: dict[str, Any], overrides: Sequence[str]) -> Config:
+    """The Config of `tree` with `overrides` applied; ConfigError naming what is wrong."""
     for text in overrides:
         key_path, value = parse_override(text)
         _apply(tree, key_path, value)
