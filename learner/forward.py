@@ -11,9 +11,10 @@ Log-probs of a micro-batch whose float32 logits outgrow `WHOLE_LOGITS_MAX_BYTES`
 come from the final hidden states through `learner.logprobs.chunked_logprobs`, in chunks of
 256 MiB of float32 logits (523 tokens of a 128k vocabulary), never from a [tokens x vocabulary]
 float32 copy of the logits; smaller ones take the full-logits path, which is faster (the
-chunked backward computes the head again) and small at that size. The model still runs through `model(...)` (FSDP2's hooks fire, so its root parameters, the output
-head's and the tied embeddings' included, are unsharded), with its output head made to return
-its input for that one call (`_head_returns_hidden`). A head that cannot be chunked exactly
+chunked backward computes the head again) and small at that size. The model still runs through
+`model(...)` (FSDP2's hooks fire, so its root parameters, the output head's and the tied
+embeddings' included, are unsharded), with its output head made to return its input for that
+one call (`_head_returns_hidden`). A head that cannot be chunked exactly
 (`full_logits_reason`) takes the full-logits path, as does `chunked=False`.
 """
 
