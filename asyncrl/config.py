@@ -120,7 +120,11 @@ class ReplayConfig(_Section):
     max_group_failures: int = Field(3, ge=1)
     """A row whose group a server could not sample this many times is given up (logged)."""
     max_message_mb: float = Field(64.0, gt=0)
-    """Messages larger than this are rejected and counted."""
+    """A learner's or server's message larger than this is rejected (raw size, before decoding)."""
+    max_client_message_mb: float = Field(0.25, gt=0)
+    """The same for a `client` key (`asyncrl eval`): it sends a large job in parts under this."""
+    eval_jobs_mb: float = Field(1024.0, gt=0)
+    """Memory the replay lets evaluation jobs hold in all; a job that would pass it is refused."""
     wait_timeout_s: float = Field(1.0, gt=0)
     """A held lease or batch request is answered empty after this (clients poll again)."""
 
@@ -144,8 +148,7 @@ class TrainerConfig(_Section):
     """Checkpoint (learner weights and optimizer, the replay's state) every this many steps
     (0: never); see `asyncrl.checkpoints`."""
     keep_checkpoints: int = Field(0, ge=0)
-    """Keep only the newest this many checkpoints, deleting older ones as each new one is
-    written (0: keep all; `tools/chaos.py` audits every one)."""
+    """Keep the newest this many checkpoints, deleting older ones (0: all; see tools/chaos.py)."""
     resume_from: str | None = None
     """A complete checkpoint directory (run_dir/checkpoints/step_N) to continue training from.
     On the command line a run directory continues that run in place, with its own config

@@ -10,7 +10,7 @@ Who sends what (replies echo the request's `request_id`):
     learner rank 0 -> replay   BatchRequest   -> Batch        (whole groups; may be empty)
     learner rank 0 -> replay   VersionUpdate  -> Ack
     anyone         -> replay   StatsRequest   -> Stats        (counters for progress and tests)
-    evaluator      -> replay   EvalSubmit     -> Ack          (prompts leased before training ones)
+    evaluator      -> replay   EvalSubmit     -> Ack          (prompts leased first; in parts)
     evaluator      -> replay   EvalPoll       -> EvalResults  (scores so far; done when complete)
     learner rank 0 -> replay   CheckpointRequest -> Ack       (replay saves its data position)
     learner rank 0 -> replay   DeclareDead    -> Ack          (a server dropped from weight sync)
@@ -204,6 +204,9 @@ class EvalSubmit:
     request_id: int  # echoed in the Ack
     job_id: str  # unique name of the job (prompts carry it as eval_job)
     prompts: list[PromptItem]  # each sampled prompt.n times; never trained on
+    # more parts of this job follow (a large job travels in parts under the sender's size
+    # limit, `ReplayClient.submit_eval`); the job is not finished before its last part
+    more: bool = False
 
     def validate(self) -> None:
         check_index(self.request_id, "request_id")

@@ -17,6 +17,7 @@ from typing import Any, Protocol, TypeVar
 import zmq
 
 from asyncrl.auth import RoleKey
+from asyncrl.codec import encode
 from asyncrl.protocol import (
     Ack,
     Batch,
@@ -34,6 +35,34 @@ from asyncrl.protocol import (
     VersionUpdate,
 )
 from asyncrl.transport import decode_signed, send_msg, setup_socket
+
+EVAL_PART_BYTES = 240 * 1024
+"""Most bytes one part of an evaluation job weighs on the wire: under the replay's default limit
+for a client's message (`replay.max_client_message_mb`, 256 KiB), with room for the
+authentication frame. That limit keeps any one message from holding the replay's loop for long
+(decoding a prompt-heavy message costs up to ~0.7 s per MiB on a loaded CPU)."""
+
+
+def eval_parts(job_id: str, prompts: list[PromptItem], part_bytes: int) -> list[EvalSubmit]:
+    """`prompts` as the parts of job `job_id`, each at most `part_bytes` on the wire (every
+    part but the last says `more`); ValueError naming a prompt that alone weighs more."""
+    parts: list[EvalSubmit] = []
+    start, step = 0, max(1, len(prompts))
+    while start < len(prompts) or not parts:
+        chunk = prompts[start : start + step]
+        part = EvalSubmit(2**31 - 1, job_id, chunk, more=start + len(chunk) < len(prompts))
+        size = sum(len(f) for f in encode(part))
+        if size <= part_bytes:
+            parts.append(part)
+            start += len(chunk)
+        elif len(chunk) > 1:  # a smaller part, sized by what this one weighed
+            step = max(1, min(len(chunk) - 1, int(len(chunk) * part_bytes / size * 0.9)))
+        else:
+            raise ValueError(
+                f"evaluation prompt {chunk[0].group_id!r} alone weighs {size} bytes on the wire, "
+                f"over the {part_bytes} bytes of one part (replay.max_client_message_mb)"
+            )
+    return parts
 
 
 class ReplayUnavailable(RuntimeError):
@@ -96,9 +125,13 @@ class ReplayClient:
     def publish_version(self, version: int) -> None:
         self._request(lambda i: VersionUpdate(i, version), Ack)
 
-    def submit_eval(self, job_id: str, prompts: list[PromptItem]) -> None:
-        """Queue an evaluation job; servers sample its prompts before any training prompt."""
-        self._request(lambda i: EvalSubmit(i, job_id, prompts), Ack)
+    def submit_eval(
+        self, job_id: str, prompts: list[PromptItem], part_bytes: int = EVAL_PART_BYTES
+    ) -> None:
+        """Queue an evaluation job, in parts of at most `part_bytes` (`eval_parts`); servers
+        sample its prompts before any training prompt."""
+        for part in eval_parts(job_id, prompts, part_bytes):
+            self._request(lambda i, p=part: dataclasses.replace(p, request_id=i), Ack)
 
     def poll_eval(self, job_id: str) -> EvalResults:
         return self._request(lambda i: EvalPoll(i, job_id), EvalResults)

@@ -59,7 +59,7 @@ def setup_replay_components(
         seen_ids_limit=max(1 << 16, 16 * rc.capacity_groups * cfg.rollout.n),
         limits=TokenLimits.of_model(model_path),
     )
-    eval_jobs = EvalJobs(forget_after_s=rc.lease_timeout_s)
+    eval_jobs = EvalJobs(rc.lease_timeout_s, max_bytes=int(rc.eval_jobs_mb * 2**20))
     leases = LeaseDesk(
         cfg,
         prompts,

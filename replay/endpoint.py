@@ -5,7 +5,9 @@ exactly one outcome:
 
     handled                    a handler took it (and answered, now or later)
     rejected_malformed         it does not decode: framing, header, a field's type or range
-    rejected_oversized         larger than replay.max_message_mb
+    rejected_oversized         larger than its role's limit (`replay.max_message_mb`,
+                               `replay.max_client_message_mb` for a client), measured on the
+                               raw frames before the signature is checked or anything decoded
     rejected_unauthenticated   no valid authentication frame (`asyncrl.auth`); answered with
                                an unsigned Error and nothing else
     rejected_unexpected        a type this endpoint does not accept
@@ -32,7 +34,7 @@ from typing import Any
 
 import zmq
 
-from asyncrl.auth import AuthError
+from asyncrl.auth import AuthError, role_kind
 from asyncrl.codec import ProtocolError, encode
 from asyncrl.protocol import Error
 from asyncrl.transport import decode_frames, send_msg, setup_socket
@@ -54,16 +56,21 @@ class Endpoint:
         self,
         address: str,
         access: AccessRules,
-        max_bytes: int,
+        max_bytes: dict[str, int],
         allow_remote: bool,
         counters: Counter[str],
     ) -> None:
+        """`max_bytes`: the largest message (all its frames) each kind of role may send
+        (learner, server, client); a message is held to the limit of the role its
+        authentication frame names, before anything else is done with it."""
         self.access = access
         self.max_bytes = max_bytes
+        largest = max(max_bytes.values())
         self.counters = counters
         self._handlers: dict[type, Callable[[Peer, Any], None]] = {}
         self._rejected = False  # the message being handled was rejected (counted as such)
         self._peer, self._kind = Peer(b"", None), "message"  # the message being handled
+        self._size = 0  # its bytes on the wire (all frames after the identity)
         self._ctx = zmq.Context()
         # a frame up to twice the limit is read and answered "oversized"; for a larger one
         # ZeroMQ drops the peer's connection before buffering it (without this a forged 1.5 GB
@@ -73,7 +80,7 @@ class Endpoint:
             zmq.ROUTER,
             bind=address,
             allow_remote=allow_remote,
-            max_frame_bytes=2 * max_bytes,
+            max_frame_bytes=2 * largest,
         )
 
     def close(self, linger_ms: int = 100) -> None:
@@ -106,9 +113,10 @@ class Endpoint:
         if len(body) < 2:  # an authentication frame and a header at least
             self._reject(peer, "rejected_unauthenticated", "no authentication frame")
             return
-        size = sum(len(f) for f in body)
-        if size > self.max_bytes:
-            reason = f"oversized message: {size} bytes > limit {self.max_bytes}"
+        size, (kind, limit) = sum(len(f) for f in body), self._limit(body[0].bytes)
+        self._size = size
+        if size > limit:  # before the signature is computed over it, or anything decoded
+            reason = f"oversized message: {size} bytes > limit {limit} for a {kind}"
             self._reject(peer, "rejected_oversized", reason)
             return
         try:
@@ -118,7 +126,7 @@ class Endpoint:
             return
         peer = self._peer = Peer(peer.identity, role)
         try:
-            msg = decode_frames([f.bytes for f in body[1:]], max_bytes=self.max_bytes)
+            msg = decode_frames([f.bytes for f in body[1:]], max_bytes=limit)
         except ProtocolError as e:
             self._reject(peer, "rejected_malformed", str(e))
             return
@@ -130,6 +138,16 @@ class Endpoint:
             self._reject(peer, "rejected_forbidden", reason)
         else:
             handler(peer, msg)
+
+    def _limit(self, auth_frame: bytes) -> tuple[str, int]:
+        """(role kind, size limit) for the role `auth_frame` names; a frame that names none
+        gets the smallest limit (it will fail authentication anyway, unless it is small)."""
+        claimed = auth_frame.partition(b":")[0].decode("ascii", "replace")
+        try:
+            kind = role_kind(claimed)
+        except ValueError:
+            return "sender", min(self.max_bytes.values())
+        return kind, self.max_bytes[kind]
 
     def _send(self, peer: Peer, msg: Any) -> None:
         """Reply to `peer`, signed with the key of its role (unsigned if it has none)."""

@@ -7,11 +7,20 @@ Invariant: an evaluation sample never reaches a training batch, and each is coun
 group's sample slot (its sample_index, below the prompt's n) is filled once, so no group gives
 more than its n samples whatever ids they carry.
 
-Bounds: at most MAX_OPEN_JOBS unfinished jobs and MAX_JOB_SAMPLES samples per job (over them:
-`EvalQuotaExceeded`), MAX_JOBS kept in all (a new job frees the oldest finished one); a finished
-job is freed FINISHED_KEEP_S after its last poll, and any job
-nobody has polled for `forget_after_s` is freed with its unleased prompts (samples of a freed
-job arriving later are answered `late`).
+A large job arrives in parts (`EvalSubmit.more`: more parts follow), each under the sender's
+size limit, so no one message takes the replay's loop for long; the job's prompts are leased as
+its parts come, and it is not finished before its last part. A part that is refused ends its
+job: the job is freed with the parts before it.
+
+Bounds: at most MAX_OPEN_JOBS unfinished jobs and MAX_JOB_SAMPLES samples per job, and at most
+`max_bytes` (`replay.eval_jobs_mb`) of memory held by all the jobs kept (over any of them:
+`EvalQuotaExceeded`, naming the bound). A job's memory is charged as it is submitted, by
+`job_charge`: the wire bytes of its parts plus PROMPT_BYTES per prompt and SAMPLE_BYTES per
+expected sample (what the decoded objects and the score records add to the wire bytes, measured
+by tests/unit/test_eval_memory.py), and is given back when the job is freed. MAX_JOBS are kept
+in all; a new job frees the oldest finished ones it needs room (or memory) for; a finished job is
+freed FINISHED_KEEP_S after its last poll, and any job nobody has polled for `forget_after_s` is
+freed with its unleased prompts (samples of a freed job arriving later are answered `late`).
 """
 
 from __future__ import annotations
@@ -29,6 +38,18 @@ MAX_OPEN_JOBS = 16
 MAX_JOBS = 64  # open and finished: the oldest finished job makes room for a new one
 MAX_JOB_SAMPLES = 1 << 20
 FINISHED_KEEP_S = 60.0
+PROMPT_BYTES = 2048
+"""Memory a decoded prompt holds beyond its wire bytes (its objects, its copy in the queue, its
+group's entries), charged per prompt: small prompts decode to about 1 KB more than they weigh
+on the wire (tests/unit/test_eval_memory.py holds the charge above what is measured)."""
+SAMPLE_BYTES = 256
+"""Memory one expected sample's score record and slot take (`_Job`), charged per sample."""
+
+
+def job_charge(wire_bytes: int, prompts: int, samples: int) -> int:
+    """The memory a part of `prompts` prompts (`samples` samples in all) that weighed
+    `wire_bytes` on the wire is charged (see the module docstring)."""
+    return wire_bytes + PROMPT_BYTES * prompts + SAMPLE_BYTES * samples
 
 
 class EvalQuotaExceeded(ValueError):
@@ -39,6 +60,8 @@ class EvalQuotaExceeded(ValueError):
 class _Job:
     expected: int
     touched: float  # monotonic time of submission, of the last poll or sample
+    charge: int = 0  # memory charged to it (`job_charge` of its parts)
+    receiving: bool = False  # more parts of it are to come (not finished before the last)
     seen: set[tuple[str, int]] = field(default_factory=set)  # (group_id, sample_index) filled
     group_ids: list[str] = field(default_factory=list)
     data_sources: list[str] = field(default_factory=list)
@@ -49,7 +72,7 @@ class _Job:
 
 
 class EvalJobs:
-    def __init__(self, forget_after_s: float) -> None:
+    def __init__(self, forget_after_s: float, max_bytes: int = 1 << 30) -> None:
         self._jobs: dict[str, _Job] = {}
         self._pending: deque[PromptItem] = deque()
         # group_id -> (job_id, data_source, n)
@@ -58,19 +81,54 @@ class EvalJobs:
         self._leased: dict[str, PromptItem] = {}  # leased groups not yet complete
         self._held_by: dict[str, set[int]] = {}  # group_id -> every server it was leased to
         self.forget_after_s = forget_after_s
+        self.max_bytes = max_bytes
         self.freed = 0
 
-    def submit(self, job_id: str, prompts: list[PromptItem], now: float) -> None:
-        """Queue a job; ValueError (or its EvalQuotaExceeded) if it cannot be, with nothing of
-        it kept."""
-        if job_id in self._jobs:
+    @property
+    def held_bytes(self) -> int:
+        """The memory charged to the jobs kept now (`job_charge`), at most `max_bytes`."""
+        return sum(job.charge for job in self._jobs.values())
+
+    def submit(
+        self,
+        job_id: str,
+        prompts: list[PromptItem],
+        now: float,
+        more: bool = False,
+        wire_bytes: int = 0,
+    ) -> None:
+        """Queue a job, or the next part of one still receiving (`more`: parts follow), that
+        weighed `wire_bytes` on the wire. ValueError (or its EvalQuotaExceeded) if it cannot
+        be; then nothing of the job is kept, its earlier parts included."""
+        job = self._jobs.get(job_id)
+        try:
+            self._check(job_id, job, prompts, wire_bytes)
+        except ValueError:
+            if job is not None and job.receiving:
+                self._free({job_id})
+            raise
+        if job is None:
+            job = self._jobs[job_id] = _Job(expected=0, touched=now)
+        job.expected += sum(p.n for p in prompts)
+        job.charge += job_charge(wire_bytes, len(prompts), sum(p.n for p in prompts))
+        job.touched, job.receiving = now, more
+        for p in prompts:
+            self._group_job[p.group_id] = (job_id, p.data_source, p.n)
+        self._pending.extend(dataclasses.replace(p, failures=0) for p in prompts)  # ours to count
+
+    def _check(self, job_id: str, job: _Job | None, prompts: list[PromptItem], size: int) -> None:
+        """Raise unless the part `prompts` can join `job` (None: a new job `job_id`), freeing
+        the finished jobs that it needs room or memory for."""
+        if job is not None and not job.receiving:
             raise ValueError(f"evaluation job {job_id!r} already exists")
-        open_jobs = sum(1 for j in self._jobs.values() if len(j.seen) < j.expected)
-        if open_jobs >= MAX_OPEN_JOBS:
-            raise EvalQuotaExceeded(
-                f"{open_jobs} evaluation jobs are open (at most {MAX_OPEN_JOBS})"
-            )
-        expected = sum(p.n for p in prompts)
+        if job is None:
+            open_jobs = sum(1 for j in self._jobs if not self._finished(j))
+            if open_jobs >= MAX_OPEN_JOBS:
+                raise EvalQuotaExceeded(
+                    f"{open_jobs} evaluation jobs are open (at most {MAX_OPEN_JOBS})"
+                )
+        samples = sum(p.n for p in prompts)
+        expected = samples + (0 if job is None else job.expected)
         if expected > MAX_JOB_SAMPLES:
             raise EvalQuotaExceeded(f"{expected} samples in one job (at most {MAX_JOB_SAMPLES})")
         groups = {p.group_id for p in prompts}
@@ -79,24 +137,30 @@ class EvalJobs:
         for p in prompts:
             if p.eval_job != job_id:
                 raise ValueError(f"prompt {p.group_id!r} is not marked for job {job_id!r}")
-        self._make_room()
-        self._jobs[job_id] = _Job(expected=expected, touched=now)
-        for p in prompts:
-            self._group_job[p.group_id] = (job_id, p.data_source, p.n)
-        self._pending.extend(dataclasses.replace(p, failures=0) for p in prompts)  # ours to count
-
-    def _make_room(self) -> None:
-        """Free the oldest finished jobs while MAX_JOBS are kept (fewer than MAX_OPEN_JOBS are
-        open here, so there is always one to free)."""
-        while len(self._jobs) >= MAX_JOBS:
-            oldest = min(
-                (j for j in self._jobs if self._finished(j)), key=lambda j: self._jobs[j].touched
+        charge = job_charge(size, len(prompts), samples)
+        self._make_room(charge, new_job=job is None)
+        if self.held_bytes + charge > self.max_bytes:
+            raise EvalQuotaExceeded(
+                f"evaluation jobs would hold {(self.held_bytes + charge) / 2**20:.1f} MiB, over "
+                f"the replay's cap replay.eval_jobs_mb={self.max_bytes / 2**20:g} (held by the "
+                "jobs open now: wait for them, or raise the cap)"
             )
-            self._free({oldest})
+
+    def _make_room(self, charge: int, new_job: bool) -> None:
+        """Free the oldest finished jobs while MAX_JOBS are kept (for a new job) or `charge`
+        more bytes would pass `max_bytes`, as long as finished ones are left (fewer than
+        MAX_OPEN_JOBS are open when a new job comes, so for MAX_JOBS one always is)."""
+        while (new_job and len(self._jobs) >= MAX_JOBS) or (
+            self.held_bytes + charge > self.max_bytes
+        ):
+            finished = [j for j in self._jobs if self._finished(j)]
+            if not finished:
+                return
+            self._free({min(finished, key=lambda j: self._jobs[j].touched)})
 
     def _finished(self, job_id: str) -> bool:
         job = self._jobs[job_id]
-        return len(job.seen) >= job.expected
+        return not job.receiving and len(job.seen) >= job.expected
 
     def expire(self, now: float) -> None:
         """Free finished jobs polled FINISHED_KEEP_S ago and any job untouched for
@@ -105,7 +169,7 @@ class EvalJobs:
             job_id
             for job_id, job in self._jobs.items()
             if now - job.touched
-            > (FINISHED_KEEP_S if len(job.seen) >= job.expected else self.forget_after_s)
+            > (FINISHED_KEEP_S if self._finished(job_id) else self.forget_after_s)
         }
         if gone:
             self._free(gone)

@@ -108,7 +108,9 @@ class ReplayService(Endpoint):
         """Bind `address` and drive `parts` (`setup_replay_components`)."""
         rc = cfg.replay
         max_bytes = int(rc.max_message_mb * 2**20)
-        super().__init__(address, parts.access, max_bytes, cfg.launch.allow_remote, parts.counters)
+        limits = {"learner": max_bytes, "server": max_bytes}
+        limits["client"] = int(rc.max_client_message_mb * 2**20)
+        super().__init__(address, parts.access, limits, cfg.launch.allow_remote, parts.counters)
         self.cfg = cfg
         self.address = address
         self.buffer = parts.buffer
@@ -184,6 +186,7 @@ class ReplayService(Endpoint):
             "held_batch_requests": float(len(self.held_batches)),
             "learner_version": float(self.learner_version),
             "eval_jobs_freed": float(self.eval_jobs.freed),
+            "eval_jobs_held_mb": self.eval_jobs.held_bytes / 2**20,  # replay.eval_jobs_mb caps it
             "servers_forgotten": float(self.fleet.forgotten),
             "servers_alive": float(len(self.health.epochs())),
             "peak_rss_mb": peak_rss_mb(),
@@ -267,7 +270,8 @@ class ReplayService(Endpoint):
 
     def _on_eval_submit(self, peer: Peer, msg: EvalSubmit) -> None:
         try:
-            self.eval_jobs.submit(msg.job_id, msg.prompts, time.monotonic())
+            now = time.monotonic()
+            self.eval_jobs.submit(msg.job_id, msg.prompts, now, msg.more, self._size)
         except EvalQuotaExceeded as e:
             self._reject(peer, "rejected_quota", str(e))
             return
