@@ -9,6 +9,7 @@ Requests are signed with this process's role key and replies checked with it (`a
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import time
 from collections.abc import Callable
@@ -63,6 +64,10 @@ def eval_parts(job_id: str, prompts: list[PromptItem], part_bytes: int) -> list[
                 f"over the {part_bytes} bytes of one part (replay.max_client_message_mb)"
             )
     return parts
+
+
+def _numbered(part: EvalSubmit, request_id: int) -> EvalSubmit:
+    return dataclasses.replace(part, request_id=request_id)
 
 
 class ReplayUnavailable(RuntimeError):
@@ -131,7 +136,7 @@ class ReplayClient:
         """Queue an evaluation job, in parts of at most `part_bytes` (`eval_parts`); servers
         sample its prompts before any training prompt."""
         for part in eval_parts(job_id, prompts, part_bytes):
-            self._request(lambda i, p=part: dataclasses.replace(p, request_id=i), Ack)
+            self._request(functools.partial(_numbered, part), Ack)
 
     def poll_eval(self, job_id: str) -> EvalResults:
         return self._request(lambda i: EvalPoll(i, job_id), EvalResults)
