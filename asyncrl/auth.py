@@ -5,12 +5,24 @@ The launcher makes a random 32-byte run secret and writes it to `run_dir/run.sec
 
     learner     may take batches, publish versions, ask for checkpoints, evaluate, read stats
     server_<i>  rollout server i: may lease prompts and send trajectories as server i (the
-                replay checks the server_id they carry), read stats
+                replay checks the server_id they carry), read stats; its restart e (e >= 1)
+                gets the key of `server_<i>@<e>` instead, the only key whose heartbeats may
+                carry epoch e
     client      may evaluate and read stats (`asyncrl eval`, the launcher's progress, tools)
 
 A process gets only what it needs, in its environment (never on its command line): the replay
 gets the run secret (it checks every role); a learner rank or a rollout server gets its role's
 key. `asyncrl eval --address` reads the secret from `--run-dir` or `--secret-file`.
+
+Epochs only step forward from what the launcher started. A server's epoch (its restart count)
+is bound to its key: the launcher, which holds the secret, hands restart e the key of
+`server_<i>@<e>` (`auth_env`), and the replay takes a heartbeat's epoch only from a message
+signed with that epoch's key (`replay.access`). A server process holds its own epoch's key and
+no other, so it cannot forge a later epoch (a heartbeat with epoch 2**31-1 once locked its slot
+out for good: every real restart after it was refused as older). Why keys and not a bound the
+launcher tells the replay: nothing to keep in step (the launcher's notice and the server's first
+heartbeat could arrive in either order), nothing to rebuild when the replay restarts, and no new
+role for the launcher.
 
 On the wire every message is preceded by one authentication frame:
 
@@ -37,7 +49,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROLES = ("learner", "server", "client")
-"""The kinds of role; a server's role names its index: `server_0`, `server_1`, ..."""
+"""The kinds of role; a server's role names its index, and its epoch from the first restart on:
+`server_0`, `server_1`, `server_1@1`, ... (`server_role`)."""
+EPOCH_ENV = "ASYNCRL_SERVER_EPOCH"  # a rollout server's epoch, set by the launcher
 SECRET_FILE = "run.secret"
 SECRET_ENV = "ASYNCRL_RUN_SECRET"  # the run secret, hex (the replay; a user's shell)
 KEY_ENV = "ASYNCRL_AUTH_KEY"  # "<role>:<key hex>" (a learner rank or a rollout server)
@@ -78,19 +92,35 @@ def _mac(key: bytes, role: str, frames: Sequence[bytes | memoryview]) -> bytes:
     return h.digest()
 
 
+def _number(text: str) -> bool:
+    return text.isascii() and text.isdigit() and str(int(text)) == text
+
+
 def role_kind(role: str) -> str:
-    """learner | server | client: what `role` may do (`server_3` is a server)."""
-    kind, _, index = role.rpartition("_")
-    if kind == "server" and index.isdigit() and str(int(index)) == index:
+    """learner | server | client: what `role` may do (`server_3`, `server_3@2` are servers)."""
+    base, at, epoch = role.partition("@")
+    kind, _, index = base.rpartition("_")
+    if kind == "server" and _number(index) and (not at or (_number(epoch) and int(epoch) > 0)):
         return kind
     if role in ("learner", "client"):
         return role
-    raise ValueError(f"unknown role {role!r}: learner, client or server_<index>")
+    raise ValueError(f"unknown role {role!r}: learner, client or server_<index>[@<epoch>]")
 
 
 def server_index(role: str) -> int | None:
     """The index of a `server_<i>` role (None for the other roles)."""
-    return int(role.rpartition("_")[2]) if role_kind(role) == "server" else None
+    return int(role.partition("@")[0].rpartition("_")[2]) if role_kind(role) == "server" else None
+
+
+def role_epoch(role: str) -> int:
+    """The server epoch whose key `role` names (`server_3@2`: 2; `server_3` and others: 0)."""
+    role_kind(role)
+    return int(role.partition("@")[2] or 0)
+
+
+def server_role(index: int, epoch: int) -> str:
+    """The role of epoch `epoch` of rollout server `index` (see the module docstring)."""
+    return f"server_{index}" if epoch == 0 else f"server_{index}@{epoch}"
 
 
 def role_key(secret: bytes, role: str) -> RoleKey:
@@ -105,9 +135,20 @@ class Keyring:
     def __init__(self, secret: bytes, num_servers: int) -> None:
         roles = ["learner", "client", *(f"server_{i}" for i in range(num_servers))]
         self._keys = {role: role_key(secret, role) for role in roles}
+        self._secret, self._num_servers = secret, num_servers
 
     def key(self, role: str) -> RoleKey:
-        return self._keys[role]
+        """The key of `role`: one of this run's, or a later epoch of one of its servers
+        (derived when asked: a few microseconds, nothing kept); KeyError for any other."""
+        if role in self._keys:
+            return self._keys[role]
+        try:
+            index = server_index(role)
+        except ValueError:
+            raise KeyError(role) from None
+        if index is None or index >= self._num_servers:
+            raise KeyError(role)
+        return role_key(self._secret, role)
 
     def verify(self, auth_frame: bytes, frames: Sequence[bytes | memoryview]) -> str:
         """The role whose key signed `frames`; AuthError if none did."""
@@ -116,9 +157,11 @@ class Keyring:
         if len(auth_frame) > MAX_AUTH_FRAME:
             raise AuthError(f"authentication frame of {len(auth_frame)} bytes")
         role = auth_frame.partition(b":")[0].decode("ascii", "replace")
-        if role not in self._keys:
-            raise AuthError("authentication frame names no known role")
-        self._keys[role].check(auth_frame, frames)
+        try:
+            key = self.key(role)
+        except KeyError:
+            raise AuthError("authentication frame names no known role") from None
+        key.check(auth_frame, frames)
         return role
 
 
@@ -168,7 +211,11 @@ def secret_from_env() -> bytes:
 
 
 def key_from_env(role: str) -> RoleKey:
-    """This process's role key: from $ASYNCRL_AUTH_KEY, or derived from $ASYNCRL_RUN_SECRET."""
+    """This process's role key: from $ASYNCRL_AUTH_KEY, or derived from $ASYNCRL_RUN_SECRET.
+    A server's role is that of its epoch ($ASYNCRL_SERVER_EPOCH, `server_role`)."""
+    index = server_index(role)
+    if index is not None:
+        role = server_role(index, int(os.environ.get(EPOCH_ENV, "0")))
     text = os.environ.get(KEY_ENV)
     if not text:
         if os.environ.get(SECRET_ENV):
@@ -180,11 +227,15 @@ def key_from_env(role: str) -> RoleKey:
     return RoleKey(role, _parse_hex(key_hex, f"${KEY_ENV}"))
 
 
-def auth_env(secret: bytes, process: str) -> dict[str, str]:
+def auth_env(secret: bytes, process: str, epoch: int = 0) -> dict[str, str]:
     """What a fleet process named `process` (replay, server_<i>, learner_<rank>) gets in its
-    environment: the run secret for the replay, its role's key for the others."""
+    environment: the run secret for the replay, its role's key for the others (a server's:
+    that of its `epoch`, with the epoch; see the module docstring)."""
     if process == "replay":
         return {SECRET_ENV: secret.hex()}
-    role = process if process.startswith("server_") else process.rpartition("_")[0] or process
+    if process.startswith("server_"):
+        role = server_role(int(process.rpartition("_")[2]), epoch)
+        return {KEY_ENV: f"{role}:{role_key(secret, role).key.hex()}", EPOCH_ENV: str(epoch)}
+    role = process.rpartition("_")[0] or process
     key = role_key(secret, role)
     return {KEY_ENV: f"{role}:{key.key.hex()}"}

@@ -3,7 +3,9 @@
 Every message reaches the replay preceded by an authentication frame (`asyncrl.auth`): the
 kind of role whose key signed it decides which message types it may send (`PERMISSIONS`), and
 a server (`server_<i>`) speaks only for itself: the server_id of its leases and samples must be
-i, and a sample only fills a group leased to it (`replay.buffer`). A checkpoint
+i, and a sample only fills a group leased to it (`replay.buffer`). A heartbeat speaks only
+for the epoch whose key signed it (`asyncrl.auth`: the launcher hands each restart its epoch's
+key), so no server can forge a later epoch and lock its slot out. A checkpoint
 is written only inside the run directory. `AccessRules` holds these rules for one run (its
 keyring and run directory); `replay.endpoint` applies them to every message. Per-peer quotas
 (leases, evaluation jobs) live with the state they bound: `LeaseDesk.wanted` and `EvalJobs`.
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl.auth import Keyring, RoleKey, role_kind, server_index
+from asyncrl.auth import Keyring, RoleKey, role_epoch, role_kind, server_index
 from asyncrl.protocol import (
     BatchRequest,
     CheckpointRequest,
@@ -87,6 +89,8 @@ class AccessRules:
         index = server_index(role)
         if index is not None and getattr(msg, "server_id", index) != index:
             return f"{role} may not speak for server {msg.server_id}"
+        if isinstance(msg, Heartbeat) and msg.epoch != role_epoch(role):
+            return f"{role} may not speak for epoch {msg.epoch}: each epoch has its own key"
         return ""
 
     def checkpoint_path(self, path: str) -> Path:

@@ -31,6 +31,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from asyncrl.auth import auth_env, read_secret
 from asyncrl.config import Config
 from asyncrl.launch.failures import Ending, death_order, log_written_at
 from asyncrl.launch.fleet import (
@@ -155,7 +156,8 @@ class LocalFleet:
         log_path = Path(self.spec.run_dir) / "logs" / f"{name}.log"
         with log_path.open("a") as log:
             log.write(f"---- asyncrl: {name} restarted as epoch {epoch} ----\n")
-        self.start(name, argv, env | {"ASYNCRL_SERVER_EPOCH": str(epoch)})
+        # that epoch's key: only the launcher can start a later epoch (`asyncrl.auth`)
+        self.start(name, argv, env | auth_env(read_secret(self.spec.run_dir), name, epoch))
 
     def server_health(self) -> list[ServerHealth] | None:
         return replay_health(self.spec.replay_address, client_key(self.spec))

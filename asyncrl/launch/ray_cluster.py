@@ -52,6 +52,7 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from asyncrl.auth import auth_env, read_secret
 from asyncrl.config import Config
 from asyncrl.launch.failures import Ending, death_order, log_written_at
 from asyncrl.launch.fleet import (
@@ -192,6 +193,7 @@ class RayFleet:
         m = self.members[-1]
         m.locating = m.actor.locate.remote()
         spec, env = spec_for_seat(self.spec, self.cfg, seat), server_env(self.cfg, epoch)
+        env |= auth_env(read_secret(self.spec.run_dir), f"server_{index}", epoch)  # its key
         m.running = m.actor.run.remote("server", spec, self.cfg, index, env)
 
     def server_health(self) -> list[ServerHealth] | None:

@@ -14,6 +14,7 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
+from asyncrl.auth import new_secret, write_secret
 from asyncrl.data import write_rows
 from asyncrl.launch.fleet import LaunchError, raise_on_failure
 from asyncrl.launch.local import LocalFleet
@@ -192,9 +193,14 @@ def test_a_retired_server_is_killed_even_when_stopped_and_starts_again_as_its_ne
 ):
     """What `fleet.ServerRestarts` asks of the local fleet: `retire` SIGKILLs a hung (here:
     stopped) server and its children and forgets it, so its end is no failure; `start_server`
-    runs the same command again with the epoch in its environment, appending to its log."""
+    runs the same command again with the epoch and that epoch's key (`asyncrl.auth`) in its
+    environment, appending to its log."""
+    write_secret(tmp_path, new_secret())
     fleet = LocalFleet(RunSpec(str(tmp_path), "", "", "", 0, 0, 1))
-    code = "import os, time; print('epoch', os.environ['ASYNCRL_SERVER_EPOCH'], flush=True); "
+    code = (
+        "import os, time; key = os.environ.get('ASYNCRL_AUTH_KEY', '-').partition(':')[0]; "
+        "print('epoch', os.environ['ASYNCRL_SERVER_EPOCH'], key, flush=True); "
+    )
     argv = [sys.executable, "-c", code + "os.system('sleep 60'); time.sleep(60)"]
     first = fleet.start("server_0", argv, {"ASYNCRL_SERVER_EPOCH": "0"})
     try:
@@ -212,7 +218,8 @@ def test_a_retired_server_is_killed_even_when_stopped_and_starts_again_as_its_ne
     finally:
         fleet.stop_all(grace_s=1.0)
     log = (tmp_path / "logs" / "server_0.log").read_text().splitlines()
-    assert log == ["epoch 0", "---- asyncrl: server_0 restarted as epoch 2 ----", "epoch 2"]
+    restarted = "---- asyncrl: server_0 restarted as epoch 2 ----"
+    assert log == ["epoch 0 -", restarted, "epoch 2 server_0@2"]
 
 
 # ---- a dataset the run cannot use fails before any process starts ----------------------------

@@ -23,7 +23,7 @@ import psutil
 import pytest
 from replay_peers import KEYRING, ask, dealer, running_replay, trajectory
 
-from asyncrl.auth import read_secret, role_key
+from asyncrl.auth import read_secret, role_key, server_role
 from asyncrl.config import Config
 from asyncrl.metrics import read_jsonl
 from asyncrl.protocol import Ack, LeaseGrant, LeaseRequest, Stats, StatsRequest
@@ -49,7 +49,11 @@ async def _until(condition: Callable[[], bool], timeout_s: float, what: str) -> 
 
 def _client(address: str, epoch: int) -> AsyncReplayClient:
     return AsyncReplayClient(
-        address, KEYRING.key("server_0"), ack_timeout_s=30.0, epoch=epoch, heartbeat_s=0.2
+        address,
+        KEYRING.key(server_role(0, epoch)),
+        ack_timeout_s=30.0,
+        epoch=epoch,
+        heartbeat_s=0.2,
     )
 
 

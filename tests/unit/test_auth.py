@@ -6,15 +6,21 @@ import stat
 import pytest
 
 from asyncrl.auth import (
+    EPOCH_ENV,
     KEY_ENV,
     SECRET_ENV,
     AuthError,
     Keyring,
+    RoleKey,
     auth_env,
     key_from_env,
     new_secret,
     read_secret,
+    role_epoch,
     role_key,
+    role_kind,
+    server_index,
+    server_role,
     write_secret,
 )
 
@@ -65,7 +71,7 @@ def test_each_process_gets_only_its_own_key(monkeypatch):
     secret = new_secret()
     assert auth_env(secret, "replay") == {SECRET_ENV: secret.hex()}
     server_env = auth_env(secret, "server_3")
-    assert set(server_env) == {KEY_ENV} and secret.hex() not in server_env[KEY_ENV]
+    assert set(server_env) == {KEY_ENV, EPOCH_ENV} and secret.hex() not in server_env[KEY_ENV]
     monkeypatch.delenv(SECRET_ENV, raising=False)
     monkeypatch.setenv(KEY_ENV, server_env[KEY_ENV])
     assert key_from_env("server_3") == role_key(secret, "server_3")
@@ -79,3 +85,33 @@ def test_each_process_gets_only_its_own_key(monkeypatch):
     monkeypatch.setenv(SECRET_ENV, secret.hex())
     assert key_from_env("client") == role_key(secret, "client")
     assert os.environ[SECRET_ENV] == secret.hex()
+
+
+def test_each_server_epoch_has_its_own_key_that_only_the_secret_makes(monkeypatch):
+    """Restart e of server i gets the key of `server_i@e` (epoch 0 keeps `server_i`'s), which
+    the replay derives and checks; no other epoch's key can be had from it."""
+    secret = new_secret()
+    assert [server_role(3, e) for e in (0, 1, 7)] == ["server_3", "server_3@1", "server_3@7"]
+    assert role_kind("server_3@7") == "server" and server_index("server_3@7") == 3
+    assert role_epoch("server_3@7") == 7 and role_epoch("server_3") == role_epoch("learner") == 0
+    for bad in ("server_3@0", "server_3@07", "server_3@", "server_3@x", "client@1", "server_3@²"):
+        with pytest.raises(ValueError):
+            role_kind(bad)
+    env = auth_env(secret, "server_3", epoch=7)
+    assert env[EPOCH_ENV] == "7" and env[KEY_ENV].startswith("server_3@7:")
+    monkeypatch.delenv(SECRET_ENV, raising=False)
+    monkeypatch.setenv(KEY_ENV, env[KEY_ENV])
+    monkeypatch.setenv(EPOCH_ENV, "7")
+    key = key_from_env("server_3")
+    assert key == role_key(secret, "server_3@7") != role_key(secret, "server_3")
+    monkeypatch.setenv(EPOCH_ENV, "8")  # an epoch the launcher did not hand this key for
+    with pytest.raises(AuthError, match="holds the 'server_3@7' key"):
+        key_from_env("server_3")
+    keyring = Keyring(secret, num_servers=4)
+    frames = [b"heartbeat"]
+    assert keyring.verify(key.sign(frames), frames) == "server_3@7"
+    forged = RoleKey("server_3@8", key.key)  # epoch 7's key, claiming epoch 8
+    with pytest.raises(AuthError, match="not signed with the server_3@8 key"):
+        keyring.verify(forged.sign(frames), frames)
+    with pytest.raises(AuthError, match="no known role"):  # no server 4 in this run
+        keyring.verify(role_key(secret, "server_4@1").sign(frames), frames)
