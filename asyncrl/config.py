@@ -121,7 +121,7 @@ class ReplayConfig(_Section):
     """A row whose group a server could not sample this many times is given up (logged)."""
     max_message_mb: float = Field(64.0, gt=0)
     """A learner's or server's message larger than this is rejected (raw size, before decoding)."""
-    max_client_message_mb: float = Field(0.25, gt=0)
+    max_client_message_mb: float = Field(0.125, gt=0)
     """The same for a `client` key (`asyncrl eval`): it sends a large job in parts under this."""
     eval_jobs_mb: float = Field(1024.0, gt=0)
     """Memory the replay lets evaluation jobs hold in all; a job that would pass it is refused."""

@@ -37,9 +37,9 @@ from asyncrl.protocol import (
 )
 from asyncrl.transport import decode_signed, send_msg, setup_socket
 
-EVAL_PART_BYTES = 240 * 1024
+EVAL_PART_BYTES = 120 * 1024
 """Most bytes one part of an evaluation job weighs on the wire: under the replay's default limit
-for a client's message (`replay.max_client_message_mb`, 256 KiB), with room for the
+for a client's message (`replay.max_client_message_mb`, 128 KiB), with room for the
 authentication frame. That limit keeps any one message from holding the replay's loop for long
 (decoding a prompt-heavy message costs up to ~0.7 s per MiB on a loaded CPU)."""
 
