@@ -281,6 +281,8 @@ class RewardComputer:
         self.timeout_s = timeout_s
         self.sandbox = sandbox
         self.failures: Counter[str] = Counter()
+        self.limits: Counter[str] = Counter()
+        """Verdicts that hit a limit, by kind (`truncated`, `judge_limit`)."""
         self._reward_kwargs = dict(reward_kwargs or {})
         self._custom: tuple[RewardFn, FnRef] | None = None
         if custom_path is not None:
@@ -352,7 +354,8 @@ class RewardComputer:
             return 0.0, {}
         try:
             run = await asyncio.wait_for(
-                sandbox.run(job.code, job.stdin, job.wall_timeout_s), self.timeout_s
+                sandbox.run(job.code, job.stdin, job.wall_timeout_s, job.stdout_limit_bytes),
+                self.timeout_s,
             )
         except asyncio.TimeoutError:
             self._count("timeout", f"{where}: the sandbox run took over {self.timeout_s}s")
@@ -363,6 +366,16 @@ class RewardComputer:
         extras = {**extras, f"sandbox_{run.status}": 1.0, "sandbox_wall_s": run.wall_s}
         if run.peak_memory_mb is not None:
             extras["sandbox_peak_mb"] = run.peak_memory_mb
+        if run.stdout_dropped:
+            extras["truncated"] = 1.0
+            self._count_limit("truncated", f"{where}: the run's claims passed "
+                              f"max_run_output_bytes={job.stdout_limit_bytes}")  # fmt: skip
+        elif extras.get("truncated"):
+            self._count_limit("truncated", f"{where}: a case's output or value passed "
+                              "max_output_bytes / max_value_bytes")  # fmt: skip
+        if extras.get("judge_limit"):
+            self._count_limit("judge_limit", f"{where}: the judge passed judge_memory_mb or "
+                              "judge_cpu_s on values the candidate chose")  # fmt: skip
         return score, extras
 
     async def _in_worker(
@@ -427,6 +440,14 @@ class RewardComputer:
             return results
         finally:
             self._idle.put(worker)
+
+    def _count_limit(self, kind: str, detail: str) -> None:
+        """A verdict that hit a limit (`truncated`, `judge_limit`): a score, not a failure of
+        the reward function, but never silent: counted in `limits` and logged like failures."""
+        self.limits[kind] += 1
+        n = self.limits[kind]
+        if n & (n - 1) == 0:
+            log.warning("reward %s (%d so far), case scored 0: %s", kind, n, detail)
 
     def _count(self, kind: str, detail: str) -> None:
         self.failures[kind] += 1
