@@ -18,6 +18,7 @@ leaves the verdicts of the cases before.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import os
 import random
@@ -101,11 +102,7 @@ def _lines(text: str) -> Iterator[str]:
 
 def same_output(got: str, expected: str) -> bool:
     """Equal up to trailing whitespace on each line and trailing blank lines (judges' rule)."""
-    mine, theirs = _lines(got), _lines(expected)
-    sentinel = object()
-    return all(a == b for a, b in zip(mine, theirs, strict=False)) and (
-        next(mine, sentinel) is sentinel and next(theirs, sentinel) is sentinel
-    )
+    return all(a == b for a, b in itertools.zip_longest(_lines(got), _lines(expected)))
 
 
 # ---- programs: in a bounded child --------------------------------------------------------------

@@ -22,6 +22,7 @@ from rollout_servers.sandbox.config import _MIB, _REAP_GRACE_S, SandboxConfig, S
 from rollout_servers.sandbox.host import (
     _children,
     _claim_uids,
+    _release_uid,
     _descendants,
     _memfd,
     _pids_of_uid,
@@ -141,7 +142,7 @@ class Sandbox:
         """Kill what still runs as the claimed uids and release them. Idempotent."""
         for uid, fd in self._uid_locks.items():
             _sweep_uid(uid)
-            os.close(fd)
+            _release_uid(uid, fd)
         self._uid_locks = {}
 
     def __enter__(self) -> Sandbox:
