@@ -47,7 +47,9 @@ class ProgramTests:
     setup: list[str] = field(default_factory=list)
 
 
-def parse_test_cases(ground_truth: str, extra_info: dict[str, Any] | None) -> IoTests | ProgramTests:
+def parse_test_cases(
+    ground_truth: str, extra_info: dict[str, Any] | None
+) -> IoTests | ProgramTests:
     """The row's tests in one of the documented formats; ValueError naming what is wrong."""
     raw: Any = (extra_info or {}).get("test_cases")
     if raw is None:

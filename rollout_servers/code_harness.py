@@ -138,9 +138,12 @@ for case, stdin in enumerate(job["cases"]):
 os._exit(0)
 """
 
-HARNESS = "\n".join(
-    ["from __future__ import annotations", inspect.getsource(plain), inspect.getsource(unplain)]
-) + _HARNESS
+HARNESS = (
+    "\n".join(
+        ["from __future__ import annotations", inspect.getsource(plain), inspect.getsource(unplain)]
+    )
+    + _HARNESS
+)
 """The trusted program each sample's sandbox run executes (with the candidate as data)."""
 
 

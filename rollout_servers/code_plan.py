@@ -25,7 +25,7 @@ import ast
 import builtins
 import copy
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 from rollout_servers.code_formats import IoTests, ProgramTests
 
@@ -150,8 +150,16 @@ class _Unit:
         split = _Split(self.trusted, self.index)
         stmt = copy.deepcopy(stmt)  # the transformer edits in place; both programs need it
         if isinstance(stmt, ast.Assert):
-            return ast.Assert(split.visit(stmt.test), None), split.leaves
-        return split.generic_visit(stmt), split.leaves
+            test = split.visit(stmt.test)
+            negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+            truth = test.operand if isinstance(test, ast.UnaryOp) and negated else test
+            if isinstance(truth, ast.Subscript) and _is_leaf_ref(truth):
+                # `assert f(x)`: only its truth is tested (MBPP's regexes return a re.Match)
+                index = int(cast(ast.Constant, truth.slice).value)  # type: ignore[arg-type]
+                leaf = split.leaves[index]
+                split.leaves[index] = ast.Call(ast.Name("bool", ast.Load()), [leaf], [])
+            return ast.Assert(test, None), split.leaves
+        return cast(ast.stmt, split.generic_visit(stmt)), split.leaves
 
     def sandbox(self, stmt: ast.stmt) -> list[ast.stmt]:
         return self._walk(stmt, self._sandbox_simple)
@@ -200,6 +208,16 @@ class _Unit:
             f"test unit {self.index}: a {type(stmt).__name__} that uses candidate names "
             f"{sorted(untrusted)[:3]} is not supported"
         )
+
+
+def _is_leaf_ref(node: ast.expr) -> bool:
+    """Whether `node` is `__r[k]`, the claimed value of a leaf."""
+    return (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "__r"
+        and isinstance(node.slice, ast.Constant)
+    )
 
 
 def _no_args() -> ast.arguments:

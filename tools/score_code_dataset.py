@@ -143,7 +143,9 @@ async def humaneval(rows: list[dict[str, Any]], scorer: Scorer, mutants: int) ->
         "flips_rejected_by_own_check": sum(not own for own, _ in flips),
         "flips_rejected_by_own_check_but_scored": leaks,
         "flips_passed_by_own_check_but_scored_0": sum(ours == 0 for own, ours in flips if own),
-        "failing_rows": [(r["id"], r["error"] or "scored 0") for r in results if r["canonical"] < 1],
+        "failing_rows": [
+            (r["id"], r["error"] or "scored 0") for r in results if r["canonical"] < 1
+        ],
     }
 
 
@@ -155,7 +157,9 @@ async def mbpp(rows: list[dict[str, Any]], scorer: Scorer) -> dict[str, Any]:
         out["canonical"], out["error"] = await scorer.score(fenced(row["code"]), truth)
         called = {n.func.id for t in row["test_list"] for n in ast.walk(ast.parse(t))
                   if isinstance(n, ast.Call) and isinstance(n.func, ast.Name)}  # fmt: skip
-        defined = {n.name for n in ast.walk(ast.parse(row["code"])) if isinstance(n, ast.FunctionDef)}
+        defined = {
+            n.name for n in ast.walk(ast.parse(row["code"])) if isinstance(n, ast.FunctionDef)
+        }
         none = row["code"]
         for entry in called & defined:
             none = return_none(none, entry)
@@ -170,7 +174,9 @@ async def mbpp(rows: list[dict[str, Any]], scorer: Scorer) -> dict[str, Any]:
         "canonical_1.0_pct": round(100 * good / max(1, len(rows)), 2),
         "return_none_scored": sum(r["none"] > 0 for r in results),
         "return_none_scored_ids": [r["id"] for r in results if r["none"] > 0],
-        "failing_rows": [(r["id"], r["error"] or "scored 0") for r in results if r["canonical"] < 1],
+        "failing_rows": [
+            (r["id"], r["error"] or "scored 0") for r in results if r["canonical"] < 1
+        ],
     }
 
 

@@ -22,10 +22,10 @@ from rollout_servers.sandbox.config import _MIB, _REAP_GRACE_S, SandboxConfig, S
 from rollout_servers.sandbox.host import (
     _children,
     _claim_uids,
-    _release_uid,
     _descendants,
     _memfd,
     _pids_of_uid,
+    _release_uid,
     _rss_bytes,
     _signal,
     _sweep_uid,

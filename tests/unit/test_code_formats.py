@@ -92,3 +92,14 @@ def test_rows_the_reward_cannot_judge_are_errors_that_say_why(cases, message):
 def test_test_cases_in_extra_info_win_over_ground_truth():
     extra = {"test_cases": {"asserts": ["assert f() == 1"]}}
     assert parse_test_cases("garbage", extra) == ProgramTests(units=["assert f() == 1"])
+
+
+def test_an_assert_on_a_bare_call_claims_only_its_truth():
+    """`assert check(x)` (MBPP's regex problems return a re.Match): the sandbox claims
+    `bool(...)`, the judge tests that."""
+    checks = plan_checks(ProgramTests(units=["assert f('a')", "assert not f('b')"]))
+    assert checks.sandbox_units == [
+        "__leaves(0, [lambda: bool(f('a'))])",
+        "__leaves(1, [lambda: bool(f('b'))])",
+    ]
+    assert checks.judge_units[1] == "__check(1, lambda __r: not __r[0], True)"
