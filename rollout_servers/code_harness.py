@@ -120,6 +120,11 @@ for case, stdin in enumerate(job["cases"]):
                 break
     if win >= 0:
         os.close(win)
+    if truncated:  # its verdict is known: do not wait for it to block on a full pipe
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except OSError:
+            pass
     while status is None and time.monotonic() < deadline:
         done, st = os.waitpid(pid, os.WNOHANG)
         status = st if done else None

@@ -25,7 +25,9 @@ import random
 import resource
 import select
 import signal
+import sys
 import time
+import types
 from collections.abc import Iterator
 from typing import Any
 
@@ -33,6 +35,8 @@ from rollout_servers.code_plan import JUDGE_BUILTINS, JUDGE_MODULES, CodeChecks
 from rollout_servers.code_values import unplain
 
 _PASS, _FAIL, _TRUNCATED, _LIMIT = b"1", b"0", b"T", b"M"
+_SYS_NAMES = ("getsizeof", "maxsize", "float_info", "int_info", "byteorder", "version_info")
+"""What the judge's `sys` holds (MBPP 596 compares with `sys.getsizeof`)."""
 
 
 class _Fail(Exception):
@@ -207,6 +211,8 @@ def _judge_builtins() -> dict[str, Any]:
     def guarded_import(name: str, *args: Any, **kwargs: Any) -> Any:
         if name.split(".")[0] not in JUDGE_MODULES:
             raise ImportError(f"{name} is not importable in the judge")
+        if name == "sys":  # its numbers only: sys.modules would reach everything else
+            return types.SimpleNamespace(**{k: getattr(sys, k) for k in _SYS_NAMES})
         return __import__(name, *args, **kwargs)
 
     table = {name: getattr(builtins, name) for name in JUDGE_BUILTINS if hasattr(builtins, name)}

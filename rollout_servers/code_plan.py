@@ -33,7 +33,7 @@ JUDGE_MODULES = frozenset(
     {
         "math", "cmath", "random", "string", "copy", "itertools", "collections", "heapq",
         "bisect", "functools", "operator", "re", "fractions", "decimal", "statistics", "typing",
-        "numbers", "datetime", "array", "sys",
+        "numbers", "datetime", "array", "sys",  # sys: a few numbers only (code_judge)
     }
 )  # fmt: skip
 """Modules the judge may import (pure computation); a test that imports another is refused."""

@@ -3,6 +3,7 @@ dataset's native test format: the figures issue 30 asks of the code reward.
 
     python tools/score_code_dataset.py humaneval /path/HumanEval.jsonl.gz [--mutants 3]
     python tools/score_code_dataset.py mbpp /path/sanitized-mbpp.json
+    python tools/score_code_dataset.py limits    # 1 MiB outputs, the judge bound (no data)
 
 The data is not part of the repository (openai/human-eval's data/HumanEval.jsonl.gz,
 google-research's mbpp/sanitized-mbpp.json). For each row it reports:
@@ -180,17 +181,72 @@ async def mbpp(rows: list[dict[str, Any]], scorer: Scorer) -> dict[str, Any]:
     }
 
 
+async def limits(concurrency: int) -> dict[str, Any]:
+    """The acceptance's limit figures through a real `RewardComputer`: 1 MiB of expected
+    output (right, off by one, over the limit) and the judge bound (the worker's peak RSS)."""
+    from rollout_servers.reward_computer import RewardComputer
+    from rollout_servers.sandbox import SharedSandbox
+
+    shared = SharedSandbox(SandboxConfig(max_concurrent=concurrency))
+    rc = RewardComputer(30.0, num_workers=1, sandbox=shared)
+    small = RewardComputer(30.0, num_workers=1, sandbox=shared,
+                           reward_kwargs={"max_output_bytes": 1 << 19})  # fmt: skip
+    try:
+        lines = 180_000
+        tests = json.dumps({"inputs": [f"{lines}\n"],
+                            "outputs": ["".join(f"{i}\n" for i in range(lines))]})  # fmt: skip
+        right = (
+            "import sys\nn = int(input())\nsys.stdout.write(''.join(f'{i}\\n' for i in range(n)))"
+        )
+        report: dict[str, Any] = {"expected_output_bytes": len(json.loads(tests)["outputs"][0])}
+        report["right"] = await rc.score("code", fenced(right), tests, None)
+        wrong = right.replace("range(n)", "range(1, n + 1)")
+        report["off_by_one"] = await rc.score("code", fenced(wrong), tests, None)
+        report["over_max_output_bytes"] = await small.score("code", fenced(right), tests, None)
+        report["limits_counted"] = dict(small.limits)
+        worker = rc._workers[0]._proc
+        assert worker is not None
+        before = _vm_hwm_kib(worker.pid)
+        bomb = json.dumps({"asserts": ['assert "ab" * f(2) == "abab"']})
+        start = time.monotonic()
+        report["ab_times_1e10"] = await rc.score("code", fenced("def f(n):\n    return 10**10"),
+                                                 bomb, None)  # fmt: skip
+        report["ab_times_1e10_s"] = round(time.monotonic() - start, 3)
+        report["worker_peak_rss_kib_before"] = before
+        report["worker_peak_rss_kib_after"] = _vm_hwm_kib(worker.pid)
+        report["limits_counted_main"] = dict(rc.limits)
+        return report
+    finally:
+        rc.close()
+        small.close()
+        shared.close()
+
+
+def _vm_hwm_kib(pid: int) -> int:
+    """Peak resident memory of process `pid` in KiB (/proc's VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1])
+    raise RuntimeError(f"no VmHWM for pid {pid}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("format", choices=["humaneval", "mbpp"])
-    parser.add_argument("path", type=Path)
+    parser.add_argument("format", choices=["humaneval", "mbpp", "limits"])
+    parser.add_argument("path", type=Path, nargs="?", help="the dataset file (not for limits)")
     parser.add_argument("--mutants", type=int, default=3, help="flipped mutants per row")
     parser.add_argument("--limit", type=int, default=0, help="only the first N rows")
     parser.add_argument("--concurrency", type=int, default=4)
     args = parser.parse_args(argv)
+    start = time.monotonic()
+    if args.format == "limits":
+        report = asyncio.run(limits(args.concurrency))
+        report["seconds"] = round(time.monotonic() - start, 1)
+        json.dump(report, sys.stdout, indent=1)
+        print()
+        return
     rows = read_rows(args.path)[: args.limit or None]
     scorer = Scorer(args.concurrency)
-    start = time.monotonic()
     try:
         if args.format == "humaneval":
             report = asyncio.run(humaneval(rows, scorer, args.mutants))

@@ -111,3 +111,13 @@ def test_objects_that_are_not_plain_data_are_refused():
         plain(Anything())
     with pytest.raises(ValueError):
         unplain({"x": 1})
+
+
+def test_the_judges_modules_are_pure_and_its_sys_only_numbers():
+    import sys
+
+    size = sys.getsizeof((1, 2))
+    checks = checks_of(ProgramTests(units=["assert f() == sys.getsizeof((1, 2))"]))
+    assert judge(checks, claims({"u": 1, "v": [size]}))["score"] == 1.0  # unit 0: import sys
+    reach = checks_of(ProgramTests(units=["assert f() == len(sys.modules)"]))
+    assert judge(reach, claims({"u": 1, "v": [len(sys.modules)]}))["score"] == 0.0
