@@ -148,6 +148,9 @@ class _Unit:
 
     def _split(self, stmt: ast.stmt) -> tuple[ast.stmt, list[ast.expr]]:
         split = _Split(self.trusted, self.index)
+        targets = getattr(stmt, "targets", None) or [getattr(stmt, "target", None)]
+        if any(t is not None and _all_names(t) - self.trusted for t in targets):
+            raise ValueError(f"test unit {self.index}: assigns to the candidate's objects")
         stmt = copy.deepcopy(stmt)  # the transformer edits in place; both programs need it
         if isinstance(stmt, ast.Assert):
             test = split.visit(stmt.test)

@@ -76,6 +76,7 @@ def test_functional_formats_call_the_entry_with_literal_arguments():
         ({"asserts": ["import os\nassert f() == os.sep"]}, "does not run"),
         ({"asserts": ["for x in f():\n    assert x"]}, "loop or if header"),
         ({"asserts": ["try:\n    f()\nexcept ValueError:\n    pass"]}, "Try"),
+        ({"asserts": ["f.cache = {}", "assert f(1) == 1"]}, "candidate's objects"),
         ({"test": "def nope(c):\n    pass", "entry_point": "f"}, "def check"),
         ({"func_name": "f", "cases": [{"input": "x", "output": "1", "testtype": "functional"}]},
          "JSON lines"),
