@@ -45,7 +45,9 @@ class SandboxConfig(BaseModel):
     """RLIMIT_NOFILE: descriptors each process may hold open (the run holds at most
     max_processes x this)."""
     output_limit_bytes: int = Field(64 * 1024, gt=0)
-    """Bytes kept of each of stdout and stderr; the rest is counted in a truncation marker."""
+    """Bytes kept of each of stdout and stderr; the rest is counted in a truncation marker.
+    A trusted caller may keep more of one run's stdout (`Sandbox.run`'s `stdout_limit_bytes`:
+    the code reward's claims, `reward.kwargs.max_run_output_bytes`)."""
     output_kill_bytes: int = Field(8 << 20, gt=0)
     """Bytes written to stdout and stderr together after which the run is killed (killed)."""
     max_concurrent: int = Field(4, gt=0)

@@ -1,7 +1,7 @@
 """`RewardComputer`: scores responses next to the agent loops, never on the event loop.
 
 Each call runs in a small pool of worker processes (plain `python -c` subprocesses speaking JSON
-over a socketpair). Whatever goes wrong scores 0.0 and is counted in `failures` by kind:
+over a socketpair; `reward_workers`). Whatever goes wrong scores 0.0 and is counted in `failures` by kind:
 `exception`, `timeout`, `crash` (the worker died), `non_number`, `non_finite`,
 `unknown_data_source`, `not_importable` (a lambda in the registry), `closed`,
 `sandbox_unavailable`. A call past its timeout has its worker killed and replaced, so a hanging
@@ -15,7 +15,9 @@ crashes gets k's failure for k alone, and the items after it run again on the re
 
 A reward that runs model code (`needs_sandbox`, the code reward) takes another path: the server
 runs its `SandboxJob` in the one sandbox it shares with the python tool, and the verdict comes
-from the reward's trusted `judge` in a worker, as above.
+from the reward's trusted `judge` in a worker, as above. A verdict that hit one of the reward's
+limits (`truncated`, `judge_limit` in its metrics) is a score, not a failure: it is counted in
+`limits` by kind and logged with its reason.
 """
 
 from __future__ import annotations
@@ -25,15 +27,11 @@ import contextlib
 import ctypes
 import functools
 import inspect
-import json
 import logging
 import numbers
 import queue
 import signal
-import socket
-import subprocess
 import sys
-import threading
 from collections import Counter
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -43,6 +41,7 @@ from typing import Any, Protocol
 
 from asyncrl.protocol_bounds import finite32, plausible_reward
 from asyncrl.registry import import_object
+from rollout_servers.reward_workers import _recv, _send, _Worker
 from rollout_servers.rewards import REWARD_FNS, RewardFn, load_custom_reward
 
 log = logging.getLogger("asyncrl.rewards")
@@ -99,24 +98,6 @@ def _plain_result(result: Any) -> tuple[float | None, dict[str, float]]:
     return (float(result) if isinstance(result, numbers.Real) else None), extras
 
 
-_BOOT_TIMEOUT_S = 60.0
-"""A worker that has not said "ready" by then (interpreter start plus imports) is broken."""
-_WORKER_BOOT = (
-    "import json, sys; sys.path[:0] = json.loads(sys.argv[1]); "
-    "from rollout_servers.reward_computer import worker_main; worker_main(int(sys.argv[2]))"
-)
-
-
-def _send(conn: Connection, obj: Any) -> None:
-    """JSON frames only: nothing read from a socket is ever unpickled (DESIGN.md), and reward
-    arguments and results are JSON by nature (strings, numbers, JSON-decoded extra_info)."""
-    conn.send_bytes(json.dumps(obj, allow_nan=True).encode())
-
-
-def _recv(conn: Connection) -> Any:
-    return json.loads(conn.recv_bytes())
-
-
 def worker_main(fd: int) -> None:
     """A reward worker process: receive a batch of (function ref, kwargs) on socket `fd`, reply
     to each item in order, as soon as it is scored: ("ok", score, extras) or ("exception",
@@ -140,114 +121,6 @@ def worker_main(fd: int) -> None:
                 _send(conn, ("ok", *_plain_result(cache[ref](**kwargs))))
             except (Exception, SystemExit) as e:
                 _send(conn, ("exception", f"{type(e).__name__}: {e}", {}))
-
-
-class _Worker:
-    """One worker process and its socket. A pool thread uses it for one call at a time; `stop`
-    may come from any thread (close), hence the lock.
-
-    Workers are plain `python -c` subprocesses, not multiprocessing children: those re-import
-    the host's `__main__` (slow, and side effects in scripts without a main guard), and fork
-    would copy the rollout server's threads and CUDA state. A start costs ~0.1 s, off the loop.
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._proc: subprocess.Popen | None = None
-        self._conn: Connection | None = None
-        self._ready = False
-        self._retired = False
-
-    def start(self) -> bool:
-        """Start the process unless it runs; False once the worker is retired."""
-        with self._lock:
-            if self._retired:
-                return False
-            if self._proc is None:
-                mine, theirs = socket.socketpair()
-                with theirs:
-                    self._proc = subprocess.Popen(
-                        [
-                            sys.executable,
-                            "-c",
-                            _WORKER_BOOT,
-                            json.dumps(sys.path),
-                            str(theirs.fileno()),
-                        ],
-                        pass_fds=(theirs.fileno(),),
-                        stdin=subprocess.DEVNULL,
-                        start_new_session=True,  # a terminal's Ctrl-C is the parent's to handle
-                    )
-                self._conn = Connection(mine.detach())
-                self._ready = False
-            return True
-
-    def call_many(self, items: list[tuple[FnRef, dict[str, Any]]], timeout_s: float) -> list:
-        """One result per item, in order: ("ok", score, extras) | (failure kind, detail, {});
-        never raises. An item past `timeout_s` (or whose run kills the worker) fails alone: the
-        worker is replaced and the items after it are sent again."""
-        results: list[tuple[Any, ...] | None] = [None] * len(items)
-        encoded: list[tuple[int, str]] = []
-        for i, item in enumerate(items):
-            try:  # an item that cannot be encoded fails before any byte is written
-                encoded.append((i, json.dumps(item, allow_nan=True)))
-            except Exception as e:
-                results[i] = ("exception", f"arguments cannot be sent: {type(e).__name__}: {e}", {})
-        while encoded:
-            done = self._run(encoded, timeout_s, results)
-            encoded = encoded[done:]
-        return results
-
-    def _run(self, encoded: list[tuple[int, str]], timeout_s: float, results: list) -> int:
-        """Send `encoded` as one batch and collect answers into `results` until one fails;
-        returns how many items have a result (the failed one included)."""
-        first = encoded[0][0]
-        if not self.start():
-            for i, _ in encoded:
-                results[i] = ("closed", "the reward computer is closed", {})
-            return len(encoded)
-        conn, proc = self._conn, self._proc
-        assert conn is not None and proc is not None
-        try:
-            if not self._ready:  # a fresh worker's boot never counts against the timeout
-                if not conn.poll(_BOOT_TIMEOUT_S) or _recv(conn) != "ready":
-                    self.stop()
-                    results[first] = ("crash", f"worker not up within {_BOOT_TIMEOUT_S}s", {})
-                    return 1
-                self._ready = True
-            conn.send_bytes(("[" + ",".join(text for _, text in encoded) + "]").encode())
-        except (EOFError, OSError) as e:
-            self.stop()
-            results[first] = ("crash", f"worker unreachable ({type(e).__name__})", {})
-            return 1
-        for n, (i, _) in enumerate(encoded):
-            try:
-                if not conn.poll(timeout_s):
-                    self.stop()
-                    results[i] = ("timeout", f"no result within {timeout_s}s; worker replaced", {})
-                    return n + 1
-                results[i] = tuple(_recv(conn))
-            except (EOFError, OSError) as e:
-                self.stop()
-                results[i] = (
-                    "crash",
-                    f"worker died ({type(e).__name__}, exit code {proc.poll()})",
-                    {},
-                )
-                return n + 1
-        return len(encoded)
-
-    def stop(self, retire: bool = False) -> None:
-        """Kill the process (it may be running a hung function); `retire` forbids restarts."""
-        with self._lock:
-            self._retired = self._retired or retire
-            if self._proc is not None:
-                self._proc.kill()
-                self._proc.wait()
-                self._proc = None
-            if self._conn is not None:
-                self._conn.close()
-                self._conn = None
 
 
 def _answer(calls: list[tuple[Any, Any, asyncio.Future]], batch: asyncio.Future) -> None:
@@ -281,6 +154,8 @@ class RewardComputer:
         self.timeout_s = timeout_s
         self.sandbox = sandbox
         self.failures: Counter[str] = Counter()
+        self.limits: Counter[str] = Counter()
+        """Verdicts that hit a limit, by kind (`truncated`, `judge_limit`)."""
         self._reward_kwargs = dict(reward_kwargs or {})
         self._custom: tuple[RewardFn, FnRef] | None = None
         if custom_path is not None:
@@ -352,7 +227,8 @@ class RewardComputer:
             return 0.0, {}
         try:
             run = await asyncio.wait_for(
-                sandbox.run(job.code, job.stdin, job.wall_timeout_s), self.timeout_s
+                sandbox.run(job.code, job.stdin, job.wall_timeout_s, job.stdout_limit_bytes),
+                self.timeout_s,
             )
         except asyncio.TimeoutError:
             self._count("timeout", f"{where}: the sandbox run took over {self.timeout_s}s")
@@ -363,6 +239,16 @@ class RewardComputer:
         extras = {**extras, f"sandbox_{run.status}": 1.0, "sandbox_wall_s": run.wall_s}
         if run.peak_memory_mb is not None:
             extras["sandbox_peak_mb"] = run.peak_memory_mb
+        if run.stdout_dropped:
+            extras["truncated"] = 1.0
+            self._count_limit("truncated", f"{where}: the run's claims passed "
+                              f"max_run_output_bytes={job.stdout_limit_bytes}")  # fmt: skip
+        elif extras.get("truncated"):
+            self._count_limit("truncated", f"{where}: a case's output or value passed "
+                              "max_output_bytes / max_value_bytes")  # fmt: skip
+        if extras.get("judge_limit"):
+            self._count_limit("judge_limit", f"{where}: the judge passed judge_memory_mb or "
+                              "judge_cpu_s on values the candidate chose")  # fmt: skip
         return score, extras
 
     async def _in_worker(
@@ -427,6 +313,14 @@ class RewardComputer:
             return results
         finally:
             self._idle.put(worker)
+
+    def _count_limit(self, kind: str, detail: str) -> None:
+        """A verdict that hit a limit (`truncated`, `judge_limit`): a score, not a failure of
+        the reward function, but never silent: counted in `limits` and logged like failures."""
+        self.limits[kind] += 1
+        n = self.limits[kind]
+        if n & (n - 1) == 0:
+            log.warning("reward %s (%d so far), case scored 0: %s", kind, n, detail)
 
     def _count(self, kind: str, detail: str) -> None:
         self.failures[kind] += 1

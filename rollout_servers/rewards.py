@@ -8,8 +8,9 @@ keyword arguments, as verl calls it. Built-ins, by data_source:
   ground truth, compared as numbers.
 - `math_reward_fn` (MATH-style sources): the last `\\boxed{...}` against the ground truth, by
   symbolic equivalence (math-verify).
-- `code_reward` (code sources; see `code_reward.py`): test cases run in the server's sandbox,
-  judged by trusted code the candidate cannot reach.
+- `code_reward` (code sources; see `code_reward.py`): a row's tests (HumanEval, MBPP,
+  stdin/stdout, functional) run in the server's sandbox, judged by trusted code the candidate
+  cannot reach. Called directly with the signature above it runs a sandbox of its own.
 
 A user's function is loaded from a file with `load_custom_reward` and then scores every row.
 `reward_computer.RewardComputer` calls them, never on the event loop.
@@ -118,7 +119,7 @@ for _source in (
     "math_dapo",
 ):
     REWARD_FNS.register(_source, math_reward_fn)
-for _source in ("code", "codecontests", "apps", "codeforces", "taco"):
+for _source in ("code", "codecontests", "apps", "codeforces", "taco", "humaneval", "mbpp"):
     REWARD_FNS.register(_source, "rollout_servers.code_reward:code_reward")
 
 register_reward = REWARD_FNS.register

@@ -35,8 +35,8 @@ Invariants:
    `unshare`, sees no process and no network interface of the host.
 4. Limits bind the whole run: its memory, tasks and CPU time are counted by cgroups made for it
    (a watchdog and per-process rlimits where the server cannot make cgroups). As root the code
-   never runs as uid 0: each slot owns a uid claimed with a lock file, so RLIMIT_NPROC also
-   counts exactly one sandbox.
+   never runs as uid 0: each slot owns a uid claimed with a lock file (removed by `close`), so
+   RLIMIT_NPROC also counts exactly one sandbox.
 5. Nothing passes from one run to the next: fresh tmpfs, IPC and network namespaces each run,
    and keyrings (per uid, not per namespace) denied by the seccomp filter.
 """

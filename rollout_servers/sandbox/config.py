@@ -32,6 +32,7 @@ class SandboxResult:
     exit_code: int | None  # None when the code died by a signal (ours or another)
     wall_s: float  # spawn to reaped, sandbox setup included
     peak_memory_mb: float | None = None  # most memory the whole run held (cgroup), else None
+    stdout_dropped: int = 0  # stdout bytes past the limit, counted and not kept
 
 
 @dataclass(frozen=True)

@@ -264,13 +264,43 @@ def _claim_uids(locks: dict[int, int], base: int, count: int) -> None:
             break
         if _has_account(uid):
             continue
-        fd = os.open(f"{_UID_LOCK_DIR}/{uid}.lock", os.O_CREAT | os.O_RDWR | os.O_CLOEXEC)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
+        fd = _lock_uid(uid)
+        if fd is None:
             continue
         locks[uid] = fd
         _sweep_uid(uid)
     if len(locks) < count:
         raise RuntimeError(f"fewer than {count} free sandbox uids")
+
+
+def _lock_path(uid: int) -> str:
+    return f"{_UID_LOCK_DIR}/{uid}.lock"
+
+
+def _lock_uid(uid: int) -> int | None:
+    """The locked fd of `uid`'s lock file, or None when another Sandbox holds it. An owner
+    removes its file when it releases the uid (`_release_uid`), so a lock taken on a file that
+    is no longer the one at the path is worthless: then try again on the new file."""
+    while True:
+        fd = os.open(_lock_path(uid), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            return None
+        try:
+            same = os.path.samestat(os.fstat(fd), os.stat(_lock_path(uid)))
+        except FileNotFoundError:
+            same = False
+        if same:
+            return fd
+        os.close(fd)
+
+
+def _release_uid(uid: int, fd: int) -> None:
+    """Remove `uid`'s lock file while still holding its lock, then drop the lock: nothing of
+    the run stays behind in the lock directory (issue 30), and a claimer that opened the old
+    file sees it is gone (`_lock_uid`)."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(_lock_path(uid))
+    os.close(fd)

@@ -25,6 +25,7 @@ from rollout_servers.sandbox.host import (
     _descendants,
     _memfd,
     _pids_of_uid,
+    _release_uid,
     _rss_bytes,
     _signal,
     _sweep_uid,
@@ -103,10 +104,16 @@ class Sandbox:
         )
 
     async def run(
-        self, code: str, stdin: str = "", wall_timeout_s: float | None = None
+        self,
+        code: str,
+        stdin: str = "",
+        wall_timeout_s: float | None = None,
+        stdout_limit_bytes: int | None = None,
     ) -> SandboxResult:
         """Run `code` as __main__ with `stdin`, after waiting for a free slot; `wall_timeout_s`
-        overrides the configured wall timeout for this run."""
+        overrides the configured wall timeout for this run, `stdout_limit_bytes` the stdout
+        kept (a trusted caller whose program reports a lot, the code reward's harness; the
+        kill budget grows with it)."""
         if self._root and not self._uid_locks:
             raise RuntimeError("this Sandbox is closed (its uids are released)")
         slots = self._slot_pool()
@@ -115,23 +122,27 @@ class Sandbox:
         self.runs_started += 1
         try:
             return await self._execute(
-                code, stdin, slot, wall_timeout_s or self.config.wall_timeout_s
+                code, stdin, slot, wall_timeout_s or self.config.wall_timeout_s, stdout_limit_bytes
             )
         finally:
             self._running -= 1
             slots.put_nowait(slot)
 
     def run_sync(
-        self, code: str, stdin: str = "", wall_timeout_s: float | None = None
+        self,
+        code: str,
+        stdin: str = "",
+        wall_timeout_s: float | None = None,
+        stdout_limit_bytes: int | None = None,
     ) -> SandboxResult:
         """`run` for synchronous callers (tools, tests); not from inside a running event loop."""
-        return asyncio.run(self.run(code, stdin, wall_timeout_s))
+        return asyncio.run(self.run(code, stdin, wall_timeout_s, stdout_limit_bytes))
 
     def close(self) -> None:
         """Kill what still runs as the claimed uids and release them. Idempotent."""
         for uid, fd in self._uid_locks.items():
             _sweep_uid(uid)
-            os.close(fd)
+            _release_uid(uid, fd)
         self._uid_locks = {}
 
     def __enter__(self) -> Sandbox:
@@ -151,11 +162,15 @@ class Sandbox:
                 self._slots.put_nowait(slot)
         return self._slots
 
-    async def _execute(self, code: str, stdin: str, slot: int, wall_s: float) -> SandboxResult:
+    async def _execute(
+        self, code: str, stdin: str, slot: int, wall_s: float, stdout_limit: int | None
+    ) -> SandboxResult:
         cfg = self.config
         flood = asyncio.Event()
-        budget = [cfg.output_kill_bytes]
-        out = _Capture(cfg.output_limit_bytes, budget, flood)
+        stdout_limit = stdout_limit or cfg.output_limit_bytes
+        kill_bytes = max(cfg.output_kill_bytes, stdout_limit + cfg.output_limit_bytes)
+        budget = [kill_bytes]
+        out = _Capture(stdout_limit, budget, flood)
         err = _Capture(cfg.output_limit_bytes, budget, flood)
         token = secrets.token_hex(8)
         run = _Run(slot, token, None)
@@ -199,8 +214,8 @@ class Sandbox:
         status, exit_code = _classify(ending, proc.returncode, err.tail)
         stderr = err.text()
         if ending == "flood":
-            stderr += f"\n[sandbox: killed after more than {cfg.output_kill_bytes} output bytes]"
-        return SandboxResult(status, out.text(), stderr, exit_code, wall_s, peak_mb)
+            stderr += f"\n[sandbox: killed after more than {kill_bytes} output bytes]"
+        return SandboxResult(status, out.text(), stderr, exit_code, wall_s, peak_mb, out.dropped)
 
     async def _spawn(self, stack, argv, env, cwd, stdin_fd, code_fd, run: _Run, captures):
         """Start the run's first process with its output pipes read into `captures`."""

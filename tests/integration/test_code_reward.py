@@ -9,6 +9,7 @@ through `RewardComputer` as a rollout server calls it.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import textwrap
 import time
@@ -17,7 +18,8 @@ from collections.abc import Iterator
 import pytest
 from code_problems import PROBLEMS  # tests/integration/ is on sys.path (pytest rootdir mode)
 
-from rollout_servers.code_reward import CodeChecks, extract_code, judge, plan_checks
+from rollout_servers.code_formats import ProgramTests
+from rollout_servers.code_reward import extract_code, judge, plan_checks
 from rollout_servers.reward_computer import RewardComputer
 from rollout_servers.sandbox import SandboxConfig, SharedSandbox
 
@@ -124,21 +126,17 @@ def test_extract_code_takes_the_last_python_block():
 
 def test_the_judge_alone_by_hand():
     """What the sandbox reports are claims; the judge compares them with what only it knows."""
-    checks = plan_checks({"asserts": ["assert sorted(f(3)) == [1, 2, 3]", "assert g() is None"]})
-    assert checks.leaves == [["f(3)"], ["g()"]]
-    assert checks.templates == ["sorted(__r[0]) == [1, 2, 3]", "__r[0] is None"]
-    claims = (
-        '{"case": 0, "leaf": 0, "value": {"t": [3, 1, 2]}}\n{"case": 1, "leaf": 0, "value": null}'
-    )
-    assert judge(_as_dict(checks), claims)["passed"] == 2.0
-    forged = '{"case": 0, "leaf": 0, "value": "anything"}\n{"case": 1, "leaf": 0, "error": "X"}'
-    assert judge(_as_dict(checks), forged) == {"score": 0.0, "passed": 0.0, "total": 2.0}
-
-
-def _as_dict(checks: CodeChecks) -> dict:
-    import dataclasses
-
-    return dataclasses.asdict(checks)
+    tests = ProgramTests(units=["assert sorted(f(3)) == [1, 2, 3]", "assert g() is None"])
+    checks = plan_checks(tests)
+    assert checks.sandbox_units == ["__leaves(0, [lambda: f(3)])", "__leaves(1, [lambda: g()])"]
+    assert checks.judge_units == [
+        "__check(0, lambda __r: sorted(__r[0]) == [1, 2, 3], True)",
+        "__check(1, lambda __r: __r[0] is None, True)",
+    ]
+    claims = '{"u": 0, "v": [{"t": [3, 1, 2]}]}\n{"u": 1, "v": [null]}'
+    assert judge(dataclasses.asdict(checks), claims)["passed"] == 2.0
+    forged = '{"u": 0, "v": ["anything"]}\n{"u": 1, "e": "X"}'
+    assert judge(dataclasses.asdict(checks), forged) == {"score": 0.0, "passed": 0.0, "total": 2.0}
 
 
 # ---- reward hacks: a wrong solution scores 0 whatever it adds ----------------------------------

@@ -1,0 +1,270 @@
+"""Planning a row's tests: what runs in the sandbox, and what only the trusted judge sees.
+
+A name is the candidate's unless the tests bind it themselves (an assignment, a loop variable,
+an import, a helper they define) or it is one of `JUDGE_BUILTINS` or `JUDGE_MODULES`. Each
+maximal expression that uses a candidate name is a *leaf* (`add(1, 2)` in
+`assert add(1, 2) == 3`). Every test statement (a *unit*) becomes two programs:
+
+- the sandbox's: the statement with each execution's leaves evaluated and reported through
+  `__leaves(unit, [...])`; an `assert` keeps only its leaves, so its expected values never
+  enter the sandbox;
+- the judge's: the same statement with each leaf replaced by the value the sandbox claimed
+  (`__take(unit)`), an assert checked through `__check`.
+
+A unit holding an assert is a case. Loops (`for`, `while`) and `if`s may hold cases when their
+headers are trusted, so HumanEval's `for x in range(2, 8): assert candidate(x, x + 1) == str(x)`
+is judged iteration by iteration. Dataset errors (ValueError): a leaf inside a comprehension,
+lambda or helper function (it cannot be evaluated apart from its scope), a candidate name in a
+loop or `if` header, `try`/`with`/`class` blocks that use candidate names, an import the judge
+does not allow.
+"""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import copy
+from dataclasses import dataclass, field
+from typing import Any, Literal, cast
+
+from rollout_servers.code_formats import IoTests, ProgramTests
+
+JUDGE_MODULES = frozenset(
+    {
+        "math", "cmath", "random", "string", "copy", "itertools", "collections", "heapq",
+        "bisect", "functools", "operator", "re", "fractions", "decimal", "statistics", "typing",
+        "numbers", "datetime", "array", "sys",  # sys: a few numbers only (code_judge)
+    }
+)  # fmt: skip
+"""Modules the judge may import (pure computation); a test that imports another is refused."""
+_DENIED = {
+    "eval", "exec", "compile", "open", "input", "breakpoint", "__import__", "globals", "locals",
+    "vars", "help", "exit", "quit", "getattr", "setattr", "delattr", "dir", "memoryview",
+    "print", "copyright", "credits", "license", "__loader__", "__spec__", "__name__", "__doc__",
+    "__package__",
+}  # fmt: skip
+JUDGE_BUILTINS = frozenset(n for n in dir(builtins) if n not in _DENIED) | {"print"}
+"""Builtins the judge's code may use (`print` is a no-op there): everything but what could turn
+a candidate-chosen string into code, a file or an attribute walk."""
+_SIMPLE = (ast.Assert, ast.Assign, ast.AugAssign, ast.AnnAssign, ast.Expr)
+_PLAIN = (ast.Pass, ast.Break, ast.Continue, ast.Import, ast.ImportFrom)
+_SCOPED = (ast.Lambda, ast.ListComp, ast.SetComp, ast.DictComp, ast.GeneratorExp, ast.NamedExpr)
+
+
+@dataclass(frozen=True)
+class CodeChecks:
+    """The tests of one row, split into what the sandbox runs and what only the judge sees."""
+
+    mode: Literal["io", "program"]
+    inputs: list[str] = field(default_factory=list)
+    """io: each case's stdin (sent to the sandbox)."""
+    outputs: list[str] = field(default_factory=list)
+    """io: each case's expected stdout (never sent)."""
+    sandbox_units: list[str] = field(default_factory=list)
+    """program: each unit as the sandbox runs it, setup first (sent)."""
+    judge_units: list[str] = field(default_factory=list)
+    """program: each unit as the judge runs it (never sent)."""
+    cases: list[int] = field(default_factory=list)
+    """program: the units that are cases."""
+
+    @property
+    def total(self) -> int:
+        return len(self.inputs) if self.mode == "io" else len(self.cases)
+
+
+def plan_checks(tests: IoTests | ProgramTests) -> CodeChecks:
+    """Split parsed tests (`code_formats.parse_test_cases`) into sandbox and judge programs."""
+    if isinstance(tests, IoTests):
+        return CodeChecks("io", inputs=tests.inputs, outputs=tests.outputs)
+    trees = []
+    for i, text in enumerate([*tests.setup, *tests.units]):
+        try:
+            trees.append(ast.parse(text.strip()))
+        except SyntaxError as e:
+            raise ValueError(f"test statement {i} is not valid Python: {e.msg}") from None
+    statements = [stmt for tree in trees for stmt in tree.body]
+    bound = set().union(*(_bound_names(s) for s in statements)) if statements else set()
+    trusted = bound | JUDGE_BUILTINS | JUDGE_MODULES
+    used = set().union(*(_all_names(s) for s in statements)) if statements else set()
+    imports = sorted((used & JUDGE_MODULES) - bound)  # `math.isclose` without `import math`
+    statements = [ast.parse(f"import {name}").body[0] for name in imports] + statements
+    n_setup = len(imports) + sum(len(tree.body) for tree in trees[: len(tests.setup)])
+    checks = CodeChecks("program")
+    for u, stmt in enumerate(statements):
+        _check_imports(stmt)
+        unit = _Unit(u, trusted)
+        checks.sandbox_units.append(_source(unit.sandbox(stmt)))
+        checks.judge_units.append(_source(unit.judge(stmt)))
+        if u >= n_setup and any(isinstance(n, ast.Assert) for n in ast.walk(stmt)):
+            checks.cases.append(u)
+    return checks
+
+
+def _source(statements: list[ast.stmt]) -> str:
+    return ast.unparse(ast.fix_missing_locations(ast.Module(statements, [])))
+
+
+def _bound_names(node: ast.AST) -> set[str]:
+    names: set[str] = set()
+    for n in ast.walk(node):
+        if isinstance(n, ast.Name) and not isinstance(n.ctx, ast.Load):
+            names.add(n.id)
+        elif isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(n.name)
+        elif isinstance(n, ast.arg):
+            names.add(n.arg)
+        elif isinstance(n, ast.alias):
+            names.add((n.asname or n.name).split(".")[0])
+        elif isinstance(n, ast.ExceptHandler) and n.name:
+            names.add(n.name)
+    return names
+
+
+def _all_names(node: ast.AST) -> set[str]:
+    return {n.id for n in ast.walk(node) if isinstance(n, ast.Name)}
+
+
+def _check_imports(stmt: ast.stmt) -> None:
+    for n in ast.walk(stmt):
+        modules = []
+        if isinstance(n, ast.Import):
+            modules = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom):
+            modules = [n.module or ""] if not n.level else ["." * n.level]
+        for module in modules:
+            if module.split(".")[0] not in JUDGE_MODULES:
+                raise ValueError(f"tests import {module!r}, which the trusted judge does not run")
+
+
+class _Unit:
+    """The two programs of one test statement (see the module docstring)."""
+
+    def __init__(self, index: int, trusted: set[str]) -> None:
+        self.index = index
+        self.trusted = trusted
+
+    def _call(self, name: str, *args: ast.expr) -> ast.Call:
+        return ast.Call(ast.Name(name, ast.Load()), [ast.Constant(self.index), *args], [])
+
+    def _split(self, stmt: ast.stmt) -> tuple[ast.stmt, list[ast.expr]]:
+        split = _Split(self.trusted, self.index)
+        targets = getattr(stmt, "targets", None) or [getattr(stmt, "target", None)]
+        if any(t is not None and _all_names(t) - self.trusted for t in targets):
+            raise ValueError(f"test unit {self.index}: assigns to the candidate's objects")
+        stmt = copy.deepcopy(stmt)  # the transformer edits in place; both programs need it
+        if isinstance(stmt, ast.Assert):
+            test = split.visit(stmt.test)
+            negated = isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not)
+            truth = test.operand if isinstance(test, ast.UnaryOp) and negated else test
+            if isinstance(truth, ast.Subscript) and _is_leaf_ref(truth):
+                # `assert f(x)`: only its truth is tested (MBPP's regexes return a re.Match)
+                index = int(cast(ast.Constant, truth.slice).value)  # type: ignore[arg-type]
+                leaf = split.leaves[index]
+                split.leaves[index] = ast.Call(ast.Name("bool", ast.Load()), [leaf], [])
+            return ast.Assert(test, None), split.leaves
+        return cast(ast.stmt, split.generic_visit(stmt)), split.leaves
+
+    def sandbox(self, stmt: ast.stmt) -> list[ast.stmt]:
+        return self._walk(stmt, self._sandbox_simple)
+
+    def judge(self, stmt: ast.stmt) -> list[ast.stmt]:
+        return self._walk(stmt, self._judge_simple)
+
+    def _sandbox_simple(self, stmt: ast.stmt) -> list[ast.stmt]:
+        rest, leaves = self._split(stmt)
+        if not leaves:
+            return [ast.Pass()] if isinstance(stmt, ast.Assert) else [stmt]
+        thunks = ast.List([ast.Lambda(_no_args(), leaf) for leaf in leaves], ast.Load())
+        report = self._call("__leaves", thunks)
+        if isinstance(stmt, ast.Assert):
+            return [ast.Expr(report)]
+        return [ast.Assign([ast.Name("__r", ast.Store())], report), rest]
+
+    def _judge_simple(self, stmt: ast.stmt) -> list[ast.stmt]:
+        rest, leaves = self._split(stmt)
+        if isinstance(rest, ast.Assert):
+            test = ast.Lambda(_args("__r"), rest.test)
+            return [ast.Expr(self._call("__check", test, ast.Constant(bool(leaves))))]
+        if not leaves:
+            return [rest]
+        return [ast.Assign([ast.Name("__r", ast.Store())], self._call("__take")), rest]
+
+    def _walk(self, stmt: ast.stmt, simple: Any) -> list[ast.stmt]:
+        untrusted = _free_names(stmt) - self.trusted
+        if isinstance(stmt, _SIMPLE):
+            return simple(stmt)
+        if isinstance(stmt, _PLAIN) or not untrusted:
+            return [stmt]
+        if isinstance(stmt, (ast.For, ast.While, ast.If)):
+            header = stmt.iter if isinstance(stmt, ast.For) else stmt.test
+            if _free_names(header) - self.trusted:
+                raise ValueError(
+                    f"test unit {self.index}: candidate code in a loop or if header is not "
+                    f"supported: {ast.unparse(header)!r}"
+                )
+            out = copy.deepcopy(stmt)  # a copy whose bodies we replace
+            assert isinstance(out, (ast.For, ast.While, ast.If))
+            out.body = [s for b in stmt.body for s in self._walk(b, simple)] or [ast.Pass()]
+            out.orelse = [s for b in stmt.orelse for s in self._walk(b, simple)]
+            return [out]
+        raise ValueError(
+            f"test unit {self.index}: a {type(stmt).__name__} that uses candidate names "
+            f"{sorted(untrusted)[:3]} is not supported"
+        )
+
+
+def _is_leaf_ref(node: ast.expr) -> bool:
+    """Whether `node` is `__r[k]`, the claimed value of a leaf."""
+    return (
+        isinstance(node, ast.Subscript)
+        and isinstance(node.value, ast.Name)
+        and node.value.id == "__r"
+        and isinstance(node.slice, ast.Constant)
+    )
+
+
+def _no_args() -> ast.arguments:
+    return ast.arguments([], [], None, [], [], None, [])
+
+
+def _args(name: str) -> ast.arguments:
+    return ast.arguments([], [ast.arg(name)], None, [], [], None, [])
+
+
+class _Split(ast.NodeTransformer):
+    """Replace each maximal candidate-dependent expression by `__r[k]`, collecting it."""
+
+    def __init__(self, trusted: set[str], unit: int) -> None:
+        self.trusted = trusted
+        self.unit = unit
+        self.leaves: list[ast.expr] = []
+
+    def visit(self, node: ast.AST) -> Any:
+        if not isinstance(node, ast.expr) or not _free_names(node) - self.trusted:
+            return self.generic_visit(node) if not isinstance(node, ast.expr) else node
+        splittable: tuple[type[ast.AST], ...] = (ast.BoolOp, ast.BinOp, ast.UnaryOp, ast.Compare)
+        splittable += (ast.IfExp, ast.Tuple, ast.List, ast.Set, ast.Dict, ast.Starred)
+        splittable += (ast.Subscript, ast.Slice, ast.JoinedStr, ast.FormattedValue)
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Call):
+            splittable += (ast.Attribute,)  # `f(x).count(3)`: a method of the claimed value
+        if isinstance(node, splittable):
+            return self.generic_visit(node)
+        if isinstance(node, ast.Call) and (
+            not _free_names(node.func) - self.trusted
+            or (isinstance(node.func, ast.Attribute) and isinstance(node.func.value, ast.Call))
+        ):
+            return self.generic_visit(node)  # a trusted function over candidate values
+        if any(isinstance(n, _SCOPED) for n in ast.walk(node)):
+            raise ValueError(
+                f"test unit {self.unit}: candidate code inside a comprehension or lambda cannot "
+                f"be judged outside the sandbox: {ast.unparse(node)!r}"
+            )
+        self.leaves.append(node)
+        index = ast.Constant(len(self.leaves) - 1)
+        return ast.Subscript(ast.Name("__r", ast.Load()), index, ast.Load())
+
+
+def _free_names(node: ast.AST) -> set[str]:
+    """Names `node` reads that it does not bind itself (comprehension targets, lambda and
+    function arguments, names assigned inside)."""
+    return _all_names(node) - _bound_names(node)
