@@ -11,6 +11,14 @@ maximal expression that uses a candidate name is a *leaf* (`add(1, 2)` in
 - the judge's: the same statement with each leaf replaced by the value the sandbox claimed
   (`__take(unit)`), an assert checked through `__check`.
 
+What the tests compute only to compare with stays out of the sandbox: a trusted assignment
+(`odd_sum = sum(...)` in HumanEval/151) that no leaf and no loop or `if` header needs, directly
+or through other assignments, runs only in the judge (`_judge_only`); a candidate could
+otherwise read it from its caller's frame or globals and return it. What a leaf needs cannot be
+hidden: when a test computes its expected value to build an input (HumanEval/38 and /50:
+`assert candidate(encode(s)) == s`), `s` is in the sandbox, and a candidate that inspects its
+caller's frame can read it (docs/sandbox.md).
+
 A unit holding an assert is a case. Loops (`for`, `while`) and `if`s may hold cases when their
 headers are trusted, so HumanEval's `for x in range(2, 8): assert candidate(x, x + 1) == str(x)`
 is judged iteration by iteration. Dataset errors (ValueError): a leaf inside a comprehension,
@@ -90,14 +98,80 @@ def plan_checks(tests: IoTests | ProgramTests) -> CodeChecks:
     statements = [ast.parse(f"import {name}").body[0] for name in imports] + statements
     n_setup = len(imports) + sum(len(tree.body) for tree in trees[: len(tests.setup)])
     checks = CodeChecks("program")
+    judge_only = _judge_only(statements, trusted)
     for u, stmt in enumerate(statements):
         _check_imports(stmt)
-        unit = _Unit(u, trusted)
+        unit = _Unit(u, trusted, judge_only)
         checks.sandbox_units.append(_source(unit.sandbox(stmt)))
         checks.judge_units.append(_source(unit.judge(stmt)))
         if u >= n_setup and any(isinstance(n, ast.Assert) for n in ast.walk(stmt)):
             checks.cases.append(u)
     return checks
+
+
+def _judge_only(statements: list[ast.stmt], trusted: set[str]) -> set[int]:
+    """ids of the trusted assignments the sandbox can skip: no leaf and no loop or `if` header
+    reads what they bind, directly or through an assignment it keeps, and skipping them changes
+    nothing the sandbox computes (`_inert_assignment`). Walks the statements as `_Unit._walk`
+    does: a statement the sandbox runs as it is needs every name it reads."""
+    needed: set[str] = set()
+    candidates: dict[int, ast.stmt] = {}
+
+    def visit(stmt: ast.stmt) -> None:
+        nonlocal needed
+        if isinstance(stmt, _SIMPLE):
+            if _inert_assignment(stmt, trusted):
+                candidates[id(stmt)] = stmt
+            elif isinstance(stmt, ast.Assert):
+                needed |= _leaf_names(stmt, trusted)  # the sandbox keeps only its leaves
+            else:
+                needed |= _all_names(stmt)
+        elif isinstance(stmt, (ast.For, ast.While, ast.If)) and _free_names(stmt) - trusted:
+            needed |= _all_names(stmt.iter if isinstance(stmt, ast.For) else stmt.test)
+            needed |= _bound_names(stmt.target) if isinstance(stmt, ast.For) else set()
+            for inner in [*stmt.body, *stmt.orelse]:
+                visit(inner)
+        else:
+            needed |= _all_names(stmt)  # runs as it is (or is refused later)
+
+    for stmt in statements:
+        visit(stmt)
+    changed = True
+    while changed:  # what a kept assignment reads is needed too
+        changed = False
+        for key, stmt in list(candidates.items()):
+            if _bound_names(stmt) & needed:
+                needed |= _all_names(stmt)
+                del candidates[key]
+                changed = True
+    return set(candidates)
+
+
+def _inert_assignment(node: ast.stmt, trusted: set[str]) -> bool:
+    """A trusted assignment to plain names whose value calls builtins only and draws nothing
+    from `random` (skipping it leaves every other value the same)."""
+    if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+        return False
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    plain = all(
+        isinstance(t, ast.Name)
+        or (isinstance(t, ast.Tuple) and all(isinstance(e, ast.Name) for e in t.elts))
+        for t in targets
+    )
+    calls = [n.func for n in ast.walk(node.value) if isinstance(n, ast.Call)]
+    builtin_calls = all(isinstance(f, ast.Name) and f.id in JUDGE_BUILTINS for f in calls)
+    names = _all_names(node.value)
+    return plain and builtin_calls and "random" not in names and not _free_names(node) - trusted
+
+
+def _leaf_names(stmt: ast.Assert, trusted: set[str]) -> set[str]:
+    """The names the sandbox's version of an assert reads: its leaves' only."""
+    split = _Split(trusted, -1)
+    try:
+        split.visit(copy.deepcopy(stmt.test))
+    except ValueError:  # refused later, with its unit's number
+        return _all_names(stmt)
+    return set().union(*(_all_names(leaf) for leaf in split.leaves))
 
 
 def _source(statements: list[ast.stmt]) -> str:
@@ -139,9 +213,10 @@ def _check_imports(stmt: ast.stmt) -> None:
 class _Unit:
     """The two programs of one test statement (see the module docstring)."""
 
-    def __init__(self, index: int, trusted: set[str]) -> None:
+    def __init__(self, index: int, trusted: set[str], judge_only: set[int]) -> None:
         self.index = index
         self.trusted = trusted
+        self.judge_only = judge_only  # ids of the assignments the sandbox skips
 
     def _call(self, name: str, *args: ast.expr) -> ast.Call:
         return ast.Call(ast.Name(name, ast.Load()), [ast.Constant(self.index), *args], [])
@@ -171,6 +246,8 @@ class _Unit:
         return self._walk(stmt, self._judge_simple)
 
     def _sandbox_simple(self, stmt: ast.stmt) -> list[ast.stmt]:
+        if id(stmt) in self.judge_only:
+            return [ast.Pass()]
         rest, leaves = self._split(stmt)
         if not leaves:
             return [ast.Pass()] if isinstance(stmt, ast.Assert) else [stmt]

@@ -82,6 +82,31 @@ def test_humaneval_native_loops_random_draws_and_trusted_helpers(shared):
     assert score(shared, fenced(hack), HUMANEVAL)[0] == 0.0
 
 
+EXPECTED_IN_SETUP = {
+    "prompt": 'def odd_sum(lst):\n    """The sum of the odd numbers."""\n',
+    "entry_point": "odd_sum",
+    "test": "def check(candidate):\n    lst = list(range(-99, 100, 2))\n"
+    "    odd_total = sum([i for i in lst if i % 2 == 1])\n"
+    "    assert candidate(lst) == odd_total\n    assert candidate([1, 2]) == 1\n",
+}  # HumanEval/151's shape: the expected value computed in a setup statement
+
+
+def test_an_expected_value_computed_in_setup_never_enters_the_sandbox(shared):
+    """A candidate that reads the test's variables from its caller's frames finds nothing to
+    copy: the setup statement only the judge needs does not run in the sandbox."""
+    peek = (
+        "def odd_sum(lst):\n    import sys\n    frame = sys._getframe(1)\n"
+        "    while frame is not None:\n"
+        "        for scope in (frame.f_locals, frame.f_globals):\n"
+        "            if 'odd_total' in scope and scope.get('lst') is lst:\n"
+        "                return scope['odd_total']\n"
+        "        frame = frame.f_back\n    return 1"
+    )
+    assert score(shared, fenced(peek), EXPECTED_IN_SETUP)[0] == 0.0
+    right = "def odd_sum(lst):\n    return sum(x for x in lst if x % 2)"
+    assert score(shared, fenced(right), EXPECTED_IN_SETUP)[0] == 1.0
+
+
 def test_mbpp_with_its_imports(shared):
     assert score(shared, fenced("import math\ndef area(r):\n    return math.pi * r * r"), MBPP)[0]
     assert score(shared, fenced("def area(r):\n    return 3 * r * r"), MBPP)[0] == 0.0

@@ -104,3 +104,22 @@ def test_an_assert_on_a_bare_call_claims_only_its_truth():
         "__leaves(1, [lambda: bool(f('b'))])",
     ]
     assert checks.judge_units[1] == "__check(1, lambda __r: not __r[0], True)"
+
+
+def test_what_only_the_judge_needs_is_not_sent_and_what_a_leaf_needs_is():
+    """An assignment no leaf or header needs (`hidden`) is skipped in the sandbox but run by the
+    judge; one that a trusted loop or a leaf reads (`base`, `shown`) is kept."""
+    tests = ProgramTests(
+        setup=["base = 5", "shown = 7"],
+        units=[
+            "for i in range(2):\n    total = base + i",
+            "hidden = base * 2",
+            "assert f(total) == hidden",
+            "assert f(shown) == 1",
+        ],
+    )
+    checks = plan_checks(tests)
+    sandbox = "\n".join(checks.sandbox_units)
+    assert "hidden" not in sandbox
+    assert "base = 5" in sandbox and "shown = 7" in sandbox and "total = base + i" in sandbox
+    assert "hidden = base * 2" in "\n".join(checks.judge_units)
