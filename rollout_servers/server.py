@@ -353,6 +353,7 @@ class RolloutServer:
             **self.counters,
             **{f"client_{k}": v for k, v in self.client.counters.items()},
             **{f"reward_{k}": v for k, v in self.rewards.failures.items()},
+            **{f"reward_limit_{k}": v for k, v in self.rewards.limits.items()},  # truncated...
             "engine_version": self.engine.version,
             "responses_capped_by_context": self.engine.responses_capped_by_context,
             "weight_syncs": len(self.sync_times),
