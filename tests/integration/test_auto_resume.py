@@ -127,6 +127,7 @@ def test_a_learner_killed_twice_is_resumed_and_the_records_read_like_one_run(tmp
     assert len(drawn - set(seen)) == stale, "a prompt was skipped"
 
 
+@pytest.mark.long  # over 30 s: its own CI step (the default tier stays under 15 min)
 def test_when_the_retries_run_out_the_last_death_is_named(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     launcher = _launch(run_dir, cache_dir, retries=1)

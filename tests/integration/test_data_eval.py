@@ -95,6 +95,7 @@ def test_verl_parquet_and_a_misbehaving_custom_reward(tmp_path, model_cache):
         assert stats.get(f"reward_{kind}", 0) > 0, f"no {kind} counted: {stats}"
 
 
+@pytest.mark.long  # over 30 s: its own CI step (the default tier stays under 15 min)
 def test_a_row_no_server_can_sample_is_given_up_written_down_and_the_run_goes_on(
     tmp_path, model_cache
 ):
@@ -138,6 +139,7 @@ def test_a_row_no_server_can_sample_is_given_up_written_down_and_the_run_goes_on
         assert first[row] != str(record["server_id"]), (row, first[row], record)
 
 
+@pytest.mark.long  # over 30 s: its own CI step (the default tier stays under 15 min)
 def test_validation_then_eval_of_the_final_checkpoint(tmp_path, model_cache):
     run_dir = _run(
         tmp_path,

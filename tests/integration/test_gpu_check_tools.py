@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -24,6 +26,7 @@ def _tool(name: str, *args: str, timeout: float = 180) -> str:
     return done.stdout
 
 
+@pytest.mark.long  # over 30 s: its own CI step (the default tier stays under 15 min)
 def test_bench_gpu_engine_samples_the_same_tokens_both_ways_on_cpu(tmp_path):
     out = tmp_path / "engine.json"
     args = ["--device", "cpu", "--models", "tiny", "--rows", "3", "--prompt-len", "8"]

@@ -55,6 +55,7 @@ def _assert_all_gone(procs: list[psutil.Process]) -> None:
     assert not alive, f"orphans left: {[p.pid for p in alive]}"
 
 
+@pytest.mark.long  # over 30 s: its own CI step (the default tier stays under 15 min)
 def test_a_dead_server_stops_the_run_and_is_named(tmp_path):
     proc, _ = _start(tmp_path, "launch.max_restarts=0")
     fleet = _fleet(proc.pid)

@@ -297,6 +297,7 @@ def _rejoined_with_the_learners_weights(run_dir, server: int, epoch: int, not_be
     assert [r["version"] for r in joins] == [synced[0]["version"]]
 
 
+@pytest.mark.long  # over 30 s: its own CI step (the default tier stays under 15 min)
 def test_a_stopped_server_is_declared_dead_within_the_timeout_killed_and_restarted(tmp_path):
     """Serving only (no learner): the replay notices the silence, the launcher kills the
     stopped process and starts epoch 1."""

@@ -181,6 +181,7 @@ def test_a_member_killed_in_the_middle_of_a_version_costs_the_others_nothing(fle
     assert not list(SHM_DIR.glob(f"asyncrl-ws-{os.getpid()}-*"))
 
 
+@pytest.mark.long  # over 30 s: its own CI step (the default tier stays under 15 min)
 def test_a_stopped_member_is_dropped_after_the_timeout_and_fails_when_it_wakes(fleet):
     """(c) Server 1 is SIGSTOPped: the next version waits for it no longer than the op
     timeout, reaches server 0 and drops server 1; woken up, server 1 finds its group closed
