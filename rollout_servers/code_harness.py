@@ -7,8 +7,9 @@ candidate as data. Everything it writes on its stdout is a *claim* the judge che
   (`code_plan`) runs in its namespace, after `random.seed(seed)` so that tests drawing random
   inputs draw the same ones as the judge. Each `__leaves` call claims the plain values of one
   execution's leaves (`{"u": unit, "v": [...]}`), or the error one raised (`"e"`), or
-  `"e": "truncated"` when the claim would be over `max_value` characters; after an error the
-  unit stops, as it would in the judge. Each unit has `timeout` seconds.
+  `"e": "truncated"` when the claim would be over `max_value` characters or its value is nested
+  deeper than `plain` goes; after an error the unit stops, as it would in the judge. Each unit
+  has `timeout` seconds. Ints of any length are values (`sys.set_int_max_str_digits(0)`).
 
 The candidate shares the harness's process and can forge any claim; that is why the verdict is
 only ever computed from claimed *values* by the judge, never from the harness's say-so.
@@ -25,6 +26,7 @@ from rollout_servers.code_values import plain, unplain
 _HARNESS = r"""
 import json, os, random, signal, sys, select, time
 job = json.loads(sys.stdin.read())
+sys.set_int_max_str_digits(0)  # an int over 4300 digits is a value like any other
 claims = os.fdopen(os.dup(1), "w", buffering=1)
 devnull = os.open(os.devnull, os.O_RDWR)
 def claim(**fields):
@@ -37,11 +39,23 @@ def leaves(unit, thunks):
     values = []
     for thunk in thunks:
         try:
-            values.append(plain(thunk()))
+            value = thunk()
         except BaseException as exc:
             claim(u=unit, e=type(exc).__name__)
             raise Abort() from None
-    line = json.dumps({"u": unit, "v": values}, ensure_ascii=False)
+        try:
+            values.append(plain(value))
+        except (ValueError, RecursionError):  # nested past plain's depth: a size limit
+            claim(u=unit, e="truncated")
+            raise Abort() from None
+        except BaseException as exc:
+            claim(u=unit, e=type(exc).__name__)
+            raise Abort() from None
+    try:
+        line = json.dumps({"u": unit, "v": values}, ensure_ascii=False)
+    except BaseException as exc:
+        claim(u=unit, e=type(exc).__name__)
+        raise Abort() from None
     if len(line) > job["max_value"]:
         claim(u=unit, e="truncated")
         raise Abort()

@@ -35,6 +35,8 @@ from rollout_servers.code_plan import JUDGE_BUILTINS, JUDGE_MODULES, CodeChecks
 from rollout_servers.code_values import unplain
 
 _PASS, _FAIL, _TRUNCATED, _LIMIT = b"1", b"0", b"T", b"M"
+_MAX_FD = max(os.sysconf("SC_OPEN_MAX"), 1 << 16)
+"""Every descriptor below this is closed in the judge child (`os.closerange`: one syscall)."""
 _SYS_NAMES = ("getsizeof", "maxsize", "float_info", "int_info", "byteorder", "version_info")
 """What the judge's `sys` holds (MBPP 596 compares with `sys.getsizeof`)."""
 
@@ -72,7 +74,7 @@ def judge(
 # ---- stdin/stdout ------------------------------------------------------------------------------
 def _judge_io(plan: CodeChecks, stdout: str) -> list[bytes]:
     first: dict[int, dict[str, Any]] = {}
-    for line in stdout.splitlines():
+    for line in stdout.split("\n"):  # claims end in "\n" only: a value may hold \x85, \u2028
         with contextlib.suppress(ValueError, RecursionError):
             item = json.loads(line)
             if isinstance(item, dict) and isinstance(item.get("case"), int):
@@ -119,7 +121,8 @@ def _bounded(
     pid = os.fork()
     if pid == 0:  # the child: limits first, then the work; never returns
         try:
-            os.close(read_fd)
+            _isolate(read_fd, write_fd)
+            write_fd = 3
             extra = memory_mb << 20
             resource.setrlimit(resource.RLIMIT_AS, (_address_space() + extra,) * 2)
             cpu = max(1, int(cpu_s + 0.999))
@@ -128,11 +131,13 @@ def _bounded(
                 os.write(write_fd, outcome)
         finally:
             os._exit(0)
+    with contextlib.suppress(OSError):  # the child does the same: no moment without its group
+        os.setpgid(pid, pid)
     os.close(write_fd)
     got = bytearray()
     deadline = time.monotonic() + 2 * cpu_s + 2.0  # CPU-bound work ends by RLIMIT_CPU first
-    try:
-        while (left := deadline - time.monotonic()) > 0:
+    try:  # until every case is decided: a process it forked may hold the pipe open
+        while len(got) < plan.total and (left := deadline - time.monotonic()) > 0:
             if not select.select([read_fd], [], [], left)[0]:
                 break
             chunk = os.read(read_fd, 4096)
@@ -141,11 +146,31 @@ def _bounded(
             got += chunk
     finally:
         os.close(read_fd)
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pid, signal.SIGKILL)  # the child and whatever it forked
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
         os.waitpid(pid, 0)
     outcomes = [bytes([b]) for b in got[: plan.total]]
     return outcomes + [_LIMIT] * (plan.total - len(outcomes))
+
+
+def _isolate(read_fd: int, write_fd: int) -> None:
+    """In the judge child, before any dataset code runs: its own process group (the parent
+    kills the group, so a process it forks dies with it), no file descriptor of the worker's
+    but the outcome pipe, moved to fd 3 (the worker's socket to the RewardComputer would let it
+    forge other items' results), stdio on /dev/null, and no new processes where RLIMIT_NPROC
+    binds (not for root, which the kernel exempts; there the group kill holds)."""
+    os.setpgid(0, 0)
+    os.close(read_fd)
+    os.dup2(write_fd, 3)
+    null = os.open(os.devnull, os.O_RDWR)
+    for fd in (0, 1, 2):
+        os.dup2(null, fd)
+    os.closerange(4, _MAX_FD)
+    with contextlib.suppress(ValueError, OSError):
+        resource.setrlimit(resource.RLIMIT_NPROC, (0, 0))
+    sys.set_int_max_str_digits(0)  # a claimed int of any length reads (the CPU bound holds)
 
 
 def _address_space() -> int:
@@ -157,7 +182,7 @@ def _address_space() -> int:
 def _judge_program(plan: CodeChecks, stdout: str, seed: int, max_value: int) -> Iterator[bytes]:
     """Each case's outcome, in order, from running the judge's units with the claimed values."""
     records: dict[int, list[Any]] = {}
-    for line in stdout.splitlines():
+    for line in stdout.split("\n"):  # not splitlines(): "\x85" and "\u2028" are in values
         if len(line) > max_value + 64:
             continue  # the harness never writes one this long: forged
         with contextlib.suppress(ValueError, RecursionError):
@@ -185,23 +210,26 @@ def _judge_program(plan: CodeChecks, stdout: str, seed: int, max_value: int) -> 
     }  # fmt: skip
     random.seed(seed)
     cases = set(plan.cases)
+    broken: bytes | None = None  # why every later case fails, once a step's claim failed
     for unit, source in enumerate(plan.judge_units):
         state.update(unit=unit, left=list(records.get(unit, [])), truncated=False)
-        ok = True
+        outcome = _PASS
         try:
             exec(compile(source, f"<test {unit}>", "exec"), namespace)  # noqa: S102 (trusted)
         except MemoryError:
-            ok = False
-            if unit in cases:
-                yield _LIMIT
-                continue
+            outcome = _LIMIT
         except Exception:
-            ok = False
+            outcome = _FAIL
+        if state["truncated"] and outcome != _LIMIT:
+            outcome = _TRUNCATED
+        elif outcome == _PASS and state["left"]:
+            outcome = _FAIL  # claims the judge did not take: more executions than it ran
         if unit in cases:
-            if state["truncated"]:
-                yield _TRUNCATED
-            else:
-                yield _PASS if ok and not state["left"] else _FAIL
+            yield broken or outcome
+        elif outcome != _PASS and "__take" in source and broken is None:
+            # `r = solve(big)` raised: `r` still holds the value before, and a later
+            # `assert r % 2 == 0` would pass on it
+            broken = outcome
 
 
 def _judge_builtins() -> dict[str, Any]:
