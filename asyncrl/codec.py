@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import gc
 import reprlib
 import types
 from collections.abc import Callable
@@ -28,6 +29,7 @@ from typing import (
     Any,
     ClassVar,
     Literal,
+    NoReturn,
     Protocol,
     TypeVar,
     Union,
@@ -96,6 +98,11 @@ JsonObject = Annotated[dict, ("json",)]
 None, bool, int, float, str, lists and objects, nested at most MAX_JSON_DEPTH deep."""
 MAX_JSON_DEPTH = 32
 MAX_HEADER_DEPTH = MAX_JSON_DEPTH + 8  # message -> fields -> list -> struct -> JsonObject ...
+BYTES_PER_NODE = 4
+"""A receiver's bound on a header's values (`decode`'s max_nodes): one per BYTES_PER_NODE bytes
+of its size limit. Checking and holding a value costs the same whatever it weighs, and an empty
+list weighs 1 byte, so a size limit alone lets a message cost ~4x what its bytes suggest (a
+prompt-heavy part of evaluation prompts holds one value per ~6 bytes)."""
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 
 _REPR = reprlib.Repr()
@@ -168,20 +175,25 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def decode(frames: list[bytes], max_bytes: int | None = None) -> Any:
-    """[header, *array frames] -> a validated message, or `ProtocolError`."""
+def decode(frames: list[bytes], max_bytes: int | None = None, max_nodes: int | None = None) -> Any:
+    """[header, *array frames] -> a validated message, or `ProtocolError` (also when the
+    header holds more than `max_nodes` values: `count_nodes`)."""
     if not frames:
         raise ProtocolError("empty message")
     size = sum(len(f) for f in frames)
     if max_bytes is not None and size > max_bytes:
         raise ProtocolError(f"oversized message: {size} bytes > limit {max_bytes}")
+    collecting = gc.isenabled()
+    gc.disable()  # a header of many small containers otherwise costs ~10x in collections
     try:
         header = msgpack.unpackb(frames[0], raw=False, strict_map_key=True)
     except Exception as e:  # any msgpack failure is the sender's fault, never ours
         reason = f"{type(e).__name__}: {str(e)[:200]}"
         raise ProtocolError(f"header is not valid MessagePack ({reason})") from None
-    if _too_deep(header, MAX_HEADER_DEPTH):
-        raise ProtocolError(f"header nested deeper than {MAX_HEADER_DEPTH}")
+    finally:
+        if collecting:
+            gc.enable()
+    count_nodes(header, MAX_HEADER_DEPTH, max_nodes)
     if not isinstance(header, dict) or set(header) != {"v", "type", "fields", "arrays"}:
         raise ProtocolError("header must be a map with keys v, type, fields, arrays")
     if type(header["v"]) is not int or header["v"] != WIRE_VERSION:
@@ -216,19 +228,29 @@ def decode(frames: list[bytes], max_bytes: int | None = None) -> Any:
     return msg
 
 
-def _too_deep(value: Any, limit: int) -> bool:
-    """Whether containers in `value` nest deeper than `limit` (iterative: no recursion)."""
-    stack = [(value, 0)]
-    while stack:
-        v, depth = stack.pop()
-        if isinstance(v, (list, dict)):
-            if depth >= limit:
-                return True
-            items = v.values() if isinstance(v, dict) else v
-            stack.extend((x, depth + 1) for x in items)
-            if isinstance(v, dict):
-                stack.extend((k, depth + 1) for k in v)
-    return False
+def count_nodes(value: Any, depth_limit: int, max_nodes: int | None = None) -> int:
+    """How many values `value` holds (itself, every item, map key and map value), or
+    ProtocolError when containers nest deeper than `depth_limit` or the count passes
+    `max_nodes`. One pass, level by level (no recursion, no per-node objects), so it costs
+    about the same per node as MessagePack's own unpacking."""
+    level, depth, nodes = [value], 0, 0
+    while level:
+        nodes += len(level)
+        if max_nodes is not None and nodes > max_nodes:
+            raise ProtocolError(f"header holds more than {max_nodes} values")
+        below: list[Any] = []
+        for v in level:
+            if isinstance(v, list):
+                below.extend(v)
+            elif isinstance(v, dict):
+                below.extend(v)
+                below.extend(v.values())
+            else:
+                continue
+            if depth >= depth_limit:
+                raise ProtocolError(f"header nested deeper than {depth_limit}")
+        level, depth = below, depth + 1
+    return nodes
 
 
 def _decode_array(
@@ -327,18 +349,51 @@ def _check(value: Any, tp: Any, path: str) -> Any:
 
 
 def _check_json(value: Any, path: str, depth: int) -> Any:
-    """`value` if it is plain JSON no deeper than MAX_JSON_DEPTH, else ProtocolError."""
+    """`value` if it is plain JSON no deeper than MAX_JSON_DEPTH, else ProtocolError. The
+    common case (valid) is one level-by-level pass that builds nothing; only a value that
+    fails is walked again, by `_json_error`, to name where."""
+    level = [value]
+    while level:
+        if depth > MAX_JSON_DEPTH:
+            _json_error_at(value, path)
+        below: list[Any] = []
+        for v in level:
+            if isinstance(v, list):
+                below.extend(v)
+            elif isinstance(v, dict):
+                if not all(isinstance(k, str) for k in v):
+                    _json_error_at(value, path)
+                below.extend(v.values())
+            elif not (v is None or isinstance(v, (bool, int, float, str))):
+                _json_error_at(value, path)
+        level, depth = below, depth + 1
+    return value
+
+
+def _json_error(value: Any, path: str, depth: int) -> None:
+    """Raise ProtocolError naming the first place where `value` is not plain JSON no deeper
+    than MAX_JSON_DEPTH (recursion bounded: the header's depth was checked first)."""
     if depth > MAX_JSON_DEPTH:
         raise ProtocolError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH}")
     if value is None or isinstance(value, (bool, int, float, str)):
-        return value
+        return
     if isinstance(value, list):
-        return [_check_json(v, f"{path}[{i}]", depth + 1) for i, v in enumerate(value)]
+        for i, v in enumerate(value):
+            _json_error(v, f"{path}[{i}]", depth + 1)
+        return
     if isinstance(value, dict):
         if not all(isinstance(k, str) for k in value):
             raise ProtocolError(f"{path}: JSON object keys must be strings")
-        return {k: _check_json(v, f"{path}.{short_repr(k)}", depth + 1) for k, v in value.items()}
+        for k, v in value.items():
+            _json_error(v, f"{path}.{short_repr(k)}", depth + 1)
+        return
     raise ProtocolError(f"{path}: {type(value).__name__} is not a JSON value")
+
+
+def _json_error_at(value: Any, path: str) -> NoReturn:
+    """`_json_error` from the JSON value's top: always raises."""
+    _json_error(value, path, 0)
+    raise ProtocolError(f"{path}: not plain JSON")  # unreachable while both walks agree
 
 
 def registered_types() -> dict[str, type]:
@@ -352,9 +407,11 @@ __all__ = [
     "Int32Array",
     "Int64Array",
     "JsonObject",
+    "BYTES_PER_NODE",
     "ProtocolError",
     "WIRE_VERSION",
     "check",
+    "count_nodes",
     "decode",
     "encode",
     "message",

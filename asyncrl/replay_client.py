@@ -15,10 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
+import msgpack
 import zmq
 
 from asyncrl.auth import RoleKey
-from asyncrl.codec import encode
+from asyncrl.codec import BYTES_PER_NODE, count_nodes, encode
 from asyncrl.protocol import (
     Ack,
     Batch,
@@ -45,14 +46,18 @@ authentication frame. That limit keeps any one message from holding the replay's
 
 
 def eval_parts(job_id: str, prompts: list[PromptItem], part_bytes: int) -> list[EvalSubmit]:
-    """`prompts` as the parts of job `job_id`, each at most `part_bytes` on the wire (every
-    part but the last says `more`); ValueError naming a prompt that alone weighs more."""
+    """`prompts` as the parts of job `job_id`, each at most `part_bytes` on the wire and
+    holding at most `part_bytes // BYTES_PER_NODE` values (the receiver's bound, `decode`);
+    every part but the last says `more`. ValueError naming a prompt that alone weighs more."""
     parts: list[EvalSubmit] = []
     start, step = 0, max(1, len(prompts))
     while start < len(prompts) or not parts:
         chunk = prompts[start : start + step]
         part = EvalSubmit(2**31 - 1, job_id, chunk, more=start + len(chunk) < len(prompts))
-        size = sum(len(f) for f in encode(part))
+        frames = encode(part)
+        size = sum(len(f) for f in frames)
+        # bytes standing for values: a part within both bounds weighs at most part_bytes
+        size = max(size, count_nodes(msgpack.unpackb(frames[0]), 2**31) * BYTES_PER_NODE)
         if size <= part_bytes:
             parts.append(part)
             start += len(chunk)
@@ -60,8 +65,9 @@ def eval_parts(job_id: str, prompts: list[PromptItem], part_bytes: int) -> list[
             step = max(1, min(len(chunk) - 1, int(len(chunk) * part_bytes / size * 0.9)))
         else:
             raise ValueError(
-                f"evaluation prompt {chunk[0].group_id!r} alone weighs {size} bytes on the wire, "
-                f"over the {part_bytes} bytes of one part (replay.max_client_message_mb)"
+                f"evaluation prompt {chunk[0].group_id!r} alone weighs {size} bytes on the wire "
+                f"(or holds {size // BYTES_PER_NODE} values), over the {part_bytes} bytes of one "
+                "part (replay.max_client_message_mb)"
             )
     return parts
 

@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import zmq
 
 from asyncrl.auth import AuthError, RoleKey
-from asyncrl.codec import ProtocolError, decode, encode
+from asyncrl.codec import BYTES_PER_NODE, ProtocolError, decode, encode
 from asyncrl.protocol import Error
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
@@ -154,8 +154,11 @@ def send_msg(
 
 
 def decode_frames(frames: list[bytes], max_bytes: int | None = None) -> Any:
-    """Decode received frames (bytes or zmq.Frame) into a message; raises ProtocolError."""
-    return decode([f.bytes if isinstance(f, zmq.Frame) else f for f in frames], max_bytes=max_bytes)
+    """Decode received frames (bytes or zmq.Frame) into a message; raises ProtocolError. With
+    `max_bytes`, the header may hold at most `max_bytes // BYTES_PER_NODE` values too."""
+    nodes = None if max_bytes is None else max_bytes // BYTES_PER_NODE
+    raw = [f.bytes if isinstance(f, zmq.Frame) else f for f in frames]
+    return decode(raw, max_bytes=max_bytes, max_nodes=nodes)
 
 
 def decode_signed(frames: list[Any], auth: RoleKey, max_bytes: int | None = None) -> Any:

@@ -9,8 +9,11 @@ more than its n samples whatever ids they carry.
 
 A large job arrives in parts (`EvalSubmit.more`: more parts follow), each under the sender's
 size limit, so no one message takes the replay's loop for long; the job's prompts are leased as
-its parts come, and it is not finished before its last part. A part that is refused ends its
-job: the job is freed with the parts before it.
+its parts come, and it is not finished before its last part. A job belongs to the sender of its
+first part (`owner`: its role and ZeroMQ identity): another sender's part or poll of it is refused
+(`EvalForbidden`) and changes nothing. A part of its owner that is refused ends the job: it is
+freed with the parts before it, and its id is remembered (the last MAX_REFUSED ids) so that any
+later part or poll of it is refused too, naming why, instead of starting a smaller job.
 
 Bounds: at most MAX_OPEN_JOBS unfinished jobs and MAX_JOB_SAMPLES samples per job, and at most
 `max_bytes` (`replay.eval_jobs_mb`) of memory held by all the jobs kept (over any of them:
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from asyncrl.codec import MAX_HEADER_DEPTH, count_nodes
 from asyncrl.protocol import EvalResults, PromptItem, Trajectory
 from replay.buffer import AddStatus, MalformedTrajectory
 
@@ -43,23 +47,43 @@ PROMPT_BYTES = 2048
 group's entries), charged per prompt: small prompts decode to about 1 KB more than they weigh
 on the wire (tests/unit/test_eval_memory.py holds the charge above what is measured)."""
 SAMPLE_BYTES = 256
+NODE_BYTES = 100
+"""Memory one decoded JSON value of a prompt's free-form fields (extra_info, tools_kwargs,
+interaction_kwargs) holds beyond its wire bytes: an empty list weighs 1 byte on the wire and
+~64 in memory (tests/unit/test_eval_memory.py)."""
+MAX_REFUSED = 4 * MAX_JOBS
 """Memory one expected sample's score record and slot take (`_Job`), charged per sample."""
 
 
-def job_charge(wire_bytes: int, prompts: int, samples: int) -> int:
-    """The memory a part of `prompts` prompts (`samples` samples in all) that weighed
-    `wire_bytes` on the wire is charged (see the module docstring)."""
-    return wire_bytes + PROMPT_BYTES * prompts + SAMPLE_BYTES * samples
+def job_charge(wire_bytes: int, prompts: int, samples: int, nodes: int = 0) -> int:
+    """The memory a part of `prompts` prompts (`samples` samples in all, `nodes` values in
+    their free-form JSON fields, `json_nodes`) that weighed `wire_bytes` on the wire is charged
+    (see the module docstring)."""
+    return wire_bytes + PROMPT_BYTES * prompts + SAMPLE_BYTES * samples + NODE_BYTES * nodes
+
+
+def json_nodes(prompts: list[PromptItem]) -> int:
+    """How many values the free-form JSON fields of `prompts` hold (their depth was checked
+    when they were decoded)."""
+    return sum(
+        count_nodes([p.extra_info, p.tools_kwargs, p.interaction_kwargs], MAX_HEADER_DEPTH)
+        for p in prompts
+    )
 
 
 class EvalQuotaExceeded(ValueError):
     """An evaluation job over the replay's bounds (too many open jobs, too many samples)."""
 
 
+class EvalForbidden(ValueError):
+    """A part or a poll of an evaluation job by a sender that does not own it."""
+
+
 @dataclass
 class _Job:
     expected: int
     touched: float  # monotonic time of submission, of the last poll or sample
+    owner: object = None  # who submitted its first part (the replay: role and identity)
     charge: int = 0  # memory charged to it (`job_charge` of its parts)
     receiving: bool = False  # more parts of it are to come (not finished before the last)
     seen: set[tuple[str, int]] = field(default_factory=set)  # (group_id, sample_index) filled
@@ -83,6 +107,7 @@ class EvalJobs:
         self.forget_after_s = forget_after_s
         self.max_bytes = max_bytes
         self.freed = 0
+        self._refused: dict[str, str] = {}  # job id -> why a part of it was refused (MAX_REFUSED)
 
     @property
     def held_bytes(self) -> int:
@@ -96,27 +121,50 @@ class EvalJobs:
         now: float,
         more: bool = False,
         wire_bytes: int = 0,
+        owner: object = None,
     ) -> None:
         """Queue a job, or the next part of one still receiving (`more`: parts follow), that
-        weighed `wire_bytes` on the wire. ValueError (or its EvalQuotaExceeded) if it cannot
-        be; then nothing of the job is kept, its earlier parts included."""
+        weighed `wire_bytes` on the wire, from `owner`. EvalForbidden (nothing changes) if the
+        job is another owner's; ValueError (or its EvalQuotaExceeded) if it cannot be, and then
+        nothing of the job is kept, its earlier parts included, and its later parts are refused."""
         job = self._jobs.get(job_id)
+        self._check_owner(job_id, job, owner)
+        nodes = json_nodes(prompts)
         try:
-            self._check(job_id, job, prompts, wire_bytes)
-        except ValueError:
+            self._check(job_id, job, prompts, wire_bytes, nodes)
+        except ValueError as e:
             if job is not None and job.receiving:
                 self._free({job_id})
+                self._refuse(job_id, str(e))
             raise
         if job is None:
-            job = self._jobs[job_id] = _Job(expected=0, touched=now)
+            job = self._jobs[job_id] = _Job(expected=0, touched=now, owner=owner)
         job.expected += sum(p.n for p in prompts)
-        job.charge += job_charge(wire_bytes, len(prompts), sum(p.n for p in prompts))
+        job.charge += job_charge(wire_bytes, len(prompts), sum(p.n for p in prompts), nodes)
         job.touched, job.receiving = now, more
         for p in prompts:
             self._group_job[p.group_id] = (job_id, p.data_source, p.n)
         self._pending.extend(dataclasses.replace(p, failures=0) for p in prompts)  # ours to count
 
-    def _check(self, job_id: str, job: _Job | None, prompts: list[PromptItem], size: int) -> None:
+    def _check_owner(self, job_id: str, job: _Job | None, owner: object) -> None:
+        """EvalForbidden unless `owner` may send a part or poll of `job_id` (`job`, None if
+        not kept): the job is its own, and no part of it was refused."""
+        if job_id in self._refused:
+            raise EvalForbidden(
+                f"evaluation job {job_id!r} was freed when a part of it was refused "
+                f"({self._refused[job_id][:200]}); submit it again under a new id"
+            )
+        if job is not None and job.owner != owner:
+            raise EvalForbidden(f"evaluation job {job_id!r} was submitted by another sender")
+
+    def _refuse(self, job_id: str, why: str) -> None:
+        self._refused[job_id] = why
+        while len(self._refused) > MAX_REFUSED:
+            del self._refused[next(iter(self._refused))]  # the oldest: dicts keep order
+
+    def _check(
+        self, job_id: str, job: _Job | None, prompts: list[PromptItem], size: int, nodes: int
+    ) -> None:
         """Raise unless the part `prompts` can join `job` (None: a new job `job_id`), freeing
         the finished jobs that it needs room or memory for."""
         if job is not None and not job.receiving:
@@ -137,7 +185,7 @@ class EvalJobs:
         for p in prompts:
             if p.eval_job != job_id:
                 raise ValueError(f"prompt {p.group_id!r} is not marked for job {job_id!r}")
-        charge = job_charge(size, len(prompts), samples)
+        charge = job_charge(size, len(prompts), samples, nodes)
         self._make_room(charge, new_job=job is None)
         if self.held_bytes + charge > self.max_bytes:
             raise EvalQuotaExceeded(
@@ -259,8 +307,13 @@ class EvalJobs:
         job.versions.append(int(sampled.min()) if len(sampled) else -1)
         return "accepted"
 
-    def results(self, request_id: int, job_id: str, now: float) -> EvalResults:
+    def results(
+        self, request_id: int, job_id: str, now: float, owner: object = None
+    ) -> EvalResults:
+        """The job's scores so far: KeyError if it is not kept, EvalForbidden if it is not
+        `owner`'s or a part of it was refused."""
         job = self._jobs.get(job_id)
+        self._check_owner(job_id, job, owner)
         if job is None:
             raise KeyError(job_id)
         job.touched = now

@@ -86,7 +86,7 @@ from replay.checkpoint import ReplayState, read_state, write_state
 from replay.components import ReplayComponents, setup_replay_components
 from replay.counters import summarize
 from replay.endpoint import Endpoint
-from replay.eval_jobs import EvalQuotaExceeded
+from replay.eval_jobs import EvalForbidden, EvalQuotaExceeded
 from replay.held import Changes, HeldBatches, HeldLeases
 from replay.prompts import PromptSource
 
@@ -271,7 +271,11 @@ class ReplayService(Endpoint):
     def _on_eval_submit(self, peer: Peer, msg: EvalSubmit) -> None:
         try:
             now = time.monotonic()
-            self.eval_jobs.submit(msg.job_id, msg.prompts, now, msg.more, self._size)
+            owner = (peer.role, peer.identity)
+            self.eval_jobs.submit(msg.job_id, msg.prompts, now, msg.more, self._size, owner)
+        except EvalForbidden as e:
+            self._reject(peer, "rejected_forbidden", str(e))
+            return
         except EvalQuotaExceeded as e:
             self._reject(peer, "rejected_quota", str(e))
             return
@@ -283,7 +287,11 @@ class ReplayService(Endpoint):
 
     def _on_eval_poll(self, peer: Peer, msg: EvalPoll) -> None:
         try:
-            results = self.eval_jobs.results(msg.request_id, msg.job_id, time.monotonic())
+            owner = (peer.role, peer.identity)
+            results = self.eval_jobs.results(msg.request_id, msg.job_id, time.monotonic(), owner)
+        except EvalForbidden as e:
+            self._reject(peer, "rejected_forbidden", str(e))
+            return
         except KeyError:
             reason = f"unknown evaluation job {short_repr(msg.job_id)} (never submitted, or freed)"
             self._reject(peer, "rejected_invalid", reason)

@@ -2,11 +2,15 @@
 the replay's memory with as many maximal jobs open as it allows (issue 30's acceptance).
 
     python tools/bench_replay_flood.py [--seconds 20] [--eval-jobs-mb 1024] [--junk-mb 59]
+                                        [--part prompts|empty-lists|lists-in-bound]
 
 The replay runs in a child process (as in a run). A flooding client sends, back to back, the
 largest part a client may send (`replay.max_client_message_mb`) made of tiny prompts (the
 costliest to decode per byte), each part of a new or a still-open job, and now and then a
-`--junk-mb` message (refused on its size alone). A server's client sends a heartbeat every
+`--junk-mb` message (refused on its size alone). `--part empty-lists` sends instead one prompt
+whose extra_info is as many empty lists as the size limit lets through (1 byte each: refused on
+its value count, `codec.BYTES_PER_NODE`, after it is unpacked); `lists-in-bound`, the most empty
+lists a part may hold and be accepted (the costliest accepted part in memory per byte). A server's client sends a heartbeat every
 0.1 s and times each answer. Printed: heartbeat latency p50/p99/max, how many parts were
 accepted and refused, the memory charged to evaluation jobs and the replay's peak RSS before
 and after (its `Stats`).
@@ -23,8 +27,8 @@ import time
 import numpy as np
 import zmq
 
-from asyncrl.auth import Keyring
-from asyncrl.codec import ProtocolError, encode
+from asyncrl.auth import MAX_AUTH_FRAME, Keyring
+from asyncrl.codec import BYTES_PER_NODE, ProtocolError, encode
 from asyncrl.config import Config
 from asyncrl.protocol import ChatMessage, EvalSubmit, Heartbeat, PromptItem, StatsRequest
 from asyncrl.replay_client import EVAL_PART_BYTES, eval_parts
@@ -50,6 +54,21 @@ def _maximal_part(job: str, more: bool) -> list[bytes]:
     ]
     part = eval_parts(job, prompts, EVAL_PART_BYTES)[0]
     return [bytes(f) for f in encode(EvalSubmit(1, job, part.prompts, more=more))]
+
+
+def _lists_part(job: str, more: bool, in_bound: bool) -> list[bytes]:
+    """One prompt of empty lists: as many as the client size limit (`in_bound`: the value
+    bound, `BYTES_PER_NODE`) lets through."""
+    limit = int(Config().replay.max_client_message_mb * 2**20)
+
+    def frames(n: int) -> list[bytes]:
+        p = PromptItem(f"{job}/p0000/0", 1, "", [], "", {"a": [[]] * n}, eval_job=job)
+        return [bytes(f) for f in encode(EvalSubmit(1, job, [p], more=more))]
+
+    n = limit // BYTES_PER_NODE - 100 if in_bound else limit - 300
+    while sum(map(len, frames(n))) + MAX_AUTH_FRAME > limit:
+        n -= 50
+    return frames(n)
 
 
 def _flood(
@@ -100,6 +119,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=20.0)
     ap.add_argument("--eval-jobs-mb", type=float, default=1024.0)
     ap.add_argument("--junk-mb", type=float, default=59.0)
+    ap.add_argument(
+        "--part", choices=["prompts", "empty-lists", "lists-in-bound"], default="prompts"
+    )
     args = ap.parse_args()
     cfg = Config.model_validate({"replay": {"eval_jobs_mb": args.eval_jobs_mb}})
     address = tcp_address("127.0.0.1", free_port())
@@ -111,11 +133,14 @@ def main() -> None:
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(address)
     before = _stats(sock, keys)
-    base = {f"flood{j:02d}": _maximal_part(f"flood{j:02d}", more=True) for j in range(4)}
-    print(
-        f"a maximal part: {sum(map(len, base['flood00']))} bytes, "
-        f"{len(base['flood00'][0]) // 60} tiny prompts or so"
-    )
+    if args.part == "prompts":
+        base = {f"flood{j:02d}": _maximal_part(f"flood{j:02d}", more=True) for j in range(4)}
+        what = f"{len(base['flood00'][0]) // 60} tiny prompts or so"
+    else:
+        in_bound = args.part == "lists-in-bound"
+        base = {f"flood{j:02d}": _lists_part(f"flood{j:02d}", True, in_bound) for j in range(4)}
+        what = "one prompt of empty lists"
+    print(f"a maximal part: {sum(map(len, base['flood00']))} bytes, {what}")
     stop, replies = threading.Event(), {}
     flood_args = (address, keys, base, stop, args.junk_mb, replies)
     flood = threading.Thread(target=_flood, args=flood_args)
@@ -146,7 +171,7 @@ def main() -> None:
     print(
         f"parts accepted (eval_jobs) {after['eval_jobs']:.0f}, refused on quota "
         f"{after['rejected_quota']:.0f}, oversized {after['rejected_oversized']:.0f}, "
-        f"invalid {after['rejected_invalid']:.0f}"
+        f"malformed {after['rejected_malformed']:.0f}, invalid {after['rejected_invalid']:.0f}"
     )
     print(
         f"eval jobs charged {after['eval_jobs_held_mb']:.1f} MiB of replay.eval_jobs_mb="

@@ -67,3 +67,24 @@ def test_a_forged_epoch_cannot_lock_a_server_out_and_the_launchers_next_epoch_re
         assert reply.counters["server_epochs_replaced"] == 1
         old = ask(sock, Heartbeat(6, 0, 0), role="server_0")  # the replaced epoch is told so
         assert old == Ack(6, "", "rejected")
+
+
+def test_an_evaluation_job_is_its_submitters_alone():
+    """Another client (another ZeroMQ identity, the same client key) can neither poll a job
+    nor add a part to it (red-team finding 4 of issue 30)."""
+    prompts = [PromptItem(f"j/{i}", 1, "d", [], "1", {}, eval_job="j") for i in range(3)]
+    with running_replay(_cfg()) as address:
+        owner = ReplayClient(address, KEYRING.key("client"), reply_timeout_s=10.0)
+        other = ReplayClient(address, KEYRING.key("client"), reply_timeout_s=10.0)
+        try:
+            owner.submit_eval("j", prompts)
+            with pytest.raises(RuntimeError, match="another sender"):
+                other.poll_eval("j")
+            extra = [PromptItem("j/x", 1, "d", [], "1", {}, eval_job="j")]
+            with pytest.raises(RuntimeError, match="another sender"):
+                other.submit_eval("j", extra)
+            assert owner.poll_eval("j").expected == 3
+            assert owner.stats()["rejected_forbidden"] == 2
+        finally:
+            owner.close()
+            other.close()

@@ -14,7 +14,7 @@ from asyncrl.codec import decode, encode
 from asyncrl.config import Config
 from asyncrl.protocol import ChatMessage, PromptItem, Trajectory
 from asyncrl.replay_client import EVAL_PART_BYTES, eval_parts
-from replay.eval_jobs import EvalJobs, EvalQuotaExceeded, job_charge
+from replay.eval_jobs import EvalForbidden, EvalJobs, EvalQuotaExceeded, job_charge, json_nodes
 
 
 def _prompts(job: str, k: int, start: int = 0, text: str = "x") -> list[PromptItem]:
@@ -24,10 +24,18 @@ def _prompts(job: str, k: int, start: int = 0, text: str = "x") -> list[PromptIt
     ]
 
 
-def test_the_charge_covers_what_a_decoded_job_of_small_prompts_holds():
-    """The worst case per wire byte: many tiny prompts. What decoding and queueing one part
-    allocates (tracemalloc) stays under `job_charge` of its wire size."""
-    part = eval_parts("j", _prompts("j", 3000), EVAL_PART_BYTES)[0]
+@pytest.mark.parametrize("shape", ["small prompts", "empty lists"])
+def test_the_charge_covers_what_a_decoded_job_holds(shape: str) -> None:
+    """The worst cases per wire byte: many tiny prompts, and one prompt whose extra_info is
+    thousands of empty lists (1 wire byte each). What decoding and queueing one part allocates
+    (tracemalloc) stays under `job_charge` of its wire size and JSON values."""
+    if shape == "small prompts":
+        part = eval_parts("j", _prompts("j", 3000), EVAL_PART_BYTES)[0]
+    else:
+        lists = PromptItem(
+            "j/g0", 1, "d", [], "1", {"a": [[] for _ in range(25_000)]}, eval_job="j"
+        )
+        part = eval_parts("j", [lists], EVAL_PART_BYTES)[0]
     frames = [bytes(f) for f in encode(part)]
     wire = sum(len(f) for f in frames)
     jobs = EvalJobs(600.0)
@@ -41,9 +49,10 @@ def test_the_charge_covers_what_a_decoded_job_of_small_prompts_holds():
         held, _ = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()
-    charge = job_charge(wire, len(part.prompts), len(part.prompts))
+    n = len(part.prompts)
+    charge = job_charge(wire, n, n, json_nodes(part.prompts))
     assert jobs.held_bytes == charge
-    assert held < charge, f"{held} bytes held, {charge} charged for {len(part.prompts)} prompts"
+    assert held < charge, f"{held} bytes held, {charge} charged for {n} prompts"
 
 
 def test_a_job_in_parts_is_open_until_its_last_part_and_a_refused_part_ends_it():
@@ -59,13 +68,14 @@ def test_a_job_in_parts_is_open_until_its_last_part_and_a_refused_part_ends_it()
     jobs.submit("k", _prompts("k", 1), 0.0, more=True, wire_bytes=10)
     with pytest.raises(ValueError, match="unique and new"):
         jobs.submit("k", _prompts("k", 1), 0.0, more=True, wire_bytes=10)
-    with pytest.raises(KeyError):  # the refused part ended its job, earlier parts and all
-        jobs.results(2, "k", 3.0)
+    with pytest.raises(EvalForbidden, match="was refused"):  # it ended its job, earlier parts
+        jobs.results(2, "k", 3.0)  # and all, and is named when asked about
     assert jobs.pending == 1  # j's last part only
 
 
 def test_a_job_over_the_memory_cap_is_refused_naming_it_and_finished_jobs_make_room():
-    cap = 3 * job_charge(1000, 1, 1)
+    one = job_charge(1000, 1, 1, json_nodes(_prompts("a", 1)))
+    cap = 3 * one
     jobs = EvalJobs(600.0, max_bytes=cap)
     jobs.submit("a", _prompts("a", 1), 0.0, wire_bytes=1000)
     jobs.submit("b", _prompts("b", 1), 0.0, more=True, wire_bytes=1000)
@@ -76,10 +86,10 @@ def test_a_job_over_the_memory_cap_is_refused_naming_it_and_finished_jobs_make_r
     assert jobs.held_bytes == cap
     with pytest.raises(EvalQuotaExceeded):  # b's next part too: and b is gone with it
         jobs.submit("b", _prompts("b", 1, start=2), 0.0, wire_bytes=1000)
-    assert jobs.held_bytes == job_charge(1000, 1, 1)
+    assert jobs.held_bytes == one
     (a,) = jobs.take(1, server_id=0)
     assert jobs.add(_sample(a.group_id), 1.0) == "accepted"  # a is finished, not yet freed
-    jobs.submit("b", _prompts("b", 1, start=9), 2.0, wire_bytes=1000)
+    jobs.submit("e", _prompts("e", 1), 2.0, wire_bytes=1000)  # b's id stays refused
     jobs.submit("c", _prompts("c", 1), 2.0, wire_bytes=1000)
     assert jobs.results(3, "a", 3.0).scores.tolist() == [1.0]  # kept while there is room
     jobs.submit("d", _prompts("d", 1), 2.0, wire_bytes=1000)  # the finished job made room
