@@ -45,6 +45,8 @@ class ProgramTests:
 
     units: list[str]
     setup: list[str] = field(default_factory=list)
+    candidate: str | None = None
+    """The row's entry point: always the candidate's, even when a builtin has its name."""
 
 
 def parse_test_cases(
@@ -126,7 +128,7 @@ def _humaneval(cases: dict[str, Any]) -> ProgramTests:
             setup.append(ast.unparse(node))
     rename = _Rename(arg, entry)
     units = [ast.unparse(rename.visit(stmt)) for stmt in checks[0].body]
-    return ProgramTests(units=units, setup=setup)
+    return ProgramTests(units=units, setup=setup, candidate=entry)
 
 
 class _Rename(ast.NodeTransformer):

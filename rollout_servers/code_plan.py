@@ -91,22 +91,118 @@ def plan_checks(tests: IoTests | ProgramTests) -> CodeChecks:
         except SyntaxError as e:
             raise ValueError(f"test statement {i} is not valid Python: {e.msg}") from None
     statements = [stmt for tree in trees for stmt in tree.body]
+    for stmt in statements:
+        _check_private_attributes(stmt)
     bound = set().union(*(_bound_names(s) for s in statements)) if statements else set()
-    trusted = bound | JUDGE_BUILTINS | JUDGE_MODULES
+    trusted = (bound | JUDGE_BUILTINS | JUDGE_MODULES) - {tests.candidate}
     used = set().union(*(_all_names(s) for s in statements)) if statements else set()
     imports = sorted((used & JUDGE_MODULES) - bound)  # `math.isclose` without `import math`
     statements = [ast.parse(f"import {name}").body[0] for name in imports] + statements
     n_setup = len(imports) + sum(len(tree.body) for tree in trees[: len(tests.setup)])
     checks = CodeChecks("program")
     judge_only = _judge_only(statements, trusted)
+    claimed = _claimed_names(statements, trusted)
     for u, stmt in enumerate(statements):
         _check_imports(stmt)
         unit = _Unit(u, trusted, judge_only)
         checks.sandbox_units.append(_source(unit.sandbox(stmt)))
         checks.judge_units.append(_source(unit.judge(stmt)))
-        if u >= n_setup and any(isinstance(n, ast.Assert) for n in ast.walk(stmt)):
-            checks.cases.append(u)
+        has_assert = any(isinstance(n, ast.Assert) for n in ast.walk(stmt))
+        if (
+            u >= n_setup
+            and has_assert
+            and (_free_names(stmt) - trusted) | (_all_names(stmt) & claimed)
+        ):
+            checks.cases.append(u)  # an assert that reads nothing of the candidate is no case
+    if not checks.cases:
+        raise ValueError(
+            "no assert uses the candidate's code (a name like a builtin's is the builtin)"
+        )
+    _refuse_exposed(statements, trusted, judge_only)
     return checks
+
+
+def _claimed_names(statements: list[ast.stmt], trusted: set[str]) -> set[str]:
+    """Names bound to what the candidate's code returned, directly (`solution = f(x)`) or
+    through other assignments (HumanEval/32's `solution`)."""
+    simple = [n for s in statements for n in ast.walk(s) if isinstance(n, _SIMPLE)]
+    claimed: set[str] = set()
+    changed = True
+    while changed:
+        changed = False
+        for n in simple:
+            if (_free_names(n) - trusted or _all_names(n) & claimed) and _bound_names(n) - claimed:
+                claimed |= _bound_names(n)
+                changed = True
+    return claimed
+
+
+def _check_private_attributes(stmt: ast.stmt) -> None:
+    """Test code runs trusted in the judge: an attribute starting with `_` could walk from an
+    allowed module to any other (`random._os`), so a row that uses one is refused."""
+    for n in ast.walk(stmt):
+        if isinstance(n, ast.Attribute) and n.attr.startswith("_"):
+            raise ValueError(f"tests use the private attribute {n.attr!r}, which the judge refuses")
+
+
+GIVEN_THROUGH = frozenset({"deepcopy", "copy", "list", "tuple", "dict", "set", "frozenset"})
+"""Calls through which a test hands the candidate its own value (`copy.deepcopy(coeffs)`)."""
+
+
+def _refuse_exposed(statements: list[ast.stmt], trusted: set[str], judge_only: set[int]) -> None:
+    """A dataset error when an assert compares with a value the sandbox holds that the
+    candidate is not handed: `for x, y in pairs: assert f(x) == y` (the loop binds `y` in the
+    sandbox) or `assert f(encode(s)) == s` (HumanEval/38, /50: `s` builds the input). A
+    candidate could read it from its caller's frame and return it."""
+    visible: set[str] = set()  # names the sandbox binds to trusted values
+    kept = [s for s in statements if id(s) not in judge_only]
+    while kept:
+        n = kept.pop()
+        if id(n) in judge_only:
+            continue
+        if isinstance(n, ast.For):
+            visible |= _bound_names(n.target)
+        if isinstance(n, (ast.For, ast.While, ast.If)):
+            kept += [*n.body, *n.orelse]
+        elif isinstance(n, _SIMPLE) and not _free_names(n) - trusted:
+            visible |= _bound_names(n)  # no leaf: a trusted value
+    given: set[str] = set()  # names handed to the candidate in any call (as they are)
+    compared: dict[int, tuple[ast.Assert, set[str]]] = {}
+    for n in (n for stmt in statements for n in ast.walk(stmt) if isinstance(n, _SIMPLE)):
+        split = _Split(trusted, -1)
+        try:
+            rest = split.visit(copy.deepcopy(n.test if isinstance(n, ast.Assert) else n))
+        except ValueError:
+            continue  # refused by its unit with its reason
+        given |= {name for leaf in split.leaves for name in _given_names(leaf)}
+        if isinstance(n, ast.Assert):
+            compared[id(n)] = (n, _all_names(rest))
+    for node, names in compared.values():
+        exposed = sorted((names & visible) - given)
+        if exposed:
+            raise ValueError(
+                f"an assert compares with {exposed[0]!r}, a value the candidate could read "
+                f"in the sandbox without being given it: {ast.unparse(node)[:120]!r}"
+            )
+
+
+def _given_names(leaf: ast.expr) -> set[str]:
+    """Names a leaf hands the candidate as arguments, as they are or through `GIVEN_THROUGH`."""
+    names: set[str] = set()
+    for call in (n for n in ast.walk(leaf) if isinstance(n, ast.Call)):
+        for arg in [*call.args, *(k.value for k in call.keywords)]:
+            while (
+                isinstance(arg, ast.Call) and len(arg.args) == 1 and _callee(arg) in GIVEN_THROUGH
+            ):
+                arg = arg.args[0]
+            if isinstance(arg, ast.Name):
+                names.add(arg.id)
+    return names
+
+
+def _callee(call: ast.Call) -> str:
+    f = call.func
+    return f.id if isinstance(f, ast.Name) else f.attr if isinstance(f, ast.Attribute) else ""
 
 
 def _judge_only(statements: list[ast.stmt], trusted: set[str]) -> set[int]:
@@ -126,6 +222,8 @@ def _judge_only(statements: list[ast.stmt], trusted: set[str]) -> set[int]:
                 needed |= _leaf_names(stmt, trusted)  # the sandbox keeps only its leaves
             else:
                 needed |= _all_names(stmt)
+        elif isinstance(stmt, (ast.For, ast.While, ast.If)) and _inert_block(stmt, trusted):
+            candidates[id(stmt)] = stmt  # `for i in range(6): want.append(i * i)`
         elif isinstance(stmt, (ast.For, ast.While, ast.If)) and _free_names(stmt) - trusted:
             needed |= _all_names(stmt.iter if isinstance(stmt, ast.For) else stmt.test)
             needed |= _bound_names(stmt.target) if isinstance(stmt, ast.For) else set()
@@ -148,20 +246,42 @@ def _judge_only(statements: list[ast.stmt], trusted: set[str]) -> set[int]:
 
 
 def _inert_assignment(node: ast.stmt, trusted: set[str]) -> bool:
-    """A trusted assignment to plain names whose value calls builtins only and draws nothing
-    from `random` (skipping it leaves every other value the same)."""
-    if not isinstance(node, (ast.Assign, ast.AnnAssign)) or node.value is None:
+    """A trusted statement the sandbox may skip when nothing it touches is needed: it uses no
+    candidate name, draws nothing from `random`, and calls no function the tests define (which
+    could change what a leaf reads); it can only change the names it mentions
+    (`want.append(...)`, `want += ...`, `want = 'ab'.upper()`)."""
+    if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.Expr)):
         return False
-    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-    plain = all(
-        isinstance(t, ast.Name)
-        or (isinstance(t, ast.Tuple) and all(isinstance(e, ast.Name) for e in t.elts))
-        for t in targets
+    names = _all_names(node)
+    calls = [n.func for n in ast.walk(node) if isinstance(n, ast.Call)]
+    known = all(
+        (isinstance(f, ast.Name) and f.id in JUDGE_BUILTINS) or isinstance(f, ast.Attribute)
+        for f in calls
     )
-    calls = [n.func for n in ast.walk(node.value) if isinstance(n, ast.Call)]
-    builtin_calls = all(isinstance(f, ast.Name) and f.id in JUDGE_BUILTINS for f in calls)
-    names = _all_names(node.value)
-    return plain and builtin_calls and "random" not in names and not _free_names(node) - trusted
+    helpers = {
+        f.value.id for f in calls if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name)
+    }
+    return (
+        known
+        and "random" not in names
+        and not (helpers & (JUDGE_MODULES - {"math", "string", "operator"}))
+        and not _free_names(node) - trusted
+    )
+
+
+def _inert_block(stmt: ast.For | ast.While | ast.If, trusted: set[str]) -> bool:
+    """A trusted loop or `if` whose statements are all inert (`_inert_assignment`)."""
+    header = stmt.iter if isinstance(stmt, ast.For) else stmt.test
+    calls = [n.func for n in ast.walk(header) if isinstance(n, ast.Call)]
+    plain_header = "random" not in _all_names(header) and all(
+        isinstance(f, ast.Name) and f.id in JUDGE_BUILTINS for f in calls
+    )
+    inner = [*stmt.body, *stmt.orelse]
+    return plain_header and all(
+        _inert_block(b, trusted) if isinstance(b, (ast.For, ast.While, ast.If))
+        else isinstance(b, (ast.Pass, ast.Break, ast.Continue)) or _inert_assignment(b, trusted)
+        for b in inner
+    )  # fmt: skip
 
 
 def _leaf_names(stmt: ast.Assert, trusted: set[str]) -> set[str]:
@@ -246,8 +366,6 @@ class _Unit:
         return self._walk(stmt, self._judge_simple)
 
     def _sandbox_simple(self, stmt: ast.stmt) -> list[ast.stmt]:
-        if id(stmt) in self.judge_only:
-            return [ast.Pass()]
         rest, leaves = self._split(stmt)
         if not leaves:
             return [ast.Pass()] if isinstance(stmt, ast.Assert) else [stmt]
@@ -267,6 +385,8 @@ class _Unit:
         return [ast.Assign([ast.Name("__r", ast.Store())], self._call("__take")), rest]
 
     def _walk(self, stmt: ast.stmt, simple: Any) -> list[ast.stmt]:
+        if simple == self._sandbox_simple and id(stmt) in self.judge_only:
+            return [ast.Pass()]
         untrusted = _free_names(stmt) - self.trusted
         if isinstance(stmt, _SIMPLE):
             return simple(stmt)

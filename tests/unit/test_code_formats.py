@@ -123,3 +123,75 @@ def test_what_only_the_judge_needs_is_not_sent_and_what_a_leaf_needs_is():
     assert "hidden" not in sandbox
     assert "base = 5" in sandbox and "shown = 7" in sandbox and "total = base + i" in sandbox
     assert "hidden = base * 2" in "\n".join(checks.judge_units)
+
+
+@pytest.mark.parametrize(
+    "setup",
+    [
+        ["want = []", "for i in range(6):\n    want.append(i * i % 11)"],  # built in a loop
+        ["want = 'hello'.title().swapcase()"],  # a method call
+        ["want = 0", "for i in range(9):\n    want += i * i % 7"],  # augmented
+    ],
+)
+def test_an_expected_value_however_built_stays_with_the_judge(setup):
+    """Red team: each of these left `want` in the candidate's globals, where `return want`
+    scored without solving anything."""
+    checks = plan_checks(ProgramTests(units=["assert f(6) == want"], setup=setup))
+    assert "want" not in "\n".join(checks.sandbox_units)
+    assert all(line in "\n".join(checks.judge_units) for line in setup[:1])
+
+
+@pytest.mark.parametrize(
+    "tests, named",
+    [
+        (ProgramTests(units=["for x, y in [(1, 2), (5, 10)]:\n    assert double(x) == y"]), "y"),
+        (
+            ProgramTests(
+                units=[
+                    "for _ in range(3):\n    s = str(_) * 3\n    e = enc(s)\n    assert f(e) == s"
+                ],
+                setup=["def enc(s):\n    return s[::-1]"],
+            ),
+            "s",
+        ),  # HumanEval/38 and /50's shape: the input is built from the answer
+    ],
+)
+def test_an_answer_the_sandbox_must_hold_is_a_dataset_error(tests, named):
+    with pytest.raises(ValueError, match=f"compares with {named!r}"):
+        plan_checks(tests)
+
+
+def test_inputs_handed_to_the_candidate_may_be_compared_with():
+    """HumanEval/44, /53 and /32: the candidate is given x (or a copy of it) anyway."""
+    plan_checks(ProgramTests(units=["for x in range(2, 8):\n    assert f(x, x + 1) == str(x)"]))
+    coeffs = [
+        "coeffs = [1, 2]",
+        "solution = f(copy.deepcopy(coeffs))",
+        "assert g(coeffs, solution)",
+    ]
+    checks = plan_checks(ProgramTests(units=coeffs, setup=["def g(c, s):\n    return True"]))
+    assert checks.cases == [checks.judge_units.index(checks.judge_units[-1])]
+
+
+def test_test_code_may_not_reach_through_private_attributes():
+    """Red team: `random._os.system(...)` in a row's tests ran as the reward worker."""
+    with pytest.raises(ValueError, match="private attribute '_os'"):
+        plan_checks(ProgramTests(units=["random._os.system('true')", "assert f(1) == 1"]))
+
+
+def test_an_assert_that_reads_nothing_of_the_candidate_is_no_case():
+    """HumanEval's `assert True, 'debug'` lines were free cases under partial credit; a row
+    whose asserts all use builtins only (the candidate never called) is a dataset error."""
+    checks = plan_checks(ProgramTests(units=["assert f(1) == 2", "assert True, 'dbg'"]))
+    assert len(checks.cases) == 1
+    with pytest.raises(ValueError, match="no assert uses the candidate's code"):
+        plan_checks(ProgramTests(units=["assert sorted([3, 1]) == [1, 3]"]))
+
+
+def test_an_entry_point_named_like_a_builtin_is_the_candidates():
+    """MBPP/HumanEval rows name their function; `sum` there is the candidate's, not the
+    builtin that would pass its asserts without any code."""
+    row = {"test": "def check(candidate):\n    assert candidate([1, 2]) == 3\n",
+           "entry_point": "sum", "prompt": ""}  # fmt: skip
+    checks = plan_checks(parse_test_cases(json.dumps(row), None))
+    assert "sum([1, 2])" in "\n".join(checks.sandbox_units)
