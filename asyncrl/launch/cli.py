@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import shlex
 import signal
 import sys
@@ -150,7 +151,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     temperature = cfg.data.val_temperature if ns.temperature is None else ns.temperature
     check_eval_data(ns.data, cfg)
     rows = load_eval_rows(ns.data, cfg.data)
-    job = f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"  # two in one second differ
+    # unguessable: a job belongs to its first sender, so another client must not take its id
+    job = f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         prompts = eval_prompts(rows, n, temperature, job)
     except ValueError as e:  # a bad row after the first (rows counted across the files)
