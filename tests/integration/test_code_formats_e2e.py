@@ -25,8 +25,8 @@ HUMANEVAL = {
     "    assert candidate('b') == 'a'\n"
     "    for _ in range(20):\n"
     "        s = ''.join(random.choice(string.ascii_lowercase) for _ in range(8))\n"
-    "        assert candidate(shift(s)) == s\n",
-}
+    "        assert shift(candidate(s)) == s\n",
+}  # not `candidate(shift(s)) == s`: that hands the answer to the sandbox (a dataset error)
 UNSHIFT = "def unshift(s):\n    return ''.join(chr(ord(c) - 1) for c in s)"
 MBPP = {"test_list": ["assert math.isclose(area(2), 12.566, rel_tol=0.001)",
                       "assert area(0) == 0"], "test_imports": ["import math"]}  # fmt: skip

@@ -195,3 +195,13 @@ def test_an_entry_point_named_like_a_builtin_is_the_candidates():
            "entry_point": "sum", "prompt": ""}  # fmt: skip
     checks = plan_checks(parse_test_cases(json.dumps(row), None))
     assert "sum([1, 2])" in "\n".join(checks.sandbox_units)
+
+
+def test_an_answer_encoded_inline_in_the_call_is_exposed_too():
+    """`f(encode(s))` hands `f` the encoding, not `s`: still a dataset error."""
+    tests = ProgramTests(
+        units=["for i in range(3):\n    s = str(i) * 3\n    assert f(enc(s)) == s"],
+        setup=["def enc(s):\n    return s[::-1]"],
+    )
+    with pytest.raises(ValueError, match="compares with 's'"):
+        plan_checks(tests)
