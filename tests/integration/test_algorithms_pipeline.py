@@ -11,8 +11,8 @@ from asyncrl.metrics import read_jsonl
 
 pytestmark = pytest.mark.integration
 
-LONG = {"decoupled_tis_reject"}
-"""Cases of a few minutes on 2 cores: the `long` tier (.ci/run's own step)."""
+LONG = {"decoupled_tis_reject", "gae_two_ranks"}
+"""Cases of half a minute or more on 2 cores: the `long` tier (.ci/run's own step)."""
 
 CASES = {
     "gae_two_ranks": (

@@ -140,6 +140,7 @@ def test_when_the_retries_run_out_the_last_death_is_named(tmp_path, cache_dir):
     assert len(read_jsonl(run_dir / RESUMES_FILE)) == 1
 
 
+@pytest.mark.long  # half a minute or more: its own CI step
 def test_ctrl_c_after_a_resume_stops_everything_without_resuming(tmp_path, cache_dir):
     run_dir = tmp_path / "run"
     launcher = _launch(run_dir, cache_dir, retries=2)

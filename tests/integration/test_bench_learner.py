@@ -14,6 +14,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = [
     "fp32-padded",
@@ -28,6 +30,7 @@ CONFIGS = [
 ]
 
 
+@pytest.mark.long  # half a minute or more: its own CI step
 def test_bench_learner_reports_every_configuration_and_the_sync(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "tools" / "bench_learner.py"), "--tiny", "--threads", "1"]
@@ -83,6 +86,7 @@ def test_bench_learner_reports_every_configuration_and_the_sync(tmp_path):
     assert report["sync"]["float32"]["bytes"] == 2 * report["sync"]["bfloat16"]["bytes"]
 
 
+@pytest.mark.long  # half a minute or more: its own CI step
 def test_a_run_cut_short_keeps_the_configurations_it_measured(tmp_path):
     """As tools/gpu_check.sh's timeout cuts it: SIGINT to the whole process group."""
     out = tmp_path / "bench.json"

@@ -101,6 +101,7 @@ def _failure(err: str) -> tuple[str, str]:
     return lines[0], lines[1] if lines[1].startswith("then: ") else ""
 
 
+@pytest.mark.long  # half a minute or more: its own CI step
 def test_a_killed_learner_is_named_not_server_0_that_died_of_it(tmp_path):
     """While the launcher is busy (here: stopped) learner_0 is killed; each server's weight sync
     fails and the servers die of it: all three ends pile up for one check. server_0 was started
@@ -125,6 +126,7 @@ def test_a_killed_learner_is_named_not_server_0_that_died_of_it(tmp_path):
     _assert_all_gone(fleet)
 
 
+@pytest.mark.long  # half a minute or more: its own CI step
 def test_deaths_after_the_first_are_listed_with_how_much_later(tmp_path):
     """Left alone, the launcher wakes at server_1's death, then waits a moment for the deaths
     it causes (the learner's at its next broadcast) and lists them."""

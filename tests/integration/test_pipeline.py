@@ -76,7 +76,11 @@ def _alive(pid: str) -> bool:
 
 @pytest.mark.parametrize(
     ("max_staleness", "extra"),
-    [(0, []), (2, []), (2, BF16), (2, LORA), (2, INFLIGHT), (2, GLOO)],
+    [  # one case in the default tier; the others (half a minute each) in the `long` tier
+        pytest.param(0, [], marks=pytest.mark.long),
+        (2, []),
+        *(pytest.param(2, x, marks=pytest.mark.long) for x in (BF16, LORA, INFLIGHT, GLOO)),
+    ],
     ids=["sync", "async", "async-bf16", "async-lora", "async-inflight", "async-gloo"],
 )
 def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness, extra):

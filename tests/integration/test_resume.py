@@ -94,6 +94,7 @@ def test_checkpoint_and_resume(tmp_path):
     assert len(set(range(at_6.rows_drawn)) - set(seen)) == stale, "a prompt was skipped"
 
 
+@pytest.mark.long  # half a minute or more: its own CI step
 def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
     """One fp32 rank trains a plain (unsharded) module; its checkpoint loads into a 2-rank FSDP
     learner with exactly the weights it saved (the checksum of version 3 matches)."""
@@ -126,6 +127,7 @@ def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
     assert [r["version"] for r in read_jsonl(second / "metrics.jsonl")] == [4]
 
 
+@pytest.mark.long  # half a minute or more: its own CI step
 def test_a_lora_checkpoint_resumes_with_its_adapters(tmp_path):
     """The resumed learner sends the adapters it had at the checkpoint (the same checksum as
     the first run's at that version), and the server's delivery check accepts them."""

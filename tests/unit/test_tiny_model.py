@@ -101,6 +101,7 @@ def test_save_and_load_through_auto_classes(tokenizer, tmp_path: Path) -> None:
         assert torch.equal(model.eval()(x).logits, loaded(x).logits)
 
 
+@pytest.mark.long  # half a minute or more: its own CI step
 def test_warm_start_teaches_the_answer_format(tokenizer) -> None:
     model = build_tiny_model(tokenizer, TinyModelSpec(), seed=0)
     logs: list[str] = []
