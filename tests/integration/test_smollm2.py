@@ -179,7 +179,12 @@ def test_smollm2_gsm8k_config_trains_two_steps_on_cpu(smollm2_dir, tmp_path, mon
     # the broadcast weights (tied embeddings included) equal the learner's after every step
     learner = {r["version"]: r["checksum"] for r in read_jsonl(run_dir / "weights_learner.jsonl")}
     server = {r["version"]: r["checksum"] for r in read_jsonl(run_dir / "weights_server_0.jsonl")}
-    assert sorted(learner) == [0, 1, 2] and sorted(server) == [0, 1, 2]
+    assert sorted(learner) == [0, 1, 2]
+    # version 2 is sent as the run ends; a vLLM server may be stopped while applying it: the
+    # launcher's SIGTERM reaches vLLM's engine-core process directly, whatever the server's own
+    # wait (server.RECEIVER_FINISH_S). Seen twice in CI; every version used for sampling (0, 1)
+    # must be there.
+    assert sorted(server) == [0, 1, 2] if engine == "hf" else sorted(server)[:2] == [0, 1]
     assert learner[2] != learner[0]
     if engine == "hf":
         assert server == learner
