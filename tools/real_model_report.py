@@ -40,11 +40,7 @@ class Run:
 
     @property
     def smoothed(self) -> list[float]:
-        out = []
-        for i in range(len(self.rewards)):
-            window = self.rewards[max(0, i - SMOOTH + 1) : i + 1]
-            out.append(sum(window) / len(window))
-        return out
+        return running_mean(self.rewards, SMOOTH)
 
     def reaches(self, level: float) -> float | None:
         """Wall-clock minutes at which the running mean first reaches `level`."""
@@ -53,12 +49,23 @@ class Run:
         )
 
 
-def _mean(xs: list[float]) -> float:
+def running_mean(xs: list[float], window: int) -> list[float]:
+    """Trailing running mean: element i is the mean of xs[i - window + 1 : i + 1] (fewer at the
+    start)."""
+    out = []
+    for i in range(len(xs)):
+        part = xs[max(0, i - window + 1) : i + 1]
+        out.append(sum(part) / len(part))
+    return out
+
+
+def mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def _var(xs: list[float]) -> float:
-    m = _mean(xs)
+def var(xs: list[float]) -> float:
+    """Sample variance (n - 1)."""
+    m = mean(xs)
     return sum((x - m) ** 2 for x in xs) / (len(xs) - 1)
 
 
@@ -76,15 +83,15 @@ def load_run(name: str, run_dir: Path) -> Run:
         [(r["time"] - start) / 60 for r in rows],
         samples,
         [float(r["reward_mean"]) for r in rows],
-        _mean([float(r.get("mismatch_kl", math.nan)) for r in rows]),
-        _mean([float(r.get("weight_sync_s", math.nan)) for r in rows]),
+        mean([float(r.get("mismatch_kl", math.nan)) for r in rows]),
+        mean([float(r.get("weight_sync_s", math.nan)) for r in rows]),
     )
 
 
 def gain(run: Run) -> tuple[float, float, float, float]:
     first, last = run.rewards[:FIRST], run.rewards[-LAST:]
-    se = math.sqrt(_var(first) / FIRST + _var(last) / LAST)
-    return _mean(first), _mean(last), _mean(last) - _mean(first), se
+    se = math.sqrt(var(first) / FIRST + var(last) / LAST)
+    return mean(first), mean(last), mean(last) - mean(first), se
 
 
 def table(runs: list[Run], level: float) -> str:
@@ -114,7 +121,7 @@ def sooner(runs: dict[str, Run]) -> list[str]:
         ref = runs.get(name.removesuffix("-async") + "-sync")
         if ref is None:
             continue
-        level = _mean(ref.rewards[-LAST:])
+        level = mean(ref.rewards[-LAST:])
         mine, theirs = run.reaches(level), ref.reaches(level)
 
         def fmt(m: float | None) -> str:
