@@ -40,18 +40,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from compare_algorithms import DECOUPLED_TIS as TIS
+from compare_algorithms import REJECT
 from study_report import cell_finished, report
 
 ROOT = Path(__file__).resolve().parents[1]
 DECOUPLED = ["algorithm.decoupled=true"]
-TIS = [*DECOUPLED, "algorithm.is_level=token", "algorithm.is_cap=2.0"]
-ICEPOP = [
-    *DECOUPLED,
-    "algorithm.reject_level=token",
-    "algorithm.reject_metric=ratio",
-    "algorithm.reject_low=0.5",
-    "algorithm.reject_high=2.0",
-]
+ICEPOP = [*DECOUPLED, *REJECT]  # token rejection on the ratio outside [0.5, 2]
 INFLIGHT = ["rollout.weight_update_mode=inflight"]
 
 
@@ -137,13 +132,20 @@ def grid_cells(grid: Grid, seeds: tuple[int, ...], lrs: tuple[str, ...]) -> list
 
 def interleave(cells: list[Cell], order_seed: int = 0) -> list[Cell]:
     """Seed by seed (in the order seeds first appear), each seed's cells shuffled by a seeded
-    generator: consecutive runs differ in configuration."""
-    out = []
+    generator (the same order every time): consecutive runs differ in configuration, across
+    the seam between two seeds too."""
+    out: list[Cell] = []
     for seed in dict.fromkeys(c.seed for c in cells):
         block = [c for c in cells if c.seed == seed]
         random.Random(f"{order_seed}-{seed}").shuffle(block)
+        if out and len(block) > 1 and _config(block[0]) == _config(out[-1]):
+            block = block[1:] + block[:1]
         out += block
     return out
+
+
+def _config(cell: Cell) -> tuple[int, str, str]:
+    return cell.staleness, cell.variant, cell.lr
 
 
 def select(cells: list[Cell], only: str | None) -> list[Cell]:
@@ -177,7 +179,9 @@ def move_aside(out: Path, name: str) -> Path:
     return target
 
 
-def launch_cmd(grid: Grid, config: str | None, cell: Cell, out: Path, extra: list[str]) -> list[str]:
+def launch_cmd(
+    grid: Grid, config: str | None, cell: Cell, out: Path, extra: list[str]
+) -> list[str]:
     cmd = [sys.executable, "-m", "asyncrl.launch.cli", "launch"]
     if config:
         cmd.append(config)
@@ -203,18 +207,20 @@ def run_grid(ns: argparse.Namespace) -> int:
     print(f"{ns.grid}: {len(cells)} cells, {len(todo)} to run, {len(cells) - len(todo)} done")
     if ns.dry_run:
         for i, (c, d) in enumerate(plan, 1):
-            print(f"{i:4d}/{len(plan)} {d:5s} {' '.join(launch_cmd(grid, config, c, out, ns.extra))}")
+            print(
+                f"{i:4d}/{len(plan)} {d:5s} {' '.join(launch_cmd(grid, config, c, out, ns.extra))}"
+            )
         return 0
     out.mkdir(parents=True, exist_ok=True)
     env = dict(os.environ, PYTHONPATH=f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}")
-    started, took, failed = time.monotonic(), [], []
+    started, took, failed = time.monotonic(), list[float](), list[str]()
     for i, cell in enumerate(todo, 1):
         if decide(out, cell.name) == "rerun":
             print(f"  {cell.name}: unfinished, moved to {move_aside(out, cell.name).name}")
-        eta = (len(todo) - i + 1) * sum(took) / len(took) if took else float("nan")
+        eta = f"{(len(todo) - i + 1) * sum(took) / len(took) / 60:.1f} min" if took else "?"
         print(
             f"[{i}/{len(todo)}] {cell.name} elapsed {(time.monotonic() - started) / 60:.1f} min"
-            f" eta {eta / 60:.1f} min",
+            f" eta {eta}",
             flush=True,
         )
         t0 = time.monotonic()
@@ -222,7 +228,9 @@ def run_grid(ns: argparse.Namespace) -> int:
             cmd = launch_cmd(grid, config, cell, out, ns.extra)
             log.write("# " + " ".join(cmd) + "\n")
             log.flush()
-            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            rc = subprocess.run(
+                cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT
+            ).returncode
         took.append(time.monotonic() - t0)
         if not cell_finished(out / cell.name, out / f"{cell.name}.log"):
             failed.append(cell.name)

@@ -258,9 +258,7 @@ def plot(groups: dict[tuple[int, str, str], Group], smooth: int, path: Path) -> 
     cols = sorted({g.staleness for g in groups.values()})
     variants = list(dict.fromkeys(g.variant for g in groups.values()))
     lrs = sorted({g.lr for g in groups.values()}, key=float)
-    fig, axes = plt.subplots(
-        2, len(cols), figsize=(4.5 * len(cols), 8), sharey=True, squeeze=False
-    )
+    fig, axes = plt.subplots(2, len(cols), figsize=(4.5 * len(cols), 8), sharey=True, squeeze=False)
     for j, s in enumerate(cols):
         shown = [g for g in groups.values() if g.staleness == s]
         refs = [g for g in groups.values() if g.staleness == 0] if s else []
@@ -289,6 +287,11 @@ def plot(groups: dict[tuple[int, str, str], Group], smooth: int, path: Path) -> 
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def _no_nan(value: Any) -> Any:
+    """NaN (a metric the runs do not record) as JSON null."""
+    return None if isinstance(value, float) and math.isnan(value) else value
 
 
 def report(ns: argparse.Namespace) -> int:
@@ -322,7 +325,8 @@ def report(ns: argparse.Namespace) -> int:
     if ns.table:
         ns.table.write_text(text)
     if ns.json:
-        ns.json.write_text(json.dumps({"cells": rows, "broken": broken}, indent=1) + "\n")
+        rows_out = [{k: _no_nan(v) for k, v in r.items()} for r in rows]
+        ns.json.write_text(json.dumps({"cells": rows_out, "broken": broken}, indent=1) + "\n")
     if ns.figure:
         plot(groups, ns.smooth, ns.figure)
         print(f"figure: {ns.figure}")
