@@ -2,6 +2,8 @@
 
     python tools/staleness_study.py run --grid tiny --out runs/study_tiny [--seeds 0,1]
         [--only 's4-*'] [--lrs 5e-4,1e-3] [--dry-run] [section.key=value ...]
+    python tools/staleness_study.py run --grid smollm2 --out runs/study_smollm2 --seeds 1 \
+        --only 's8-*,s0-*'                  # a second seed for staleness 8 and its references
     python tools/staleness_study.py report --out runs/study_tiny --figure F.png --table T.md
         [--json T.json] [--window 20] [--smooth 10] [--fraction 0.9]
 
@@ -200,8 +202,10 @@ def run_grid(ns: argparse.Namespace) -> int:
     seeds = tuple(int(s) for s in ns.seeds.split(",")) if ns.seeds else grid.seeds
     lrs = tuple(ns.lrs.split(",")) if ns.lrs else grid.lrs
     config = ns.config if ns.config is not None else grid.config
+    if ns.config is not None:  # the launch runs in the source tree: resolve from here
+        config = str(Path(ns.config).resolve())
     cells = interleave(select(grid_cells(grid, seeds, lrs), ns.only))
-    out = Path(ns.out)
+    out = Path(ns.out).resolve()
     plan = [(c, decide(out, c.name)) for c in cells]
     todo = [c for c, d in plan if d != "skip"]
     print(f"{ns.grid}: {len(cells)} cells, {len(todo)} to run, {len(cells) - len(todo)} done")

@@ -31,6 +31,7 @@ from asyncrl.metrics import read_jsonl
 DONE_MARKER = "asyncrl: done in"
 """The launcher's last line (asyncrl/launch/run.py), printed once the run ended cleanly."""
 CELL_NAME = re.compile(r"^s(\d+)-(.+?)-lr(.+)-seed(\d+)$")
+FAILED = ".failed-"  # CELL.failed-N: a run moved aside; its bound is checked, it is not reported
 COLLAPSE_DROP = 0.2
 MEANS = {  # table column: metrics.jsonl key (mean over all steps, then over seeds)
     "mismatch KL": "mismatch_kl",
@@ -48,8 +49,7 @@ def run_config(run_dir: Path) -> dict[str, Any]:
 
 
 def step_rows(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "metrics.jsonl"
-    return [r for r in read_jsonl(path) if "reward_mean" in r] if path.exists() else []
+    return [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward_mean" in r]
 
 
 def cell_finished(run_dir: Path, log: Path) -> bool:
@@ -296,13 +296,18 @@ def _no_nan(value: Any) -> Any:
 
 def report(ns: argparse.Namespace) -> int:
     out = Path(ns.out)
-    dirs = sorted(d for d in out.iterdir() if d.is_dir() and CELL_NAME.match(d.name))
+    dirs = sorted(
+        d for d in out.iterdir() if d.is_dir() and CELL_NAME.match(d.name.split(FAILED)[0])
+    )
     broken, finished = [], []
     print("staleness bound (each trained sample's staleness, from metrics.jsonl):")
     for d in dirs:
+        if not (d / "config.yaml").exists():  # written before the fleets start: none trained
+            print(f"  {d.name}: no config.yaml, the run never started")
+            continue
         bound = run_config(d)["replay"]["max_staleness"]
         problems = staleness_problems(step_rows(d), bound)
-        done = cell_finished(d, out / f"{d.name}.log")
+        done = FAILED not in d.name and cell_finished(d, out / f"{d.name}.log")
         state = "" if done else " (unfinished)"
         if problems:
             broken.append(d.name)

@@ -83,6 +83,11 @@ def test_report_exits_nonzero_when_a_cell_breaks_the_bound(study, tmp_path, caps
     argv = ["staleness_study.py", "report", "--out", str(tmp_path), "--window", "2"]
     monkeypatch.setattr(sys, "argv", argv)
     assert study.main() == 0
+    fake_run(tmp_path, "s2-tis-lr5e-4-seed0.failed-1", [[4, 2, 1, 1]], bound=2, total=3)
+    assert study.main() == 1  # a run moved aside trained samples too: it is checked
+    assert "BROKEN in 1 cells: s2-tis-lr5e-4-seed0.failed-1" in capsys.readouterr().out
+    (tmp_path / "s2-tis-lr5e-4-seed0.failed-1" / "metrics.jsonl").unlink()
+    (tmp_path / "s2-tis-lr5e-4-seed0.failed-1" / "config.yaml").unlink()
     fake_run(tmp_path, "s2-tis-lr5e-4-seed0", [[4, 2, 1, 1]] * 3, bound=2, total=3)
     assert study.main() == 1
     assert "STALENESS BOUND BROKEN in 1 cells: s2-tis-lr5e-4-seed0" in capsys.readouterr().out
