@@ -43,7 +43,12 @@ from learner.forward import policy_forward, value_forward
 from learner.fsdp import hf_config, setup_distributed, setup_model, sync_specs, sync_tensors
 from learner.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from learner.leader import setup_leader
-from learner.losses import importance_weights, mismatch_kl, rejection_mask
+from learner.losses import (
+    importance_weights,
+    mismatch_kl,
+    normalize_importance_weights,
+    rejection_mask,
+)
 from learner.optim import lr_factor, set_lr, setup_optimizer
 from learner.update import UpdateInputs, Updater, recompute
 
@@ -174,20 +179,26 @@ class Learner:
                     is_weight_max=float((raw * mask).max()),
                     is_truncated_frac=float(((raw > weights) * mask).sum() / n),
                 )
-            if algo.reject_level != "off":
-                keep = _keep_mask(
-                    rejection_mask(
-                        proximal,
-                        behaviour,
-                        mask,
-                        algo.reject_level,
-                        algo.reject_metric,
-                        algo.reject_low,
-                        algo.reject_high,
+                if algo.is_batch_normalize:  # the whole batch, every rank alike: see its doc
+                    weights, norm = normalize_importance_weights(weights, mask, algo.is_level)
+                    metrics.update(
+                        is_batch_norm_factor=float(norm),
+                        is_norm_weight_max=float((weights * mask).max()),
                     )
+            if algo.reject_level != "off":
+                keep, rs = rejection_mask(
+                    proximal,
+                    behaviour,
+                    mask,
+                    algo.reject_level,
+                    algo.reject_metric,
+                    algo.reject_low,
+                    algo.reject_high,
+                    algo.reject_agg,
                 )
-                metrics["masked_token_frac"] = float(
-                    ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
+                metrics["masked_token_frac"] = float(rs["rejected_fraction"])
+                metrics["masked_seq_frac"] = float(
+                    rs["rejected_sequences"] / rs["sequences"].clamp(min=1)
                 )
         valid = mask > 0
         metrics.update(
@@ -310,11 +321,6 @@ class Learner:
         outcome = StepOutcome(version, batch, timer, step_time, checksum)
         self.coordinator.log(version + 1, stats, outcome)
         return True
-
-
-def _keep_mask(result) -> torch.Tensor:
-    """`rejection_mask` returns the mask, possibly with stats alongside."""
-    return result[0] if isinstance(result, tuple) else result
 
 
 def setup_learner(
