@@ -230,7 +230,7 @@ def rejection_mask(
     At the sequence level, ratio is the sequence IS ratio exp(sum_t log r_t) and k1/k2/k3 are
     aggregated over the sequence's sampled tokens by `agg`: their mean, sum or max (verl's
     rollout_rs `seq_mean_k*`, `seq_sum_k*`, `seq_max_k*`; the combinations refused are
-    `asyncrl.learner_config.rejection_problem`'s, `asyncrl.learner_config.rejection_problem`); a sequence is kept or rejected whole. A token or
+    `asyncrl.learner_config.rejection_problem`'s); a sequence is kept or rejected whole. A token or
     sequence is rejected when its value < low or > high (either bound optional; ratio bounds
     must be > 0 and are compared in log space, so a huge sequence ratio cannot overflow).
     Stats: tokens, rejected_tokens, rejected_fraction, sequences (with a sampled token),
