@@ -181,29 +181,20 @@ def importance_weights(
 def normalize_importance_weights(
     weights: torch.Tensor, mask: torch.Tensor, level: Literal["token", "sequence"]
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Batch normalisation of importance weights (verl's `rollout_is_batch_normalize`): the
-    weights (from `importance_weights`, truncated already) divided by their mean, so that they
-    average 1 over the batch. Returns (weights / mean, mean):
-
-        token:     mean = sum_{i,t} m w / sum_{i,t} m        (over sampled tokens)
-        sequence:  mean = (1 / #seq) sum_i w_i               (one weight per sequence with a
-                                                              sampled token)
-
-    As in verl, a mean <= 1e-8 leaves the weights unchanged (and 1 is returned as the mean),
-    and the mask is the loss mask before any rejection. Call it on the WHOLE batch (every
-    micro-batch, every rank: `Learner.compute_advantages` does, before the update), as verl
-    normalises on the driver's whole batch before splitting it into mini-batches: a mean over
-    one micro-batch would make the loss depend on how the batch is cut.
-    """
+    """(weights / mean, mean): `importance_weights` (truncated already) made to average 1 over
+    the batch (verl's `rollout_is_batch_normalize`); the mean is over sampled tokens (token)
+    or over sequences with a sampled token, one weight each (sequence). As verl: a mean
+    <= 1e-8 leaves them alone (mean 1), and `mask` is the loss mask before rejection. Call it
+    on the WHOLE batch, as `Learner.compute_advantages` does on every rank before the update
+    (verl: on the driver's batch before the mini-batch split); a micro-batch's mean would make
+    the loss depend on how the batch is cut."""
     m = (mask > 0).to(weights.dtype)
+    if level not in ("token", "sequence"):
+        raise ValueError(f"unknown importance-weight level {level!r}; valid: token, sequence")
     if level == "token":
         mean = (weights * m).sum() / m.sum().clamp(min=1.0)
-    elif level == "sequence":
-        has_token = m.sum(-1) > 0
-        seq_w = (weights * m).sum(-1) / m.sum(-1).clamp(min=1.0)
-        mean = seq_w[has_token].sum() / has_token.sum().clamp(min=1)
-    else:
-        raise ValueError(f"unknown importance-weight level {level!r}; valid: token, sequence")
+    else:  # each row's weight is the same on all its tokens: their mean is the row's weight
+        mean = masked_mean(masked_mean(weights, m, dim=-1), m.sum(-1) > 0)
     if mean <= 1e-8:
         return weights, torch.ones((), dtype=weights.dtype, device=weights.device)
     return weights / mean, mean

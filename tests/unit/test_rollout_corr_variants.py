@@ -20,6 +20,7 @@ from learner.forward import policy_forward
 from learner.fsdp import attention_implementation
 from learner.kl import kl_penalty
 from learner.losses import importance_weights, normalize_importance_weights, rejection_mask
+from learner.trainer import off_policy_corrections
 from learner.update import UpdateInputs, Updater
 
 CPU = torch.device("cpu")
@@ -165,8 +166,9 @@ def _tiny_model(lc: LearnerConfig) -> torch.nn.Module:
 
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_normalised_weights_give_one_loss_whatever_the_micro_batching(level):
-    """The weights are normalised once over the whole batch (as `Learner.compute_advantages`
-    does, before the update, on every rank alike); the update's loss and gradient are then
+    """The weights are normalised once over the whole batch (`off_policy_corrections`, as
+    `Learner.compute_advantages` calls it before the update, on every rank alike); the
+    update's loss and gradient are then
     those of one big micro-batch whether it runs in 1 or 3 micro-batches."""
     algo = AlgorithmConfig(decoupled=True, is_level=level, is_cap=2.0, is_batch_normalize=True)
     batch = _tiny_batch()
@@ -186,8 +188,10 @@ def test_normalised_weights_give_one_loss_whatever_the_micro_batching(level):
         if micro == 12:  # the same behaviour log-probs and advantages for both runs
             behaviour = (proximal + 0.4 * torch.randn(mask.shape, generator=g)) * mask
             adv = torch.randn(batch.size, generator=g)[:, None] * mask
+        metrics: dict[str, float] = {}
+        weights, _ = off_policy_corrections(algo, proximal, behaviour, mask, metrics)
+        assert weights is not None and metrics["is_batch_norm_factor"] != 1.0
         raw = importance_weights(proximal, behaviour, mask, level, algo.is_cap)
-        weights, _ = normalize_importance_weights(raw, mask, level)
         # a mean over the first micro-batch alone would differ: the test has teeth
         part, _ = normalize_importance_weights(raw[:1], mask[:1], level)
         assert not torch.allclose(part, weights[:1])
