@@ -113,7 +113,29 @@ class LearnerConfig(Section):
     """Checksum the weights at every sync on both sides (for tests; costs a pass over the bytes)."""
 
 
-KLKind = Literal["kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3"]
+KLKind = Literal[
+    "kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"
+]
+REJECT_AGGREGATIONS = ("mean", "sum", "max")
+
+
+def rejection_problem(level: str, metric: str, agg: str) -> str | None:
+    """Why a rejection at `level` on `metric` aggregated by `agg` means nothing (None: it is
+    fine). The aggregation acts on k1/k2/k3 over a sequence's sampled tokens (verl's rollout_rs
+    `seq_mean_k*`, `seq_sum_k*`, `seq_max_k2|3`); the sequence ratio is the product of its token
+    ratios already; the max of k1 (= -log r, of either sign) bounds no divergence and verl has
+    no `seq_max_k1`."""
+    if agg not in REJECT_AGGREGATIONS:
+        return f"unknown aggregation {agg!r}; valid: {', '.join(REJECT_AGGREGATIONS)}"
+    if agg == "mean":
+        return None
+    if level != "sequence":
+        return f"{agg} aggregates a sequence's tokens: it needs reject_level=sequence"
+    if metric == "ratio":
+        return "the sequence ratio is already the product of its token ratios (use k1 with sum)"
+    if metric == "k1" and agg == "max":
+        return "the max of k1 bounds no divergence (verl has no seq_max_k1): use k2 or k3"
+    return None
 
 
 class AlgorithmConfig(Section):
@@ -148,10 +170,17 @@ class AlgorithmConfig(Section):
     decoupled: untruncated token-level weights, as AReaL)."""
     is_cap: float | None = Field(2.0, gt=0)
     """Cap of the truncated importance weight (None: no truncation)."""
+    is_batch_normalize: bool = False
+    """Divide the (truncated) importance weights by their mean over the whole batch, per token
+    or per sequence as is_level says, so they average 1 (verl's rollout_is_batch_normalize;
+    needs is_level)."""
     reject_level: Literal["off", "token", "sequence"] = "off"
     """Rejection mask on behaviour-vs-proximal divergence: drop tokens or whole sequences."""
     reject_metric: Literal["ratio", "k1", "k2", "k3"] = "ratio"
     """Quantity the rejection bounds apply to."""
+    reject_agg: Literal["mean", "sum", "max"] = "mean"
+    """reject_level=sequence with k1/k2/k3: the mean, sum or max of the metric over the
+    sequence's sampled tokens (verl's rollout_rs seq_mean_k*, seq_sum_k*, seq_max_k2|3)."""
     reject_low: float | None = None
     """Reject when the metric is below this."""
     reject_high: float | None = None
@@ -189,6 +218,23 @@ class AlgorithmConfig(Section):
                 f"{POLICY_LOSSES.names()}"
             )
         return value
+
+    @pydantic.model_validator(mode="after")
+    def _meaningful_correction(self) -> AlgorithmConfig:
+        """Refuse what would silently do nothing or mean nothing, naming the keys."""
+        if self.is_batch_normalize and self.is_level == "off":
+            raise ValueError(
+                "algorithm.is_batch_normalize=true needs algorithm.is_level=token|sequence: "
+                "there are no truncated importance weights to normalise"
+            )
+        if self.reject_agg != "mean":
+            why = rejection_problem(self.reject_level, self.reject_metric, self.reject_agg)
+            if why is not None:
+                raise ValueError(
+                    f"algorithm.reject_agg={self.reject_agg} with algorithm.reject_level="
+                    f"{self.reject_level} and algorithm.reject_metric={self.reject_metric}: {why}"
+                )
+        return self
 
     @pydantic.field_validator("is_level", "reject_level", mode="before")
     @classmethod

@@ -17,6 +17,12 @@ KL_KINDS = {
     "k2": "mse",
     "low_var_kl": "low_var_kl",
     "k3": "low_var_kl",
+    # straight-through: the value of the kind before "+", the gradient of k2 (verl's names)
+    "kl+": "kl+",
+    "k1+": "kl+",
+    "abs+": "abs+",
+    "low_var_kl+": "low_var_kl+",
+    "k3+": "low_var_kl+",
 }
 
 
@@ -28,14 +34,31 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
         abs:               |logp - ref|
         mse / k2:          0.5 (logp - ref)^2
         low_var_kl / k3:   exp(ref - logp) - (ref - logp) - 1,  clamped to [-10, 10]
+        <kind>+ (k1+, abs+, k3+ and their long names): the value of <kind>, the gradient of k2
+                           k2 - sg[k2] + sg[<kind>]   (straight through)
 
     As in verl, ref - logp is clamped to [-20, 20] before exp in low_var_kl. Gradients flow
-    through logp (used as a loss term) and ref_logp is detached.
+    through logp (used as a loss term) and ref_logp is detached. Why "+": k1 and k3 estimate
+    the KL's value without bias, but their expected gradient is not the KL's gradient; k2's is
+    (verl PR 2953, `kl_penalty` in verl's core_algos). The gradient of the "+" kinds is k2's
+    unclamped, as in verl. Departures from verl:
+      1. verl's `kl_penalty_forward` does not strip the "+" before choosing the estimator, so
+         its "k3+" raises NotImplementedError; here it computes what verl's docs describe.
+      2. No "k2+" / "mse+" (it would be k2 itself; verl has none either).
     """
     if kind not in KL_KINDS:
         raise ValueError(f"unknown KL kind {kind!r}; valid: {', '.join(KL_KINDS)}")
     diff = logp - ref_logp.detach()
     canonical = KL_KINDS[kind]
+    value = _kl_value(diff, canonical.removesuffix("+"))
+    if not canonical.endswith("+"):
+        return value
+    k2 = 0.5 * diff.square()
+    return k2 - k2.detach() + value.detach()
+
+
+def _kl_value(diff: torch.Tensor, canonical: str) -> torch.Tensor:
+    """The estimator `canonical` (kl, abs, mse, low_var_kl) of diff = logp - ref_logp."""
     if canonical == "kl":
         return diff
     if canonical == "abs":

@@ -28,6 +28,7 @@ from typing import Literal
 import torch
 
 from asyncrl.advantages import masked_mean
+from asyncrl.learner_config import rejection_problem
 from asyncrl.policy_losses import PolicyLossInputs
 
 AGGREGATION_MODES = (
@@ -177,6 +178,29 @@ def importance_weights(
 
 
 @torch.no_grad()
+def normalize_importance_weights(
+    weights: torch.Tensor, mask: torch.Tensor, level: Literal["token", "sequence"]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights / mean, mean): `importance_weights` (truncated already) made to average 1 over
+    the batch (verl's `rollout_is_batch_normalize`); the mean is over sampled tokens (token)
+    or over sequences with a sampled token, one weight each (sequence). As verl: a mean
+    <= 1e-8 leaves them alone (mean 1), and `mask` is the loss mask before rejection. Call it
+    on the WHOLE batch, as `Learner.compute_advantages` does on every rank before the update
+    (verl: on the driver's batch before the mini-batch split); a micro-batch's mean would make
+    the loss depend on how the batch is cut."""
+    m = (mask > 0).to(weights.dtype)
+    if level not in ("token", "sequence"):
+        raise ValueError(f"unknown importance-weight level {level!r}; valid: token, sequence")
+    if level == "token":
+        mean = (weights * m).sum() / m.sum().clamp(min=1.0)
+    else:  # each row's weight is the same on all its tokens: their mean is the row's weight
+        mean = masked_mean(masked_mean(weights, m, dim=-1), m.sum(-1) > 0)
+    if mean <= 1e-8:
+        return weights, torch.ones((), dtype=weights.dtype, device=weights.device)
+    return weights / mean, mean
+
+
+@torch.no_grad()
 def rejection_mask(
     proximal_logp: torch.Tensor,
     behaviour_logp: torch.Tensor,
@@ -185,6 +209,7 @@ def rejection_mask(
     metric: Literal["ratio", "k1", "k2", "k3"],
     low: float | None = None,
     high: float | None = None,
+    agg: Literal["mean", "sum", "max"] = "mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Masked importance sampling: a float [B, T] mask, 1 on sampled tokens that are kept.
 
@@ -194,7 +219,9 @@ def rejection_mask(
         ratio = r,   k1 = -log r,   k2 = 0.5 (log r)^2,   k3 = (r - 1) - log r
 
     At the sequence level, ratio is the sequence IS ratio exp(sum_t log r_t) and k1/k2/k3 are
-    means over the sequence's sampled tokens; a sequence is kept or rejected whole. A token or
+    aggregated over the sequence's sampled tokens by `agg`: their mean, sum or max (verl's
+    rollout_rs `seq_mean_k*`, `seq_sum_k*`, `seq_max_k*`; the combinations refused are
+    `asyncrl.learner_config.rejection_problem`'s); a sequence is kept or rejected whole. A token or
     sequence is rejected when its value < low or > high (either bound optional; ratio bounds
     must be > 0 and are compared in log space, so a huge sequence ratio cannot overflow).
     Stats: tokens, rejected_tokens, rejected_fraction, sequences (with a sampled token),
@@ -204,6 +231,8 @@ def rejection_mask(
         raise ValueError(f"unknown rejection metric {metric!r}; valid: ratio, k1, k2, k3")
     if level not in ("token", "sequence"):
         raise ValueError(f"unknown rejection level {level!r}; valid: token, sequence")
+    if (why := rejection_problem(level, metric, agg)) is not None:
+        raise ValueError(f"rejection {level}/{metric}/{agg}: {why}")
     sampled = mask > 0
     log_r = _log_ratio(proximal_logp.float(), behaviour_logp.float(), mask)
     if metric == "ratio":
@@ -220,7 +249,7 @@ def rejection_mask(
         else:
             value = torch.exp(log_r) - 1.0 - log_r
         if level == "sequence":
-            value = masked_mean(value, mask, dim=-1)[:, None].expand_as(log_r)
+            value = _sequence_aggregate(value, sampled, agg)[:, None].expand_as(log_r)
         low_b, high_b = low, high
     reject = torch.zeros_like(sampled)
     if low_b is not None:
@@ -239,6 +268,16 @@ def rejection_mask(
         "rejected_sequences": (has_token & ~(keep > 0).any(-1)).float().sum(),
     }
     return keep, stats
+
+
+def _sequence_aggregate(value: torch.Tensor, sampled: torch.Tensor, agg: str) -> torch.Tensor:
+    """[B]: the mean, sum or max of `value` over each row's sampled tokens (0 with none)."""
+    if agg == "mean":
+        return masked_mean(value, sampled.float(), dim=-1)
+    if agg == "sum":
+        return torch.where(sampled, value, torch.zeros((), device=value.device)).sum(-1)
+    top = torch.where(sampled, value, torch.full((), -math.inf, device=value.device)).amax(-1)
+    return torch.where(sampled.any(-1), top, torch.zeros((), device=value.device))
 
 
 def behaviour_weighted(

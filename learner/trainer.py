@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.advantages import ESTIMATORS, compute_advantages, outcome_token_rewards
-from asyncrl.config import Config
+from asyncrl.config import AlgorithmConfig, Config
 from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.dtypes import torch_dtype
 from asyncrl.metrics import StageTimer
@@ -43,7 +43,12 @@ from learner.forward import policy_forward, value_forward
 from learner.fsdp import hf_config, setup_distributed, setup_model, sync_specs, sync_tensors
 from learner.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from learner.leader import setup_leader
-from learner.losses import importance_weights, mismatch_kl, rejection_mask
+from learner.losses import (
+    importance_weights,
+    mismatch_kl,
+    normalize_importance_weights,
+    rejection_mask,
+)
 from learner.optim import lr_factor, set_lr, setup_optimizer
 from learner.update import UpdateInputs, Updater, recompute
 
@@ -164,31 +169,7 @@ class Learner:
         )
         weights = keep = None
         if proximal is not None:
-            metrics["proximal_behaviour_kl"] = float(mismatch_kl(proximal, behaviour, mask))
-            if algo.is_level != "off":
-                weights = importance_weights(proximal, behaviour, mask, algo.is_level, algo.is_cap)
-                raw = importance_weights(proximal, behaviour, mask, algo.is_level, None)
-                n = mask.sum().clamp(min=1)
-                metrics.update(
-                    is_weight_mean=float((raw * mask).sum() / n),
-                    is_weight_max=float((raw * mask).max()),
-                    is_truncated_frac=float(((raw > weights) * mask).sum() / n),
-                )
-            if algo.reject_level != "off":
-                keep = _keep_mask(
-                    rejection_mask(
-                        proximal,
-                        behaviour,
-                        mask,
-                        algo.reject_level,
-                        algo.reject_metric,
-                        algo.reject_low,
-                        algo.reject_high,
-                    )
-                )
-                metrics["masked_token_frac"] = float(
-                    ((1 - keep) * mask).sum() / mask.sum().clamp(min=1)
-                )
+            weights, keep = off_policy_corrections(algo, proximal, behaviour, mask, metrics)
         valid = mask > 0
         metrics.update(
             adv_mean=float(advantages[valid].mean()),
@@ -312,9 +293,47 @@ class Learner:
         return True
 
 
-def _keep_mask(result) -> torch.Tensor:
-    """`rejection_mask` returns the mask, possibly with stats alongside."""
-    return result[0] if isinstance(result, tuple) else result
+def off_policy_corrections(
+    algo: AlgorithmConfig,
+    proximal: torch.Tensor,
+    behaviour: torch.Tensor,
+    mask: torch.Tensor,
+    metrics: dict[str, float],
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(importance weights, rejection mask) behaviour -> proximal over the WHOLE batch, as
+    `algorithm` asks (None: not asked), with their metrics added to `metrics`. Every rank holds
+    the whole batch and the same proximal log-probs, so every rank computes the same."""
+    weights = keep = None
+    metrics["proximal_behaviour_kl"] = float(mismatch_kl(proximal, behaviour, mask))
+    if algo.is_level != "off":
+        weights = importance_weights(proximal, behaviour, mask, algo.is_level, algo.is_cap)
+        raw = importance_weights(proximal, behaviour, mask, algo.is_level, None)
+        n = mask.sum().clamp(min=1)
+        metrics.update(
+            is_weight_mean=float((raw * mask).sum() / n),
+            is_weight_max=float((raw * mask).max()),
+            is_truncated_frac=float(((raw > weights) * mask).sum() / n),
+        )
+        if algo.is_batch_normalize:  # the whole batch, every rank alike: see its doc
+            weights, norm = normalize_importance_weights(weights, mask, algo.is_level)
+            metrics.update(
+                is_batch_norm_factor=float(norm),
+                is_norm_weight_max=float((weights * mask).max()),
+            )
+    if algo.reject_level != "off":
+        keep, rs = rejection_mask(
+            proximal,
+            behaviour,
+            mask,
+            algo.reject_level,
+            algo.reject_metric,
+            algo.reject_low,
+            algo.reject_high,
+            algo.reject_agg,
+        )
+        metrics["masked_token_frac"] = float(rs["rejected_fraction"])
+        metrics["masked_seq_frac"] = float(rs["rejected_sequences"] / rs["sequences"].clamp(min=1))
+    return weights, keep
 
 
 def setup_learner(

@@ -11,7 +11,7 @@ from asyncrl.metrics import read_jsonl
 
 pytestmark = pytest.mark.integration
 
-LONG = {"decoupled_tis_reject", "gae_two_ranks"}
+LONG = {"decoupled_tis_reject", "gae_two_ranks", "rollout_corr_variants"}
 """Cases of half a minute or more on 2 cores: the `long` tier (.ci/run's own step)."""
 
 CASES = {
@@ -34,6 +34,20 @@ CASES = {
             "replay.max_staleness=4",
         ],
         ["is_weight_mean", "is_weight_max", "masked_token_frac", "proximal_behaviour_kl"],
+    ),
+    "rollout_corr_variants": (
+        [
+            "algorithm.decoupled=true",
+            "algorithm.is_level=token",
+            "algorithm.is_batch_normalize=true",
+            "algorithm.reject_level=sequence",
+            "algorithm.reject_metric=k3",
+            "algorithm.reject_agg=max",
+            "algorithm.reject_high=5.0",
+            "algorithm.use_kl_loss=true",
+            "algorithm.kl_loss_type=k3+",
+        ],
+        ["is_batch_norm_factor", "is_norm_weight_max", "masked_seq_frac", "kl_loss_ref"],
     ),
     "gspo_seq_mean": (
         [
