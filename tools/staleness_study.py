@@ -77,6 +77,21 @@ VARIANTS: dict[str, Variant] = {
     # in-flight weight updates against drain mode, with the same correction, at staleness 2
     "inflight_none": Variant(("algorithm.decoupled=false", *INFLIGHT), stalenesses=(2,)),
     "inflight_tis": Variant((*TIS, *INFLIGHT), stalenesses=(2,)),
+    # verl's variants (docs/algorithms.md), at the stalenesses where the corrections must act:
+    # TIS with the weights normalised to mean 1 over the batch (rollout_is_batch_normalize)
+    "tis_bn": Variant((*TIS, "algorithm.is_batch_normalize=true"), stalenesses=(4, 8)),
+    # TIS plus sequence rejection on the max per-token k3 (rollout_rs=seq_max_k3): 0.2 drops a
+    # sequence with any token ratio outside about [0.5, 1.8] (IcePop masks [0.5, 2] token by token)
+    "tis_k3max": Variant(
+        (
+            *TIS,
+            "algorithm.reject_level=sequence",
+            "algorithm.reject_metric=k3",
+            "algorithm.reject_agg=max",
+            "algorithm.reject_high=0.2",
+        ),
+        stalenesses=(4, 8),
+    ),
 }
 
 
