@@ -18,8 +18,9 @@ Arguments are checked against the schema's `parameters` before `execute` runs, b
 validator (`validate_arguments`: type, properties, required, enum, items,
 additionalProperties: false), so a tool only ever sees arguments of the declared shape.
 
-Built-ins: `calculator` (arithmetic without eval; see `evaluate_expression`) and `python` (runs
-code in the sandbox of `rollout_servers.sandbox`).
+Built-ins: `calculator` (arithmetic without eval; see `evaluate_expression`), `python` (runs
+code in the sandbox of `rollout_servers.sandbox`) and `search` (BM25 over a local corpus,
+`rollout_servers.agents.search_tool`).
 """
 
 from __future__ import annotations
@@ -202,6 +203,7 @@ TOOL_CLASSES: Registry[type[Tool]] = Registry("tool", "asyncrl.tools")
 """Registered tool classes (also from the `asyncrl.tools` entry points of packages)."""
 TOOL_CLASSES.register("calculator", "rollout_servers.agents.tools:CalculatorTool")
 TOOL_CLASSES.register("python", "rollout_servers.agents.tools:PythonTool")
+TOOL_CLASSES.register("search", "rollout_servers.agents.search_tool:SearchTool")
 
 register_tool = TOOL_CLASSES.register
 """`@register_tool("my_tool")` over a Tool subclass, usable as class_name."""
