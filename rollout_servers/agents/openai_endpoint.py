@@ -102,7 +102,7 @@ class OpenAIEndpoint:
         app.router.add_get("/v1/models", self._models)
         self._runner = web.AppRunner(app, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port)
+        site = web.TCPSite(self._runner, self.cfg.host, self.cfg.port, backlog=1024)
         await site.start()
         port = self._runner.addresses[0][1]
         host = f"[{self.cfg.host}]" if ":" in self.cfg.host else self.cfg.host
@@ -137,10 +137,10 @@ class OpenAIEndpoint:
         self.counters["requests"] += 1
         try:
             episode = self._episode_of(request)
+            raw = await self._read_body(request)  # before any answer: else the client resets
             self._admit(episode)
             try:
-                body = await self._read_json(request)
-                return web.json_response(await self._complete(episode, body))
+                return web.json_response(await self._complete(episode, _json(raw)))
             finally:
                 episode.in_flight -= 1
         except RequestError as e:
@@ -175,13 +175,11 @@ class OpenAIEndpoint:
         episode.requests += 1
         episode.in_flight += 1
 
-    async def _read_json(self, request: web.Request) -> Any:
+    async def _read_body(self, request: web.Request) -> bytes:
         try:
-            return json.loads(await request.read())
+            return await request.read()
         except web.HTTPRequestEntityTooLarge as e:
             raise RequestError(413, "the request body is too large") from e
-        except (ValueError, RecursionError) as e:
-            raise bad(f"the body is not valid JSON: {e}") from e
 
     # ---- one request -----------------------------------------------------------------------
     async def _complete(self, episode: Episode, body: Any) -> dict[str, Any]:
@@ -194,7 +192,7 @@ class OpenAIEndpoint:
         )
         choices = []
         for i, out in enumerate(outs):
-            completion, message = self._record(out, prompt_ids, parent, req, tools_key)
+            completion, message = self._record(out, prompt_ids, parent, req, tools_key, params)
             episode.completions.append(completion)
             finish = "tool_calls" if message.get("tool_calls") else out.finish_reason
             choices.append({"index": i, "message": message, "finish_reason": finish})
@@ -268,17 +266,23 @@ class OpenAIEndpoint:
         parent: Completion | None,
         req: ChatRequest,
         tools_key: str,
+        params: SamplingParams,
     ) -> tuple[Completion, dict[str, Any]]:
-        """The completion of one sampled reply (cut after a multi-token stop string) and the
-        assistant message the client gets."""
+        """The completion of one sampled reply and the assistant message the client gets. A
+        stop string of one id is the engine's stop id (kept in the ids, not in the text); one of
+        several ids is found in the text, and the ids are cut after it (the completion then
+        counts as cut: no later turn continues its ids)."""
         ids, logprobs, versions = list(out.token_ids), list(out.logprobs), out.versions
-        text = self.tokenizer.decode(ids, skip_special_tokens=True)
         ended = out.finish_reason == "stop"
-        cut, stop = _first_stop(text, req.stop)
-        if cut is not None:
-            keep = self._tokens_through(ids, cut + len(stop))
-            ids, logprobs, versions = ids[:keep], logprobs[:keep], versions[:keep]
-            text, ended = text[:cut], False
+        if ended and ids and ids[-1] in params.stop_token_ids:  # a stop the engine applied
+            text = self.tokenizer.decode(ids[:-1], skip_special_tokens=True)
+        else:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            cut, stop = _first_stop(text, req.stop)
+            if cut is not None:  # a stop string of several ids: cut after them
+                keep = self._tokens_through(ids, cut + len(stop))
+                ids, logprobs, versions = ids[:keep], logprobs[:keep], versions[:keep]
+                text, ended = text[:cut], False
         message = reply_message(text)
         context = (tools_key, tuple(req.keys), reply_key(message))
         completion = Completion(
@@ -292,6 +296,13 @@ class OpenAIEndpoint:
             if len(self.tokenizer.decode(ids[:k], skip_special_tokens=True)) >= chars:
                 return k
         return len(ids)
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"the body is not valid JSON: {e}") from e
 
 
 def _first_stop(text: str, stops: list[str]) -> tuple[int | None, str]:
