@@ -38,6 +38,10 @@ class ToolAgentConfig(Section):
     """Budget of response tokens, sampled plus tool/template tokens together."""
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+"""Hosts whose binds need no launch.allow_remote."""
+
+
 class OpenAIConfig(Section):
     """The OpenAI-compatible endpoint of each rollout server and the `openai` agent loop
     (`rollout.agent_loop=openai`, or a row's agent_name; docs/agents.md)."""
@@ -139,3 +143,13 @@ class RolloutConfig(Section):
                 "package.module:function"
             )
         return self
+
+
+def check_openai_bind(cfg: OpenAIConfig, allow_remote: bool) -> None:
+    """An enabled endpoint binds beyond loopback only with launch.allow_remote."""
+    if cfg.enabled and cfg.host not in LOOPBACK_HOSTS and not allow_remote:
+        raise ValueError(
+            f"rollout.openai.host={cfg.host!r} is not loopback; set launch.allow_remote=true "
+            "to serve the endpoint beyond this machine (every request still needs its "
+            "episode's bearer key)"
+        )

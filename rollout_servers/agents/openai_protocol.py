@@ -2,8 +2,8 @@
 functions: no engine, no socket; `openai_endpoint.py` serves them).
 
 Read: messages (system, developer, user, assistant with optional `tool_calls`, tool), `tools`
-(OpenAI function schemas, checked by `tools.check_tool_schema`), model, n, temperature,
-top_p, max_tokens (or max_completion_tokens) and stop. Every other field is ignored. A request
+(OpenAI function schemas, checked by `rollout_servers.agents.tools.check_tool_schema`), model,
+n, temperature, top_p, max_tokens (or max_completion_tokens) and stop. Every other field is ignored. A request
 that cannot be read is a `RequestError` (4xx, the OpenAI error shape), never a server error.
 
 Written: the assistant message of a sampled reply, its Hermes/Qwen `<tool_call>` blocks parsed

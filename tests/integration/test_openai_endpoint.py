@@ -17,6 +17,7 @@ import httpx
 import openai
 import pytest
 
+from asyncrl.config import Config
 from asyncrl.demo.tiny_model import build_tokenizer
 from asyncrl.protocol import ChatMessage, PromptItem
 from asyncrl.rollout_config import OpenAIConfig, RolloutConfig
@@ -261,6 +262,10 @@ async def test_router_uses_the_servers_openai_loop_and_config_requires_enabled(t
         RolloutConfig(agent_loop="openai")
     with pytest.raises(ValueError, match="package.module:function"):
         RolloutConfig(openai=OpenAIConfig(enabled=True))
+    wide = {"openai": {"enabled": True, "agent": "m:f", "host": "0.0.0.0"}}
+    with pytest.raises(ValueError, match="launch.allow_remote"):
+        Config(rollout=wide)
+    assert Config(rollout=wide, launch={"allow_remote": True}).rollout.openai.host == "0.0.0.0"
 
 
 # ---- bad requests ------------------------------------------------------------------------------
