@@ -180,6 +180,8 @@ def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
             if server.sandbox is not None:
                 server.sandbox.close()
             server.trace.flush()
+            if isinstance(server.agent_loop, AgentLoopRouter):
+                await server.agent_loop.close()
             await server.engine.close()
 
     asyncio.run(main())

@@ -102,6 +102,10 @@ class OpenAIAgentLoop:
             self._started = asyncio.ensure_future(self.endpoint.start())
         return await asyncio.shield(self._started)
 
+    async def close(self) -> None:
+        """Stop serving (episodes still running get refused)."""
+        await self.endpoint.close()
+
     async def run(self, prompt: PromptItem, params: SamplingParams | None = None) -> AgentResult:
         base_url = await self.base_url()
         episode = self.endpoint.open_episode(params or self.params)

@@ -102,3 +102,10 @@ class AgentLoopRouter:
 
     async def run(self, prompt: PromptItem, params: SamplingParams | None = None) -> AgentResult:
         return await self.loop_for(prompt.agent_name).run(prompt, params)
+
+    async def close(self) -> None:
+        """Close the loops that hold resources (the `openai` loop's endpoint)."""
+        for loop in self._loops.values():
+            close = getattr(loop, "close", None)
+            if close is not None:
+                await close()

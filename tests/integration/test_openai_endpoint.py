@@ -17,10 +17,12 @@ import httpx
 import openai
 import pytest
 
-from asyncrl.config import Config
+from asyncrl.config import Config, load_config
 from asyncrl.demo.tiny_model import build_tokenizer
 from asyncrl.protocol import ChatMessage, PromptItem
 from asyncrl.rollout_config import OpenAIConfig, RolloutConfig
+from asyncrl.run_spec import RunSpec
+from rollout_servers.agents.base import AgentResult
 from rollout_servers.agents.openai_agent import OpenAIAgentLoop
 from rollout_servers.agents.registry import AgentLoopRouter
 from rollout_servers.agents.tool_agent import render_ids
@@ -31,6 +33,7 @@ from rollout_servers.engines.base import (
     SamplingParams,
     SyncTarget,
 )
+from rollout_servers.server import RolloutServer
 
 pytestmark = pytest.mark.integration
 
@@ -258,6 +261,9 @@ async def test_router_uses_the_servers_openai_loop_and_config_requires_enabled(t
         loops={"openai": loop},
     )
     assert router.loop_for("openai") is loop
+    await loop.base_url()
+    await router.close()  # the endpoint stops serving
+    assert loop.endpoint._runner is None
     with pytest.raises(ValueError, match="openai.enabled"):
         RolloutConfig(agent_loop="openai")
     with pytest.raises(ValueError, match="package.module:function"):
@@ -378,3 +384,28 @@ async def test_the_hf_engine_behind_the_endpoint_records_its_own_ids_and_logprob
     finally:
         await loop.endpoint.close()
         await engine.close()
+
+
+async def test_the_server_takes_an_episodes_own_reward_instead_of_scoring(tmp_path):
+    class Loop:
+        async def run(self, prompt, params=None) -> AgentResult:
+            return AgentResult([1], [2], [1], [-0.5], [0], "text", "stop", reward=0.75)
+
+    class Rewards:
+        async def score(self, *args: Any) -> tuple[float, dict[str, float]]:
+            raise AssertionError("an episode with its own reward is not scored")
+
+    class Client:
+        sent: list[Any] = []
+
+        async def put(self, traj: Any) -> None:
+            self.sent.append(traj)
+
+    class FakeEngine:
+        on_batch = None
+
+    cfg = load_config(None, ["rollout.n=2"])
+    spec = RunSpec(str(tmp_path), "unused", "tcp://127.0.0.1:1", "127.0.0.1", 0, 0, 1)
+    server = RolloutServer(cfg, spec, 0, FakeEngine(), Loop(), Client(), Rewards())  # type: ignore[arg-type]
+    await server.run_group(dataclasses.replace(prompt(), n=2))
+    assert [t.reward for t in Client.sent] == [0.75, 0.75]
