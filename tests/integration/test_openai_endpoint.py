@@ -7,8 +7,8 @@ agent errors and timeouts."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import json
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -17,12 +17,10 @@ import httpx
 import openai
 import pytest
 
-from asyncrl.config import Config, load_config
+from asyncrl.config import Config
 from asyncrl.demo.tiny_model import build_tokenizer
 from asyncrl.protocol import ChatMessage, PromptItem
 from asyncrl.rollout_config import OpenAIConfig, RolloutConfig
-from asyncrl.run_spec import RunSpec
-from rollout_servers.agents.base import AgentResult
 from rollout_servers.agents.openai_agent import OpenAIAgentLoop
 from rollout_servers.agents.registry import AgentLoopRouter
 from rollout_servers.agents.tool_agent import render_ids
@@ -33,7 +31,6 @@ from rollout_servers.engines.base import (
     SamplingParams,
     SyncTarget,
 )
-from rollout_servers.server import RolloutServer
 
 pytestmark = pytest.mark.integration
 
@@ -126,23 +123,24 @@ async def sleeps(client: openai.AsyncOpenAI, row: dict[str, Any]) -> float:
     return 1.0
 
 
+LATE: list[int] = []
+
+
+def sync_late(client: openai.OpenAI, row: dict[str, Any]) -> float:
+    """Blocks past the episode's timeout, then asks: its key is closed by then."""
+    time.sleep(0.6)
+    try:
+        client.chat.completions.create(model="policy", messages=row["messages"])
+        LATE.append(200)
+    except openai.APIStatusError as e:
+        LATE.append(e.status_code)
+    return 1.0
+
+
 def sync_agent(client: openai.OpenAI, row: dict[str, Any]) -> float:
     """A blocking agent: runs in a thread."""
     reply = client.chat.completions.create(model="policy", messages=row["messages"])
     return 0.25 if reply.choices[0].message.tool_calls else 0.0
-
-
-async def greedy_turns(client: openai.AsyncOpenAI, row: dict[str, Any]) -> list[Any]:
-    """Two greedy turns of the tiny model with a tool message between; the first stops on
-    the stop string the row names (its first greedy token), so the second continues it."""
-    messages: list[Any] = list(row["messages"])
-    for stop in (row["extra_info"]["stop"], None):
-        reply = await client.chat.completions.create(
-            model="policy", messages=messages, temperature=0, max_tokens=6, stop=stop
-        )
-        messages += [reply.choices[0].message.model_dump(exclude_none=True)]
-        messages += [{"role": "tool", "content": "42"}] if stop else []
-    return messages
 
 
 # ---- fixtures ----------------------------------------------------------------------------------
@@ -274,6 +272,36 @@ async def test_router_uses_the_servers_openai_loop_and_config_requires_enabled(t
     assert Config(rollout=wide, launch={"allow_remote": True}).rollout.openai.host == "0.0.0.0"
 
 
+async def test_a_sync_agent_past_its_timeout_is_refused_afterwards(tokenizer):
+    loop = make_loop(tokenizer, "sync_late", timeout_s=0.3)
+    try:
+        result = await loop.run(prompt())
+        assert result.metrics["openai_agent_timeouts"] == 1 and result.reward == 0.0
+        for _ in range(100):
+            if LATE:
+                break
+            await asyncio.sleep(0.05)
+        assert LATE == [401]
+    finally:
+        await loop.endpoint.close()
+
+
+async def test_n_choices_and_a_stop_string_of_several_ids(tokenizer):
+    loop = make_loop(tokenizer, "sync_agent")
+    url = await loop.base_url()
+    episode = loop.endpoint.open_episode(PARAMS)
+    try:
+        async with openai.AsyncOpenAI(base_url=url, api_key=episode.key, max_retries=0) as client:
+            reply = await client.chat.completions.create(**chat(n=2, stop=["calc"]))
+        assert [c.message.content for c in reply.choices] == ['<tool_call>{"name": "'] * 2
+        assert [c.finish_reason for c in reply.choices] == ["stop", "stop"]
+        for c in episode.completions:  # the ids are cut right after the stop string
+            assert tokenizer.decode(c.token_ids) == '<tool_call>{"name": "calc'
+            assert not c.ended and len(c.logprobs) == len(c.token_ids)
+    finally:
+        await loop.endpoint.close()
+
+
 # ---- bad requests ------------------------------------------------------------------------------
 async def test_each_bad_request_gets_its_4xx_and_the_endpoint_goes_on(tokenizer):
     loop = make_loop(tokenizer, "sync_agent", max_requests_per_episode=100)
@@ -310,6 +338,9 @@ async def test_each_bad_request_gets_its_4xx_and_the_endpoint_goes_on(tokenizer)
             for body in (b"{not json", b"[1, 2]", b"\xff\xfe"):
                 r = await raw.post(f"{url}/chat/completions", content=body, headers=auth)
                 assert r.status_code == 400 and r.json()["error"]["message"]
+            huge = b"[" + b"0," * (9 * 2**20) + b"0]"  # 18 MiB
+            r = await raw.post(f"{url}/chat/completions", content=huge, headers=auth)
+            assert r.status_code == 413
             r = await raw.get(f"{url}/models", headers=auth)
             assert r.json()["data"][0]["id"] == "policy"
         await still_serves()
@@ -347,65 +378,3 @@ async def test_a_thousand_concurrent_requests_of_one_episode(tokenizer):
     finally:
         await client.close()
         await loop.endpoint.close()
-
-
-async def test_the_hf_engine_behind_the_endpoint_records_its_own_ids_and_logprobs(model_path):
-    """The tiny model through the endpoint: the trajectory's sampled ids are what the engine
-    samples for the same prompts, and their log-probs are the model's own (recomputed)."""
-    from rollout_servers.engines.hf import HFEngine
-
-    tokenizer = build_tokenizer()
-    engine = HFEngine(str(model_path), seed=0)
-    greedy = SamplingParams(temperature=0.0, max_new_tokens=6)
-    question = [{"role": "user", "content": "What is 2+3?"}]
-    first = await engine.generate(render_ids(tokenizer, question), greedy)
-    row = dataclasses.replace(prompt(), extra_info={"stop": tokenizer.decode(first.token_ids[:1])})
-    config = OpenAIConfig(enabled=True, agent=f"{__name__}:greedy_turns")
-    loop = OpenAIAgentLoop(engine, tokenizer, PARAMS, config)
-    try:
-        result = await loop.run(row)
-        assert result.metrics["openai_completions"] == 2 and result.metrics["openai_drift"] == 0
-        mask = result.loss_mask
-        turns = [i for i in range(len(mask)) if mask[i] and (i == 0 or not mask[i - 1])]
-        assert len(turns) == 2 and turns[0] == 0 and mask[1] == 0  # one id, then the tool turn
-        assert result.response_ids[0] == first.token_ids[0]
-        second_prompt = result.prompt_ids + result.response_ids[: turns[1]]
-        again = await engine.generate(second_prompt, greedy)
-        assert result.response_ids[turns[1] :] == again.token_ids
-        full = result.prompt_ids + result.response_ids
-        recomputed = engine.probe_logprobs(full)
-        assert recomputed is not None
-        p = len(result.prompt_ids)
-        for i, m in enumerate(mask):
-            if m:
-                assert abs(result.logprobs[i] - float(recomputed[p + i - 1])) < 1e-4
-            else:
-                assert (result.logprobs[i], result.versions[i]) == (0.0, -1)
-    finally:
-        await loop.endpoint.close()
-        await engine.close()
-
-
-async def test_the_server_takes_an_episodes_own_reward_instead_of_scoring(tmp_path):
-    class Loop:
-        async def run(self, prompt, params=None) -> AgentResult:
-            return AgentResult([1], [2], [1], [-0.5], [0], "text", "stop", reward=0.75)
-
-    class Rewards:
-        async def score(self, *args: Any) -> tuple[float, dict[str, float]]:
-            raise AssertionError("an episode with its own reward is not scored")
-
-    class Client:
-        sent: list[Any] = []
-
-        async def put(self, traj: Any) -> None:
-            self.sent.append(traj)
-
-    class FakeEngine:
-        on_batch = None
-
-    cfg = load_config(None, ["rollout.n=2"])
-    spec = RunSpec(str(tmp_path), "unused", "tcp://127.0.0.1:1", "127.0.0.1", 0, 0, 1)
-    server = RolloutServer(cfg, spec, 0, FakeEngine(), Loop(), Client(), Rewards())  # type: ignore[arg-type]
-    await server.run_group(dataclasses.replace(prompt(), n=2))
-    assert [t.reward for t in Client.sent] == [0.75, 0.75]
