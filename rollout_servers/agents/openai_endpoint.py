@@ -291,11 +291,16 @@ class OpenAIEndpoint:
         return completion, message
 
     def _tokens_through(self, ids: list[int], chars: int) -> int:
-        """The fewest leading ids whose text holds `chars` characters."""
-        for k in range(1, len(ids) + 1):
-            if len(self.tokenizer.decode(ids[:k], skip_special_tokens=True)) >= chars:
-                return k
-        return len(ids)
+        """The fewest leading ids whose text holds `chars` characters (a binary search: the
+        text of a prefix grows with it)."""
+        low, high = 1, len(ids)
+        while low < high:
+            mid = (low + high) // 2
+            if len(self.tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= chars:
+                high = mid
+            else:
+                low = mid + 1
+        return high
 
 
 def _json(raw: bytes) -> Any:
