@@ -21,7 +21,7 @@ from asyncrl.config_base import Section as _Section
 from asyncrl.config_docs import annotated_yaml, format_errors
 from asyncrl.engine_config import HFConfig, SGLangConfig, VLLMConfig, check_engine
 from asyncrl.learner_config import AlgorithmConfig, LearnerConfig
-from asyncrl.rollout_config import RolloutConfig, ToolAgentConfig
+from asyncrl.rollout_config import LOOPBACK_HOSTS, RolloutConfig, ToolAgentConfig, check_openai_bind
 
 __all__ = [
     "AlgorithmConfig",
@@ -274,14 +274,12 @@ class Config(_Section):
 
     @pydantic.model_validator(mode="after")
     def _check_cross_fields(self) -> Config:
-        if (
-            self.launch.host not in ("127.0.0.1", "localhost", "::1")
-            and not self.launch.allow_remote
-        ):
+        if self.launch.host not in LOOPBACK_HOSTS and not self.launch.allow_remote:
             raise ValueError(
                 f"launch.host={self.launch.host!r} is not loopback; set launch.allow_remote=true "
                 "to bind sockets beyond this machine"
             )
+        check_openai_bind(self.rollout.openai, self.launch.allow_remote)
         resume = self.trainer.resume_from
         if resume is not None and missing_parts(resume):
             if (Path(resume) / "config.yaml").is_file():

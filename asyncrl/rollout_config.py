@@ -38,6 +38,32 @@ class ToolAgentConfig(Section):
     """Budget of response tokens, sampled plus tool/template tokens together."""
 
 
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
+"""Hosts whose binds need no launch.allow_remote."""
+
+
+class OpenAIConfig(Section):
+    """The OpenAI-compatible endpoint of each rollout server and the `openai` agent loop
+    (`rollout.agent_loop=openai`, or a row's agent_name; docs/agents.md)."""
+
+    enabled: bool = False
+    """Serve `POST /v1/chat/completions` and `GET /v1/models` on each rollout server."""
+    host: str = "127.0.0.1"
+    """Address the endpoint binds to; anything but loopback needs launch.allow_remote."""
+    port: int = Field(0, ge=0, le=65535)
+    """Port of the endpoint; 0 picks a free one (each server has its own)."""
+    agent: str = ""
+    """The user's agent, `package.module:function`, called as fn(client, row) per episode."""
+    model_name: str = Field("policy", min_length=1, max_length=256)
+    """The model name requests must name (any other is 404)."""
+    timeout_s: float = Field(600.0, gt=0)
+    """An episode (one call of the agent function) running longer is cancelled and scores 0."""
+    max_requests_per_episode: int = Field(32, ge=1, le=100_000)
+    """Requests one episode may make; later ones are answered 429."""
+    max_concurrent_requests: int = Field(8, ge=1, le=10_000)
+    """Requests of one episode in flight at once; more are answered 429."""
+
+
 class RolloutConfig(Section):
     """The rollout fleet: its engine, how it samples, and its agent loops."""
 
@@ -83,10 +109,12 @@ class RolloutConfig(Section):
     """Groups in flight and no sample done for this long: the engine is wedged, the server stops
     (and is restarted); 0: replay.lease_timeout_s, after which those leases are lost anyway."""
     agent_loop: str = "single_turn"
-    """Default agent loop: a registered name (single_turn, tool_agent) or `pkg.module:Class`;
+    """Default agent loop: a registered name (single_turn, tool_agent, openai) or `pkg.module:Class`;
     a row's agent_name may pick another registered loop."""
     tool_agent: ToolAgentConfig = ToolAgentConfig()
     """The tool agent loop's tools, interactions and per-trajectory bounds."""
+    openai: OpenAIConfig = OpenAIConfig()
+    """The OpenAI-compatible endpoint and the `openai` agent loop that runs user agent code."""
     hf: HFConfig = HFConfig()
     """Options of the transformers engine (used when engine=hf)."""
     vllm: VLLMConfig = VLLMConfig()
@@ -104,3 +132,24 @@ class RolloutConfig(Section):
                 "engine runs on one device (use vllm or sglang for tensor parallelism)"
             )
         return self
+
+    @pydantic.model_validator(mode="after")
+    def _openai_agent_named(self) -> RolloutConfig:
+        if self.agent_loop == "openai" and not self.openai.enabled:
+            raise ValueError("rollout.agent_loop=openai needs rollout.openai.enabled=true")
+        if self.openai.enabled and ":" not in self.openai.agent:
+            raise ValueError(
+                f"rollout.openai.agent={self.openai.agent!r}: name the agent function as "
+                "package.module:function"
+            )
+        return self
+
+
+def check_openai_bind(cfg: OpenAIConfig, allow_remote: bool) -> None:
+    """An enabled endpoint binds beyond loopback only with launch.allow_remote."""
+    if cfg.enabled and cfg.host not in LOOPBACK_HOSTS and not allow_remote:
+        raise ValueError(
+            f"rollout.openai.host={cfg.host!r} is not loopback; set launch.allow_remote=true "
+            "to serve the endpoint beyond this machine (every request still needs its "
+            "episode's bearer key)"
+        )

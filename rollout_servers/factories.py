@@ -17,6 +17,7 @@ from asyncrl.learner_config import LoraConfig
 from asyncrl.metrics import write_json_atomic
 from asyncrl.placement import OWN_GPU_FRACTION, Placement, maybe_limit_gpu_memory
 from asyncrl.run_spec import RunSpec
+from rollout_servers.agents.base import AgentLoop
 from rollout_servers.agents.interactions import load_interaction_config
 from rollout_servers.agents.registry import AgentLoopRouter
 from rollout_servers.agents.tools import load_tool_config
@@ -133,6 +134,11 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
     sandbox = setup_sandbox(cfg)
     ta = rc.tool_agent
     tools = load_tool_config(ta.tool_config, sandbox) if ta.tool_config else None
+    built: dict[str, AgentLoop] = {}
+    if rc.openai.enabled:  # (aiohttp and openai, the `openai` extra: only when asked for)
+        from rollout_servers.agents.openai_agent import OpenAIAgentLoop
+
+        built["openai"] = OpenAIAgentLoop(engine, tokenizer, sampling_params(rc), rc.openai)
     agent = AgentLoopRouter(
         rc.agent_loop,
         engine=engine,
@@ -141,6 +147,7 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
         tools=tools,
         interactions=load_interaction_config(ta.interaction_config or None),
         limits=ta,
+        loops=built,
     )
     client = AsyncReplayClient(
         spec.replay_address,
@@ -173,6 +180,8 @@ def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
             if server.sandbox is not None:
                 server.sandbox.close()
             server.trace.flush()
+            if isinstance(server.agent_loop, AgentLoopRouter):
+                await server.agent_loop.close()
             await server.engine.close()
 
     asyncio.run(main())

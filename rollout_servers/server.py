@@ -216,6 +216,8 @@ class RolloutServer:
 
     async def _greedy_baseline(self, prompt: PromptItem) -> float:
         greedy = await self.agent_loop.run(prompt, self.greedy_params)
+        if greedy.reward is not None:
+            return greedy.reward
         return (await self._score(prompt, greedy.response_text))[0]
 
     async def _score(self, prompt: PromptItem, text: str) -> tuple[float, dict[str, float]]:
@@ -228,7 +230,10 @@ class RolloutServer:
         if prompt.temperature is not None:  # evaluation prompts may set their own temperature
             params = dataclasses.replace(self.sampling_params, temperature=prompt.temperature)
         result = await self.agent_loop.run(prompt, params)
-        reward, extras = await self._score(prompt, result.response_text)
+        if result.reward is None:
+            reward, extras = await self._score(prompt, result.response_text)
+        else:
+            reward, extras = result.reward, {}
         traj = Trajectory(
             traj_id=uuid.uuid4().hex,
             attempt=0,

@@ -25,6 +25,9 @@ class AgentResult:
     response_text: str  # what the reward function reads
     finish_reason: str
     metrics: dict[str, float] = field(default_factory=dict)
+    reward: float | None = None
+    """The episode's own reward (the `openai` loop's agent returned one, or failed: 0); None:
+    the server's reward function scores response_text."""
 
 
 class AgentLoop(Protocol):

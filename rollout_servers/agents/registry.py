@@ -35,6 +35,7 @@ AGENT_LOOPS: Registry[AgentLoopFactory] = Registry("agent loop", "asyncrl.agent_
 """Registered agent loops (also from the `asyncrl.agent_loops` entry points of packages)."""
 AGENT_LOOPS.register("single_turn", "rollout_servers.agents.single_turn:SingleTurnAgentLoop")
 AGENT_LOOPS.register("tool_agent", "rollout_servers.agents.tool_agent:ToolAgentLoop")
+AGENT_LOOPS.register("openai", "rollout_servers.agents.openai_agent:OpenAIAgentLoop")
 
 register_agent_loop = AGENT_LOOPS.register
 """`@register_agent_loop("my_loop")` over a class or factory that accepts the common keywords;
@@ -65,7 +66,8 @@ class AgentLoopRouter:
     built on first use with the common keywords and reused for every later row).
 
     A row's `prompt.agent_name` picks its loop ("": the default). The default is resolved
-    here, so a bad `rollout.agent_loop` fails at start-up.
+    here, so a bad `rollout.agent_loop` fails at start-up. `loops`: loops the server built
+    itself, by name (`openai`, which needs its own config section), used instead of building.
     """
 
     def __init__(
@@ -78,6 +80,7 @@ class AgentLoopRouter:
         tools: ToolSet | None = None,
         interactions: Mapping[str, Interaction] | None = None,
         limits: ToolAgentConfig | None = None,
+        loops: Mapping[str, AgentLoop] | None = None,
     ):
         resolve_agent_loop(default_name)
         self.default_name = default_name
@@ -89,7 +92,7 @@ class AgentLoopRouter:
             interactions=interactions,
             limits=limits,
         )
-        self._loops: dict[str, AgentLoop] = {}
+        self._loops: dict[str, AgentLoop] = dict(loops or {})
 
     def loop_for(self, agent_name: str | None) -> AgentLoop:
         name = agent_name or self.default_name
@@ -99,3 +102,10 @@ class AgentLoopRouter:
 
     async def run(self, prompt: PromptItem, params: SamplingParams | None = None) -> AgentResult:
         return await self.loop_for(prompt.agent_name).run(prompt, params)
+
+    async def close(self) -> None:
+        """Close the loops that hold resources (the `openai` loop's endpoint)."""
+        for loop in self._loops.values():
+            close = getattr(loop, "close", None)
+            if close is not None:
+                await close()
