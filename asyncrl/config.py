@@ -112,7 +112,8 @@ class RewardConfig(_Section):
 
 class ReplayConfig(_Section):
     max_staleness: int = Field(2, ge=0)
-    """A sample of policy version v is trained at learner version w only if w - v <= this."""
+    """A sample of policy version v is trained at learner version w only if w - v <= this. 2:
+    the staleness study's best trade (docs/off_policy.md); 4 and 8 degraded learning there."""
     capacity_groups: int = Field(256, ge=1)
     """Most groups held (in flight plus ready); beyond it leases wait (back-pressure)."""
     lease_timeout_s: float = Field(600.0, gt=0)

@@ -164,7 +164,9 @@ class AlgorithmConfig(Section):
     """How token losses become one number (normalised over the whole batch, all ranks)."""
     decoupled: bool = False
     """Decoupled PPO: clip around a proximal policy recomputed by the learner before the update,
-    and weight tokens by behaviour -> proximal importance weights."""
+    and weight tokens by behaviour -> proximal importance weights. Off by default: in the
+    staleness study (docs/off_policy.md, tiny task, two seeds) no correction ended above plain
+    PPO clipped against the behaviour policy, at any staleness."""
     is_level: Literal["off", "token", "sequence"] = "off"
     """Truncated importance sampling behaviour -> proximal (needs decoupled=true; off with
     decoupled: untruncated token-level weights, as AReaL)."""
