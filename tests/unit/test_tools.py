@@ -189,7 +189,10 @@ def test_load_tool_config_by_name_and_import_path(tmp_path: Path):
 @pytest.mark.parametrize(
     ("entry", "error"),
     [
-        ("class_name: nope", r"unknown tool 'nope': registered are \['calculator', 'python'\]"),
+        (
+            "class_name: nope",
+            r"unknown tool 'nope': registered are \['calculator', 'python', 'search'\]",
+        ),
         ("class_name: rollout_servers.agents.tools:ToolSet", "is not a Tool subclass"),
         ("class_name: calculator\n    config: {bogus: 1}", "tools\\[0\\].*bogus"),
         ("class_name: calculator\n    colour: red", "expected only keys"),
