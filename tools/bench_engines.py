@@ -12,8 +12,12 @@ all requests submitted at once, sampled tokens per second of wall time:
    agent loop (chat template, decode) and the reward (gsm8k, in the reward worker processes);
 5-7. `sglang bare`, `sglang engine`, `sglang rollout`: the same three for SGLang
    (`sglang.Engine.async_generate` directly, then `SGLangEngine`, then the rollout path).
-The rollout server's overhead over the bare engine is 1 - (rollout) / (bare) (target: at most
-10%). Each figure is the best of `--rounds` timed rounds after a one-request warm-up, because
+8. `<engine> openai`, after each engine (hf, vllm, sglang): the same requests as chat messages
+   through the OpenAI-compatible endpoint (`rollout.openai`, docs/agents.md) with the real
+   `openai` client on a loopback socket, one episode per round, as an agent written against
+   the OpenAI API would send them.
+The rollout server's overhead over the bare engine is 1 - (rollout) / (bare), the endpoint's
+over its engine 1 - (openai) / (engine) (target for both: at most 10%). Each figure is the best of `--rounds` timed rounds after a one-request warm-up, because
 other processes on a small machine add noise that only ever slows a round down. The defaults
 are small because the transformers engine prefills every sample's prompt separately and a
 2-core CPU does that at a few hundred tokens per second for a 135M model.
@@ -175,6 +179,10 @@ async def bench_family(family: str, model: str, tokenizer, prompts, params, args
             engine, tokenizer, prompts, params, n, rounds
         )
         report(f"{family} rollout", results)
+        results[f"{family} openai"] = await bench_openai(
+            engine, tokenizer, prompts, params, n, rounds
+        )
+        report(f"{family} openai", results)
     finally:
         await engine.close()
 
@@ -220,6 +228,51 @@ async def bench_rollout(engine, tokenizer, prompts, params, n: int, rounds: int)
         return await timed(once, rounds)
     finally:
         rewards.close()
+
+
+async def bench_openai(engine, tokenizer, prompts, params, n: int, rounds: int):
+    """The endpoint in front of `engine`: every request a chat completion through the `openai`
+    client; tokens are the endpoint's own count of sampled ids (`usage.completion_tokens`)."""
+    import openai
+
+    from asyncrl.rollout_config import OpenAIConfig
+    from rollout_servers.agents.openai_endpoint import OpenAIEndpoint
+
+    requests = len(prompts) * n
+    cfg = OpenAIConfig(
+        enabled=True, max_requests_per_episode=requests + 1, max_concurrent_requests=requests
+    )
+    endpoint = OpenAIEndpoint(engine, tokenizer, cfg)
+    base_url = await endpoint.start()
+
+    async def once(warmup: bool = False) -> int:
+        episode = endpoint.open_episode(params)
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=episode.key, max_retries=0)
+
+        async def one(row: dict) -> int:
+            reply = await client.chat.completions.create(
+                model=cfg.model_name,
+                messages=row["prompt"],
+                temperature=params.temperature,
+                max_tokens=params.max_new_tokens,
+            )
+            return reply.usage.completion_tokens if reply.usage else 0
+
+        work = prompts[:1] if warmup else prompts
+        try:
+            return sum(
+                await asyncio.gather(
+                    *(one(row) for _, row in work for _ in range(1 if warmup else n))
+                )
+            )
+        finally:
+            endpoint.close_episode(episode)
+            await client.close()
+
+    try:
+        return await timed(once, rounds)
+    finally:
+        await endpoint.close()
 
 
 def main() -> int:
@@ -268,9 +321,13 @@ def main() -> int:
         if "hf" in engines:
             hf = HFEngine(args.model, max_batch_size=requests, seed=args.seed)
             results["hf"] = await bench_engine(hf, prompts, params, args.n, args.rounds)
+            report("hf", results)
+            results["hf openai"] = await bench_openai(
+                hf, tokenizer, prompts, params, args.n, args.rounds
+            )
+            report("hf openai", results)
             await hf.close()
             del hf
-            report("hf", results)
         for family in ("vllm", "sglang"):
             if family in engines:
                 await bench_family(family, args.model, tokenizer, prompts, params, args, results)
@@ -294,6 +351,15 @@ def print_table(results: dict[str, tuple[float, int]]) -> None:
         bare = results.get(f"{name.split()[0]} bare")
         ratio = f"{tps / (bare[1] / bare[0]):.3f}" if bare and " " in name else ""
         print(f"| {name} | {tokens} | {took:.2f} | {tps:.1f} | {ratio} |")
+    for family in ("hf", "vllm", "sglang"):
+        engine = "hf" if family == "hf" else f"{family} engine"
+        if f"{family} openai" in results and engine in results:
+            tps = results[f"{family} openai"][1] / results[f"{family} openai"][0]
+            base = results[engine][1] / results[engine][0]
+            print(
+                f"overhead of {family} openai (the endpoint) over {engine}: "
+                f"{100 * (1 - tps / base):+.1f}% (target <= 10%)"
+            )
     for family in ("vllm", "sglang"):
         if f"{family} bare" not in results:
             continue
