@@ -6,7 +6,7 @@ checks are in `asyncrl.engine_config`.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 import pydantic
 from pydantic import Field
@@ -54,6 +54,8 @@ class OpenAIConfig(Section):
     """Port of the endpoint; 0 picks a free one (each server has its own)."""
     agent: str = ""
     """The user's agent, `package.module:function`, called as fn(client, row) per episode."""
+    agent_kwargs: dict[str, Any] = Field(default_factory=dict)
+    """Keyword arguments the agent function also gets: fn(client, row, **agent_kwargs)."""
     model_name: str = Field("policy", min_length=1, max_length=256)
     """The model name requests must name (any other is 404)."""
     timeout_s: float = Field(600.0, gt=0)

@@ -359,6 +359,7 @@ class RolloutServer:
             **{f"client_{k}": v for k, v in self.client.counters.items()},
             **{f"reward_{k}": v for k, v in self.rewards.failures.items()},
             **{f"reward_limit_{k}": v for k, v in self.rewards.limits.items()},  # truncated...
+            **getattr(self.agent_loop, "stats", dict)(),  # the openai endpoint's counts
             "engine_version": self.engine.version,
             "responses_capped_by_context": self.engine.responses_capped_by_context,
             "weight_syncs": len(self.sync_times),

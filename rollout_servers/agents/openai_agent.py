@@ -10,8 +10,10 @@ key, and the row (a plain dict, below):
   stall the loop. A thread cannot be cancelled: one that overruns `timeout_s` runs on until it
   returns, but its episode is closed, so its later requests are refused (401).
 Clients are made with `max_retries=0`: a 4xx of the endpoint is a fact about the request.
-The function returns the final messages (the server's reward function then scores the
-trajectory's last reply, as for every loop) or a float (that is the reward). An exception, a
+It also gets `rollout.openai.agent_kwargs` as keyword arguments. It returns the final
+messages (the server's reward function then scores the trajectory's last reply, as for every
+loop), a float (that is the reward), or a dict with `messages` or `reward` and optionally
+`metrics` ({name: number}, recorded on the trajectory as `agent_<name>`). An exception, a
 timeout or another return value is counted (`openai_agent_errors`, `openai_agent_timeouts`)
 and scores 0; the server goes on.
 
@@ -34,6 +36,7 @@ import asyncio
 import importlib
 import inspect
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -55,6 +58,9 @@ METRIC_KEYS = (
     "openai_agent_errors",  # the function raised or returned something else
     "openai_agent_timeouts",  # the function ran past rollout.openai.timeout_s
 )
+
+TOTAL_KEYS = ("episodes", "agent_errors", "agent_timeouts", "drift", "refused")
+"""What `OpenAIAgentLoop.stats` sums over episodes (the episode count, then METRIC_KEYS')."""
 
 
 def load_agent(path: str) -> Callable[..., Any]:
@@ -95,6 +101,15 @@ class OpenAIAgentLoop:
         self.agent = load_agent(config.agent)
         self.endpoint = OpenAIEndpoint(engine, tokenizer, config)
         self._started: asyncio.Task[str] | None = None
+        self.totals: Counter[str] = Counter(dict.fromkeys(TOTAL_KEYS, 0))
+        """Episode outcomes summed over the server's life (`stats`)."""
+
+    def stats(self) -> dict[str, float]:
+        """The server's running counts: the endpoint's requests and refusals by status
+        (`openai_requests`, `openai_status_429`, ...) and the episodes' outcomes
+        (`openai_episodes`, `openai_agent_errors`, `openai_drift`, ...)."""
+        counts = {**self.endpoint.counters, **self.totals}
+        return {f"openai_{k}": float(v) for k, v in sorted(counts.items())}
 
     async def base_url(self) -> str:
         """The endpoint's base URL, starting it on the first call."""
@@ -114,7 +129,7 @@ class OpenAIAgentLoop:
             returned = await asyncio.wait_for(
                 self._call_agent(base_url, episode.key, agent_row(prompt)), self.config.timeout_s
             )
-            reward = self._reward_of(returned)
+            returned, reward = self._unpack(returned, metrics)
         except asyncio.TimeoutError:
             metrics["openai_agent_timeouts"] = 1.0
             returned, reward = None, 0.0
@@ -126,7 +141,11 @@ class OpenAIAgentLoop:
             self.endpoint.close_episode(episode)
         if reward is None and not isinstance(returned, list):
             metrics["openai_agent_errors"], reward = 1.0, 0.0
-        return self._assemble(prompt, episode, returned, reward, metrics)
+        result = self._assemble(prompt, episode, returned, reward, metrics)
+        self.totals["episodes"] += 1
+        for key in TOTAL_KEYS[1:]:
+            self.totals[key] += int(metrics[f"openai_{key}"])
+        return result
 
     async def _call_agent(self, base_url: str, key: str, row: dict[str, Any]) -> Any:
         import openai
@@ -137,23 +156,38 @@ class OpenAIAgentLoop:
                 base_url=base_url, api_key=key, max_retries=0, http_client=http
             )
             async with client:
-                return await self.agent(client, row)
+                return await self.agent(client, row, **self.config.agent_kwargs)
 
         def in_thread() -> Any:
             http = openai.DefaultHttpxClient(trust_env=False)
             with openai.OpenAI(
                 base_url=base_url, api_key=key, max_retries=0, http_client=http
             ) as client:
-                return self.agent(client, row)
+                return self.agent(client, row, **self.config.agent_kwargs)
 
         return await asyncio.to_thread(in_thread)
 
     @staticmethod
-    def _reward_of(returned: Any) -> float | None:
-        """A float return is the reward; messages (a list) leave it to the reward function."""
-        if isinstance(returned, (int, float)) and not isinstance(returned, bool):
-            return float(returned)
-        return None
+    def _unpack(returned: Any, metrics: dict[str, float]) -> tuple[Any, float | None]:
+        """(the returned messages or None, the returned reward or None), the agent's own
+        metrics added to `metrics`; a dict of another shape is a ValueError (an agent error)."""
+        if _is_number(returned):
+            return None, float(returned)
+        if not isinstance(returned, dict):
+            return returned, None
+        unknown = set(returned) - {"messages", "reward", "metrics"}
+        reward = returned.get("reward")
+        extra = returned.get("metrics") or {}
+        if unknown:
+            raise ValueError(f"the agent returned a dict with unknown keys {sorted(unknown)}")
+        if reward is not None and not _is_number(reward):
+            raise ValueError(f"the agent returned a reward that is not a number: {reward!r}")
+        if not isinstance(extra, dict) or not all(
+            isinstance(k, str) and _is_number(v) for k, v in extra.items()
+        ):
+            raise ValueError("the agent's metrics must map names to numbers")
+        metrics.update({f"agent_{k}": float(v) for k, v in extra.items()})
+        return returned.get("messages"), None if reward is None else float(reward)
 
     def _assemble(
         self,
@@ -206,6 +240,10 @@ class OpenAIAgentLoop:
         score = 0.0 if reward is None else reward
         ids = render_ids(self.tokenizer, messages)
         return AgentResult(ids, [end], [0], [0.0], [-1], "", "no_completion", metrics, score)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def _messages_of(returned: list[Any]) -> list[dict[str, Any]]:

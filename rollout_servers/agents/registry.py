@@ -103,6 +103,15 @@ class AgentLoopRouter:
     async def run(self, prompt: PromptItem, params: SamplingParams | None = None) -> AgentResult:
         return await self.loop_for(prompt.agent_name).run(prompt, params)
 
+    def stats(self) -> dict[str, float]:
+        """The running counts of the loops that keep some (the `openai` loop's)."""
+        out: dict[str, float] = {}
+        for loop in self._loops.values():
+            stats = getattr(loop, "stats", None)
+            if stats is not None:
+                out.update(stats())
+        return out
+
     async def close(self) -> None:
         """Close the loops that hold resources (the `openai` loop's endpoint)."""
         for loop in self._loops.values():

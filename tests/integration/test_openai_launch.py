@@ -5,6 +5,7 @@ staleness bound."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -57,3 +58,6 @@ def test_a_launched_run_trains_through_the_endpoint(tmp_path, monkeypatch, defau
         metrics = t["metrics"]
         assert metrics["openai_completions"] == 1 and metrics["openai_drift"] == 0
         assert metrics["openai_agent_errors"] == 0 and metrics["openai_agent_timeouts"] == 0
+    stats = json.loads((run_dir / "stats" / "server_0.json").read_text())  # the server's counts
+    assert stats["openai_episodes"] >= STEPS * 16 and stats["openai_requests"] >= STEPS * 16
+    assert stats["openai_agent_errors"] == stats["openai_drift"] == 0
