@@ -15,7 +15,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from asyncrl.demo.search_task import SearchQATask
 from asyncrl.demo.tasks import ArithmeticTask, ToolArithmeticTask
+
+EmbeddedTask = ArithmeticTask | ToolArithmeticTask | SearchQATask
+"""The tasks the embedded model can be warm-started on."""
 
 FORMAT_VERSION = 1
 """Bump when the tokenizer, template, model or warm-start recipe changes: old caches go stale."""
@@ -39,7 +43,7 @@ class TinyModelSpec:
 
 
 def cache_key(
-    task: ArithmeticTask | ToolArithmeticTask,
+    task: EmbeddedTask,
     warmstart_steps: int,
     seed: int,
     spec: TinyModelSpec = TinyModelSpec(),  # noqa: B008 (frozen, so a shared default is safe)
@@ -56,6 +60,8 @@ def cache_key(
     }
     if isinstance(task, ToolArithmeticTask):  # absent for ArithmeticTask: its keys are unchanged
         key["task_kind"] = "arith_tool"
+    elif isinstance(task, SearchQATask):
+        key["task_kind"] = "search_qa"
     return key
 
 

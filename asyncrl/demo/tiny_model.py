@@ -37,11 +37,12 @@ from transformers import (
 from asyncrl.data import render_prompt_ids
 from asyncrl.demo.model_cache import (
     P_CORRECT,
+    EmbeddedTask,
     TinyModelSpec,
     cache_key,
     embedded_model_dir,
 )
-from asyncrl.demo.tasks import ArithmeticTask, ToolArithmeticTask
+from asyncrl.demo.tasks import ArithmeticTask
 
 PAD, BOS, EOS, UNK = "<pad>", "<s>", "</s>", "<unk>"
 ROLE_TOKENS = ("<|system|>", "<|user|>", "<|assistant|>", "<|tool|>")
@@ -151,7 +152,7 @@ def _render_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict[str, str
 
 def prepare_embedded_model(
     cache_dir: str | Path,
-    task: ArithmeticTask | ToolArithmeticTask,
+    task: EmbeddedTask,
     warmstart_steps: int,
     seed: int,
     spec: TinyModelSpec = TinyModelSpec(),  # noqa: B008 (frozen, so a shared default is safe)
@@ -192,7 +193,7 @@ def prepare_embedded_model(
 def warm_start(
     model: LlamaForCausalLM,
     tokenizer: PreTrainedTokenizerBase,
-    task: ArithmeticTask | ToolArithmeticTask,
+    task: EmbeddedTask,
     steps: int,
     seed: int,
     p_correct: float,
@@ -205,10 +206,10 @@ def warm_start(
 
     Each sequence is the rendered prompt, the answer and `</s>`; the loss covers only the answer
     tokens and the final `</s>`, so the model learns to answer (and to stop) but is never
-    trained to predict prompts. A `ToolArithmeticTask` demonstration is a whole conversation
-    rendered by `render_conversation`: the loss covers its assistant turns only, never the tool
-    outputs. The learning rate warms up linearly, then decays by a cosine to
-    a tenth of its peak.
+    trained to predict prompts. A tool task's demonstration (`ToolArithmeticTask`,
+    `SearchQATask`) is a whole conversation rendered by `render_conversation`: the loss covers
+    its assistant turns only, never the tool outputs. The learning rate warms up linearly, then
+    decays by a cosine to a tenth of its peak.
     """
     if steps <= 0:
         return
@@ -229,7 +230,7 @@ def warm_start(
     for step in range(steps):
         rows: list[tuple[list[int], list[int]]] = []
         for _ in range(batch_size):
-            if isinstance(task, ToolArithmeticTask):
+            if not isinstance(task, ArithmeticTask):
                 messages = task.demonstration(rng, p_correct)
                 key = json.dumps(messages)
                 if key not in conversation_cache:

@@ -114,13 +114,12 @@ def prepare_model(cfg: Config, log=print) -> str:
         if not (Path(cfg.trainer.model_path) / "config.json").is_file():
             raise LaunchError(f"trainer.model_path={cfg.trainer.model_path!r} has no config.json")
         return cfg.trainer.model_path
-    from asyncrl.demo.model_cache import cache_key, embedded_model_dir
-    from asyncrl.demo.tasks import ArithmeticTask, ToolArithmeticTask
+    from asyncrl.demo.model_cache import EmbeddedTask, cache_key, embedded_model_dir
 
     tc, task = cfg.trainer, setup_task(cfg.data)
-    if not isinstance(task, ArithmeticTask | ToolArithmeticTask):
+    if not isinstance(task, EmbeddedTask):
         raise LaunchError(
-            f"the embedded model is warm-started on the embedded arithmetic tasks, not on "
+            f"the embedded model is warm-started on the embedded tasks, not on "
             f"data.task={cfg.data.task!r}: set trainer.model_path"
         )
     cached = embedded_model_dir(tc.cache_dir, cache_key(task, tc.warmstart_steps, tc.seed))
