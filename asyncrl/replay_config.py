@@ -13,10 +13,10 @@ from asyncrl.config_base import Section
 
 
 class FilterGroupsConfig(Section):
-    """DAPO's dynamic sampling (verl's `algorithm.filter_groups`), done in the replay: a group
-    whose `metric` is the same for all its samples carries no GRPO signal, so it is dropped
-    when it completes, before it can enter a batch; its slot is freed at once and leasing goes
-    on until the batch is full (`replay.group_filter`)."""
+    """DAPO's dynamic sampling (the `filter_groups` option of verl's algorithm section), done
+    in the replay: a group whose `metric` is the same for all its samples carries no GRPO
+    signal, so it is dropped when it completes, before it can enter a batch; its slot is freed
+    at once and leasing goes on until the batch is full (`replay.group_filter`)."""
 
     enable: bool = False
     """Drop groups whose metric has zero variance over their samples."""
