@@ -53,7 +53,6 @@ class RewardConfig(Section):
     """DAPO's overlong shaping: a penalty on responses that run into the end of their budget."""
 
 
-
 def response_budget(reward: RewardConfig, rollout: RolloutConfig, agent_name: str) -> int:
     """The overlong shaping's budget L for a sample of the agent loop `agent_name`:
     `reward.overlong_buffer.max_resp_len` when set, else the loop's own budget."""
