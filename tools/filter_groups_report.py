@@ -1,7 +1,7 @@
 """What dynamic sampling (`replay.filter_groups`) did in finished runs: share filtered, and the
 policy's reward against samples generated and against wall-clock (docs/rewards.md).
 
-    python tools/filter_groups_report.py RUN_DIR [RUN_DIR ...] [--threshold 0.8]
+    python tools/filter_groups_report.py RUN_DIR [RUN_DIR ...] [--threshold 0.8] [--every 50]
 
 A filtered run's `reward_mean` is the reward of the groups it trained on, which leaves out the
 all-0 and all-1 groups, so it is not the policy's reward. The policy's reward here is read
@@ -24,6 +24,8 @@ import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
+
+import yaml
 
 WINDOW = 5  # versions in the rolling sampled reward
 BIN = 1000  # samples per reward@N bin
@@ -71,6 +73,23 @@ def summarize(run_dir: Path, threshold: float) -> dict[str, float | str | None]:
     return out
 
 
+def filtered_by_steps(run_dir: Path, every: int) -> list[float]:
+    """The share of groups filtered (`filter_groups_frac`, averaged) over each `every` steps;
+    for a run without the filter, the share of zero-variance groups it trained."""
+    rows = [r for r in _jsonl(run_dir / "metrics.jsonl") if "reward_mean" in r]
+    n = yaml.safe_load((run_dir / "config.yaml").read_text())["rollout"]["n"]
+    shares = [
+        r["filter_groups_frac"]
+        if "filter_groups_frac" in r
+        else r["zero_variance_groups"] * n / r["samples"]
+        for r in rows
+    ]
+    return [
+        sum(shares[i : i + every]) / len(shares[i : i + every])
+        for i in range(0, len(shares), every)
+    ]
+
+
 def _at_time(rolling: dict[int, float], published: dict[int, float], t: float) -> float | None:
     """The rolling sampled reward of the newest version published by `t` that generated
     samples (version 0: at the start); None when the run ended before `t`."""
@@ -84,6 +103,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument("--threshold", type=float, default=0.8)
+    parser.add_argument("--every", type=int, default=50, help="steps per share-filtered bin")
     args = parser.parse_args()
     table = [summarize(run, args.threshold) for run in args.runs]
     keys = list(table[0])
@@ -92,6 +112,12 @@ def main() -> None:
     for row in table:
         cells = [_cell(row[k]) for k in keys]
         print("| " + " | ".join(cells) + " |")
+    print(
+        f"\nshare of groups filtered (filter on) or trained with zero variance (off), by {args.every} steps:\n"
+    )
+    for run in args.runs:
+        shares = " | ".join(f"{x:.2f}" for x in filtered_by_steps(run, args.every))
+        print(f"| {run.name} | {shares} |")
 
 
 def _cell(value: float | str | None) -> str:
