@@ -15,12 +15,14 @@ response's attention mask: tool and template tokens of a multi-turn response inc
 The penalty is logged apart from the task reward: each shaped sample carries the metrics
 `overlong_reward` (the penalty, <= 0), `overlong` (1 when penalised) and `task_reward` (the
 reward before it), whose means reach the step record as `traj/<name>`. The shaped reward is
-what the learner trains on and what `replay.filter_groups`'s `seq_reward` sees.
+what the learner trains on and what `replay.filter_groups`'s `seq_reward` sees. Evaluation
+samples are scored without it (an evaluation reports the task's score).
 """
 
 from __future__ import annotations
 
 from asyncrl.config import Config
+from asyncrl.protocol import PromptItem
 from asyncrl.reward_config import response_budget
 
 
@@ -41,13 +43,14 @@ class OverlongShaping:
         self.buffer = cfg.reward.overlong_buffer
 
     def shape(
-        self, reward: float, response_len: int, agent_name: str
+        self, reward: float, response_len: int, prompt: PromptItem
     ) -> tuple[float, dict[str, float]]:
         """(reward with the penalty, the metrics that log it apart) for a response of
-        `response_len` tokens from the agent loop `agent_name` ("": the configured default)."""
-        if not self.buffer.enable:
+        `response_len` tokens to `prompt`, whose agent loop sets the budget. Evaluation
+        prompts are not shaped: an evaluation reports the task's own score."""
+        if not self.buffer.enable or prompt.eval_job:
             return reward, {}
-        loop = agent_name or self.cfg.rollout.agent_loop
+        loop = prompt.agent_name or self.cfg.rollout.agent_loop
         budget = response_budget(self.cfg.reward, self.cfg.rollout, loop)
         penalty = overlong_reward(response_len, budget, self.buffer.len, self.buffer.penalty_factor)
         metrics = {

@@ -223,7 +223,7 @@ class RolloutServer:
             reward = greedy.reward
         else:
             reward = (await self._score(prompt, greedy.response_text))[0]
-        return self.overlong.shape(reward, len(greedy.response_ids), prompt.agent_name)[0]
+        return self.overlong.shape(reward, len(greedy.response_ids), prompt)[0]
 
     async def _score(self, prompt: PromptItem, text: str) -> tuple[float, dict[str, float]]:
         return await self.rewards.score(
@@ -239,7 +239,7 @@ class RolloutServer:
             reward, extras = await self._score(prompt, result.response_text)
         else:
             reward, extras = result.reward, {}
-        reward, shaping = self.overlong.shape(reward, len(result.response_ids), prompt.agent_name)
+        reward, shaping = self.overlong.shape(reward, len(result.response_ids), prompt)
         traj = Trajectory(
             traj_id=uuid.uuid4().hex,
             attempt=0,

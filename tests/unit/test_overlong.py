@@ -80,12 +80,13 @@ class _Engine:
     on_batch = None
 
 
-def _shaped(tmp_path: Path, overrides: list[str]) -> list:
+def _shaped(tmp_path: Path, overrides: list[str], eval_job: str = "") -> list:
     cfg = load_config(None, ["rollout.n=3", "rollout.max_new_tokens=6", *overrides])
     spec = RunSpec(str(tmp_path), "unused", "tcp://127.0.0.1:1", "127.0.0.1", 0, 0, 1)
     client = _Client()
     server = RolloutServer(cfg, spec, 0, _Engine(), _Loop(), client, _Rewards())  # type: ignore[arg-type]
-    asyncio.run(server.run_group(PromptItem("g-1", 3, "src", [ChatMessage("user", "q")], "a", {})))
+    prompt = PromptItem("g-1", 3, "src", [ChatMessage("user", "q")], "a", {}, eval_job=eval_job)
+    asyncio.run(server.run_group(prompt))
     return sorted(client.sent, key=lambda t: t.sample_index)
 
 
@@ -98,3 +99,5 @@ def test_the_server_adds_the_penalty_and_logs_it_apart(tmp_path):
     assert [t.metrics["task_reward"] for t in sent] == [1.0, 1.0, 1.0]
     off = _shaped(tmp_path, [])
     assert [t.reward for t in off] == [1.0, 1.0, 1.0] and off[0].metrics == {}
+    evaluation = _shaped(tmp_path, on, eval_job="job-1")  # an evaluation reports the task's score
+    assert [t.reward for t in evaluation] == [1.0, 1.0, 1.0] and evaluation[0].metrics == {}
