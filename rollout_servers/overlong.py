@@ -15,8 +15,14 @@ response's attention mask: tool and template tokens of a multi-turn response inc
 The penalty is logged apart from the task reward: each shaped sample carries the metrics
 `overlong_reward` (the penalty, <= 0), `overlong` (1 when penalised) and `task_reward` (the
 reward before it), whose means reach the step record as `traj/<name>`. The shaped reward is
-what the learner trains on and what `replay.filter_groups`'s `seq_reward` sees. Evaluation
-samples are scored without it (an evaluation reports the task's score).
+what the learner trains on and what `replay.filter_groups`'s `seq_reward` sees.
+
+Departures from verl:
+1. Evaluation samples are scored without the penalty (verl's validation reward manager gets
+   the same reward kwargs, so it shapes validation too): an evaluation reports the task's
+   score, and pass@k is not moved by the length of a right answer.
+2. The budget is per agent loop (the tool agent's response budget, not the single-turn one),
+   where verl has one `max_resp_len` for the run; `max_resp_len` sets one here too.
 """
 
 from __future__ import annotations
