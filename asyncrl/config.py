@@ -21,6 +21,8 @@ from asyncrl.config_base import Section as _Section
 from asyncrl.config_docs import annotated_yaml, format_errors
 from asyncrl.engine_config import HFConfig, SGLangConfig, VLLMConfig, check_engine
 from asyncrl.learner_config import AlgorithmConfig, LearnerConfig
+from asyncrl.replay_config import FilterGroupsConfig, ReplayConfig
+from asyncrl.reward_config import OverlongBufferConfig, RewardConfig, check_overlong_budget
 from asyncrl.rollout_config import LOOPBACK_HOSTS, RolloutConfig, ToolAgentConfig, check_openai_bind
 
 __all__ = [
@@ -28,9 +30,11 @@ __all__ = [
     "Config",
     "ConfigError",
     "DataConfig",
+    "FilterGroupsConfig",
     "HFConfig",
     "LaunchConfig",
     "LearnerConfig",
+    "OverlongBufferConfig",
     "ReplayConfig",
     "RewardConfig",
     "RayLaunchConfig",
@@ -87,47 +91,6 @@ class DataConfig(_Section):
                 f"unknown task {name!r}; registered: {TASKS.names()} (or package.module:factory)"
             )
         return name
-
-
-class CustomRewardConfig(_Section):
-    path: str | None = None
-    """Python file with a verl-signature reward function
-    `compute_score(data_source, solution_str, ground_truth, extra_info=None)`; when set it
-    scores every data_source."""
-    name: str = "compute_score"
-    """Name of the function in that file."""
-
-
-class RewardConfig(_Section):
-    custom: CustomRewardConfig = CustomRewardConfig()
-    """A user's reward function loaded by path (verl's custom_reward_function)."""
-    timeout_s: float = Field(10.0, gt=0)
-    """A reward call that takes longer scores 0 and is counted; its worker is replaced."""
-    workers: int = Field(2, ge=1)
-    """Reward worker processes per rollout server."""
-    kwargs: dict[str, float | int | bool | str] = {}
-    """Options passed to reward functions that declare them (format_score, partial_credit,
-    case_timeout_s, ...)."""
-
-
-class ReplayConfig(_Section):
-    max_staleness: int = Field(2, ge=0)
-    """A sample of policy version v is trained at learner version w only if w - v <= this. 2:
-    the staleness study's best trade (docs/off_policy.md); 4 and 8 degraded learning there."""
-    capacity_groups: int = Field(256, ge=1)
-    """Most groups held (in flight plus ready); beyond it leases wait (back-pressure)."""
-    lease_timeout_s: float = Field(600.0, gt=0)
-    """A lease whose group is not complete by then is dropped, counted and re-issued."""
-    max_group_failures: int = Field(3, ge=1)
-    """A row whose group a server could not sample this many times is given up (logged)."""
-    max_message_mb: float = Field(64.0, gt=0)
-    """A learner's or server's message larger than this is rejected (raw size, before decoding)."""
-    max_client_message_mb: float = Field(0.125, gt=0)
-    """The same for a `client` key (`asyncrl eval`): it sends a large job in parts under this."""
-    eval_jobs_mb: float = Field(1024.0, gt=0)
-    """Memory the replay lets evaluation jobs hold in all; a job that would pass it is refused."""
-    wait_timeout_s: float = Field(1.0, gt=0)
-    """A held lease or batch request is answered empty after this (clients poll again)."""
 
 
 class TrainerConfig(_Section):
@@ -309,6 +272,7 @@ class Config(_Section):
                 f"launch.heartbeat_s={self.launch.heartbeat_s}: a weight sync would give up on "
                 "healthy servers"
             )
+        check_overlong_budget(self.reward, self.rollout)
         custom = self.reward.custom.path
         if custom is not None and not Path(custom).is_file():
             raise ValueError(f"reward.custom.path={custom!r} is not a file")

@@ -158,6 +158,7 @@ def step_record(
         "response_len_mean": sum(lengths) / max(len(lengths), 1),
         **version_stats(batch.versions, batch.loss_mask, version, max_staleness),
         "stale_dropped": msg.stale_dropped,
+        "zero_variance_groups": zero_variance_groups(msg),
         **trajectory_metric_means(msg),
         **dict(msg.fleet),
         "response_len_p50": float(np.percentile(lengths, 50)),
@@ -175,6 +176,15 @@ def step_record(
     if step.checksum is not None:
         record["weights_checksum"] = step.checksum
     return record
+
+
+def zero_variance_groups(msg: Batch) -> int:
+    """Groups of the batch whose samples all have the same reward (no GRPO signal: what
+    `replay.filter_groups` keeps out of batches); a group of one sample does not count."""
+    rewards: dict[str, list[float]] = {}
+    for group_id, reward in zip(msg.group_ids, msg.rewards.tolist(), strict=True):
+        rewards.setdefault(group_id, []).append(reward)
+    return sum(1 for r in rewards.values() if len(r) > 1 and max(r) == min(r))
 
 
 def trajectory_metric_means(msg: Batch) -> dict[str, float]:

@@ -7,7 +7,8 @@ while
     issued < (s + S + 1) * B
 
 where `issued` counts every group ever leased minus the groups that will never be trained
-(dropped as stale, expired leases).
+(dropped as stale, expired leases,
+filtered as zero-variance by `replay.group_filter`).
 
 Why: the learner consumes groups roughly in issue order, batch k at version k, so the i-th
 issued group (0-based, counting only groups that will be trained) is trained at a version
@@ -113,7 +114,8 @@ class AdmissionController:
         self.issued += k
 
     def on_never_trained(self, k: int) -> None:
-        """`k` leased groups will never be trained (stale, expired): their slots are free."""
+        """`k` leased groups will never be trained (stale, expired, filtered): their slots are
+        free."""
         if k > self.issued:
             raise ValueError(f"{k} groups reported never trained, only {self.issued} issued")
         self.issued -= k

@@ -5,7 +5,8 @@ first, none older than `replay.max_staleness` versions at the request's `learner
 (authoritative): no token older than the bound reaches the loss. Ready groups too stale for it
 are dropped first: counted (`stale_dropped`), reported to admission as never trained (their
 slots are free again) and told in the batch that answers the request. With each batch go the
-fleet metrics of its step (`replay.fleet_stats`, `replay.leases.lease_spread`).
+fleet metrics of its step (`replay.fleet_stats`, `replay.leases.lease_spread`) and, with
+`replay.filter_groups` on, what the filter dropped for it (`replay.group_filter`).
 
 Wiring: built by `replay.components.setup_replay_components` over the buffer, the lease
 desk's admission controller, the fleet stats and the counters; `replay.held.HeldBatches` asks
@@ -21,6 +22,7 @@ from asyncrl.protocol import Batch, BatchRequest
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer, to_batch
 from replay.fleet_stats import FleetStats
+from replay.group_filter import GroupFilter
 from replay.leases import lease_spread
 
 
@@ -34,12 +36,14 @@ class BatchDesk:
         admission: AdmissionController,
         fleet: FleetStats,
         counters: Counter[str],
+        group_filter: GroupFilter | None = None,
     ) -> None:
         self.max_staleness = max_staleness
         self.buffer = buffer
         self.admission = admission
         self.fleet = fleet
         self.counters = counters
+        self.group_filter = group_filter
 
     def serve(self, request: BatchRequest, stale_before: int) -> tuple[Batch | None, int]:
         """A batch for `request`, or None while fewer groups are ready, and how many groups were
@@ -58,9 +62,10 @@ class BatchDesk:
             self.buffer.num_ready,
             self.buffer.num_in_flight,
         ) | lease_spread(g.server_id for g in groups)
-        batch = dataclasses.replace(
-            to_batch(request.request_id, groups, stale_before + stale), fleet=fleet
-        )
+        batch = to_batch(request.request_id, groups, stale_before + stale)
+        if self.group_filter is not None:
+            fleet |= self.group_filter.for_batch(len(groups), len(batch.traj_ids))
+        batch = dataclasses.replace(batch, fleet=fleet)
         self.counters["batches_served"] += 1
         self.counters["groups_served"] += len(groups)
         self.counters["samples_served"] += len(batch.traj_ids)

@@ -279,6 +279,19 @@ class GroupBuffer:
         self._remove(group)
         return group.item
 
+    def ready_group(self, group_id: str) -> Group | None:
+        """The group `group_id` if it is held and complete (None: incomplete or not held)."""
+        group = self._groups.get(group_id)
+        return group if group is not None and group.ready else None
+
+    def drop_ready(self, group_id: str) -> None:
+        """Drop the complete group `group_id` untrained (`replay.group_filter`); its samples'
+        resends are answered `duplicate` or `late`, as for any group that left."""
+        group = self.ready_group(group_id)
+        if group is None:
+            raise ValueError(f"group {group_id!r} is not a complete group of the buffer")
+        self._remove(group)
+
     def _remove(self, group: Group) -> None:
         del self._groups[group.item.group_id]
         if group.ready:

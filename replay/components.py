@@ -19,6 +19,7 @@ from replay.buffer import GroupBuffer, TokenLimits
 from replay.counters import COUNTERS
 from replay.eval_jobs import EvalJobs
 from replay.fleet_stats import FleetStats
+from replay.group_filter import GroupFilter
 from replay.health import FleetHealth
 from replay.leases import LeaseDesk
 from replay.prompts import PromptSource, setup_prompt_source
@@ -33,6 +34,7 @@ class ReplayComponents:
     buffer: GroupBuffer  # each lease's samples, from grant to batch
     eval_jobs: EvalJobs  # evaluation prompts, leased first, and their scores
     leases: LeaseDesk  # grants (with its admission control) over the buffer and evaluation jobs
+    group_filter: GroupFilter  # zero-variance groups dropped as they complete (DAPO)
     batches: BatchDesk  # batches out of the buffer, stale groups dropped
     health: FleetHealth  # which server epochs are alive
     fleet: FleetStats  # the servers' counters, turned into each batch's fleet metrics
@@ -70,13 +72,17 @@ def setup_replay_components(
     )
     health = FleetHealth(cfg.launch.server_timeout_s, counters)
     fleet = FleetStats()
+    group_filter = GroupFilter(rc.filter_groups, buffer, leases.admission, counters)
     return ReplayComponents(
         counters=counters,
         access=AccessRules(secret, cfg.rollout.num_servers, run_dir),
         buffer=buffer,
         eval_jobs=eval_jobs,
         leases=leases,
-        batches=BatchDesk(rc.max_staleness, buffer, leases.admission, fleet, counters),
+        group_filter=group_filter,
+        batches=BatchDesk(
+            rc.max_staleness, buffer, leases.admission, fleet, counters, group_filter
+        ),
         health=health,
         fleet=fleet,
     )

@@ -37,6 +37,11 @@ COUNTERS = (
     "late",
     "untrainable",
     "stale_dropped",
+    "groups_filtered",
+    "samples_filtered",
+    "filter_bound_hits",
+    "filter_groups_passed",
+    "filter_metric_missing",
     "batch_requests",
     "batches_served",
     "groups_served",
@@ -58,6 +63,7 @@ def summarize(counters: dict[str, float]) -> str:
         f"{c.get('leases_granted', 0)} leases granted, {c.get('expired', 0)} expired, "
         f"{c.get('groups_failed', 0)} failed ({c.get('rows_given_up', 0)} rows given up); "
         f"{c.get('batches_served', 0)} batches / {c.get('samples_served', 0)} samples served; "
-        f"{c.get('stale_dropped', 0)} groups dropped as stale; "
+        f"{c.get('stale_dropped', 0)} groups dropped as stale, "
+        f"{c.get('groups_filtered', 0)} filtered (zero variance); "
         f"learner version {c.get('learner_version', 0)}"
     )

@@ -43,6 +43,7 @@ UNBLOCKING_EVENTS = (
     "groups_failed",  # a lease ended early: a slot and capacity were freed
     "expired",  # leases expired: slots and capacity were freed
     "stale_dropped",  # groups dropped as stale: slots and capacity were freed
+    "groups_filtered",  # groups dropped by the filter (no signal): slots and capacity freed
     "batches_served",  # groups consumed: capacity was freed
     "server_epochs_replaced",  # a replaced epoch's leases were taken back
     "servers_declared_dead",  # a silent server's leases were taken back

@@ -7,6 +7,8 @@ hands them to a `ReplayService`, whose loop drives them):
 - lease desk (`replay.leases`): grants leases, prompts from a `PromptSource` (`replay.prompts`),
   as many as its `AdmissionController` allows (`replay.admission`), evaluation prompts first.
 - buffer (`replay.buffer`): holds each lease's samples until the learner takes its group.
+- group filter (`replay.group_filter`): with `replay.filter_groups` on, a group whose samples
+  all score alike is dropped as it completes, its slot freed (DAPO's dynamic sampling).
 - batch desk (`replay.batches`): batches out of the buffer, too-stale groups dropped first.
 - evaluation jobs (`replay.eval_jobs`): evaluation prompts and their scores.
 - health (`replay.health`): which server epochs are alive; a dead epoch's leases are re-issued.
@@ -117,6 +119,7 @@ class ReplayService(Endpoint):
         self.eval_jobs = parts.eval_jobs
         self.leases = parts.leases
         self.batches = parts.batches
+        self.group_filter = parts.group_filter
         self.health = parts.health
         self.fleet = parts.fleet
         self.learner_version = 0
@@ -242,6 +245,8 @@ class ReplayService(Endpoint):
             else:
                 status = self.buffer.add(traj)
                 self.counters[_ACK_COUNTERS[status]] += 1
+                if status == "accepted":  # its group may now be complete, and teach nothing
+                    self.group_filter.maybe_drop(traj.group_id)
         except (MalformedTrajectory, ProtocolError) as e:
             self.counters["untrainable"] += 1
             return "rejected", f"trajectory {short_repr(traj.traj_id)}: {e}"

@@ -13,7 +13,8 @@ Components (built by `rollout_servers.factories.setup_rollout_server`, driven by
   until the replay acknowledges them.
 - agent loops (`agents/`): one per sample, `n` per leased prompt, all concurrent.
 - reward computer (`reward_computer.py`, with the reward functions of `rewards.py`): scores
-  each response right after its loop, off the loop.
+  each response right after its loop, off the loop; `overlong.py` adds DAPO's overlong
+  penalty to the score when `reward.overlong_buffer` is on.
 
 The main loop keeps up to `rollout.max_concurrent_groups` leases in flight. It asks for more
 whenever it has room or its engine moved to a new version (so admission control sees the new
@@ -43,6 +44,7 @@ from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
 from rollout_servers.agents.base import AgentLoop
 from rollout_servers.engines.base import Engine, SamplingParams, SyncTarget
+from rollout_servers.overlong import OverlongShaping
 from rollout_servers.replay_client import AsyncReplayClient
 from rollout_servers.reward_computer import RewardComputer
 from rollout_servers.sandbox import SharedSandbox
@@ -77,6 +79,7 @@ class RolloutServer:
             client,
             rewards,
         )
+        self.overlong = OverlongShaping(cfg)  # DAPO's penalty on responses near their budget
         self.counters: Counter[str] = Counter()
         self._failed_in_a_row = 0  # groups that raised since the last one that did not
         self.stall_timeout_s = cfg.rollout.stall_timeout_s or cfg.replay.lease_timeout_s
@@ -217,8 +220,10 @@ class RolloutServer:
     async def _greedy_baseline(self, prompt: PromptItem) -> float:
         greedy = await self.agent_loop.run(prompt, self.greedy_params)
         if greedy.reward is not None:
-            return greedy.reward
-        return (await self._score(prompt, greedy.response_text))[0]
+            reward = greedy.reward
+        else:
+            reward = (await self._score(prompt, greedy.response_text))[0]
+        return self.overlong.shape(reward, len(greedy.response_ids), prompt)[0]
 
     async def _score(self, prompt: PromptItem, text: str) -> tuple[float, dict[str, float]]:
         return await self.rewards.score(
@@ -234,6 +239,7 @@ class RolloutServer:
             reward, extras = await self._score(prompt, result.response_text)
         else:
             reward, extras = result.reward, {}
+        reward, shaping = self.overlong.shape(reward, len(result.response_ids), prompt)
         traj = Trajectory(
             traj_id=uuid.uuid4().hex,
             attempt=0,
@@ -248,7 +254,7 @@ class RolloutServer:
             reward=reward,
             baseline_reward=await baseline,
             finish_reason=result.finish_reason,
-            metrics={**result.metrics, **extras},
+            metrics={**result.metrics, **extras, **shaping},
         )
         await self.client.put(traj)
         self._progress_at = time.monotonic()
