@@ -106,6 +106,9 @@ class TrainerConfig(_Section):
     """Embedded model only: supervised steps on the task format before RL."""
     seed: int = 0
     """Seed for learner, engine sampling and the warm-start."""
+    batch_wait_timeout_s: float = Field(3600.0, ge=0)
+    """The learner fails, naming the replay's counters, when no batch came for this long with
+    every process alive (a stuck run; 0: wait forever). It logs them every 5 minutes before."""
     save_final: bool = True
     """Save the final weights in Hugging Face format under run_dir/final."""
     save_every: int = Field(0, ge=0)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import logging
 import time
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
@@ -44,6 +45,8 @@ for a client's message (`replay.max_client_message_mb`, 128 KiB), with room for 
 authentication frame. That limit keeps any one message from holding the replay's loop for long
 (decoding a prompt-heavy message costs up to ~0.7 s per MiB on a loaded CPU)."""
 
+log = logging.getLogger("asyncrl.replay_client")
+
 
 def eval_parts(job_id: str, prompts: list[PromptItem], part_bytes: int) -> list[EvalSubmit]:
     """`prompts` as the parts of job `job_id`, each at most `part_bytes` on the wire and
@@ -74,6 +77,10 @@ def eval_parts(job_id: str, prompts: list[PromptItem], part_bytes: int) -> list[
 
 def _numbered(part: EvalSubmit, request_id: int) -> EvalSubmit:
     return dataclasses.replace(part, request_id=request_id)
+
+
+class BatchWaitTimeout(RuntimeError):
+    """The learner waited `trainer.batch_wait_timeout_s` for a batch that never came."""
 
 
 class ReplayUnavailable(RuntimeError):
@@ -121,17 +128,48 @@ class ReplayClient:
         )
 
     def fetch_batch(
-        self, learner_version: int, num_groups: int, should_stop: Callable[[], bool] = lambda: False
+        self,
+        learner_version: int,
+        num_groups: int,
+        should_stop: Callable[[], bool] = lambda: False,
+        give_up_s: float = 0.0,
+        report_every_s: float = 300.0,
     ) -> Batch | None:
         """Block until the replay hands over `num_groups` whole groups trainable at
-        `learner_version`; None if `should_stop()` turns true while waiting."""
-        stale = 0
+        `learner_version`; None if `should_stop()` turns true while waiting. Every
+        `report_every_s` of waiting the replay's counters are logged; after `give_up_s`
+        (0: never) a `BatchWaitTimeout` names them: every process alive but no batch coming
+        (no trajectory arriving, or none the bound lets through) is a stuck run, not a slow one."""
+        stale, started = 0, time.monotonic()
+        reported = started
         while not should_stop():
             batch = self._request(lambda i: BatchRequest(i, learner_version, num_groups), Batch)
             stale += batch.stale_dropped
             if batch.traj_ids:
                 return dataclasses.replace(batch, stale_dropped=stale)
+            now = time.monotonic()
+            if give_up_s and now - started >= give_up_s:
+                raise BatchWaitTimeout(
+                    f"no batch for version {learner_version} in {now - started:.0f} s "
+                    f"(trainer.batch_wait_timeout_s={give_up_s:g}); replay: {self._counts()}"
+                )
+            if now - reported >= report_every_s:
+                reported = now
+                log.warning(
+                    "waiting %.0f s for a batch for version %d; replay: %s",
+                    now - started,
+                    learner_version,
+                    self._counts(),
+                )
         return None
+
+    def _counts(self) -> str:
+        """The replay's counters in one line (or why they could not be read)."""
+        try:
+            counts = self.stats()
+        except (RuntimeError, zmq.ZMQError) as e:
+            return f"(its stats did not come: {e})"
+        return ", ".join(f"{k}={v:g}" for k, v in sorted(counts.items()))
 
     def publish_version(self, version: int) -> None:
         self._request(lambda i: VersionUpdate(i, version), Ack)

@@ -61,7 +61,10 @@ class Leader:
     def fetch_batch(self, version: int, should_stop: Callable[[], bool]) -> Batch | None:
         """The replay's next whole groups trainable at `version`, kept for the step's log."""
         self._fetched = self.replay.fetch_batch(
-            version, self.cfg.data.train_batch_size, should_stop=should_stop
+            version,
+            self.cfg.data.train_batch_size,
+            should_stop=should_stop,
+            give_up_s=self.cfg.trainer.batch_wait_timeout_s,
         )
         return self._fetched
 

@@ -414,3 +414,24 @@ def test_a_checkpoint_holds_the_replays_state_at_the_learners_version(tmp_path: 
     assert state.version == 1 and [g.item for g in state.ready] == ready
     assert [len(g.samples) for g in state.ready] == [N] * B
     assert state.counters["accepted"] == N * B and state.rows_drawn == B
+
+
+def test_a_learner_waiting_past_its_bound_for_a_batch_fails_naming_the_replays_counts(caplog):
+    """No server ever sends a trajectory: the learner's client reports the replay's counters
+    while it waits, then gives up (`trainer.batch_wait_timeout_s`) instead of waiting forever."""
+    from asyncrl.auth import role_key
+    from asyncrl.replay_client import BatchWaitTimeout, ReplayClient
+
+    with running_replay(_config()) as address:
+        client = ReplayClient(address, role_key(SECRET, "learner"))
+        started = time.monotonic()
+        with (
+            caplog.at_level("WARNING", "asyncrl.replay_client"),
+            pytest.raises(BatchWaitTimeout, match=r"no batch for version 0 .*batches_served=0"),
+        ):
+            client.fetch_batch(0, B, give_up_s=2.0, report_every_s=0.5)
+        assert 2.0 <= time.monotonic() - started < 2.0 + 3 * WAIT_S + 5.0
+        assert any(
+            "waiting" in r.message and "leases_granted=0" in r.message for r in caplog.records
+        )
+        assert client.fetch_batch(0, B, should_stop=lambda: True) is None  # stopping still wins
