@@ -9,9 +9,10 @@ from collections.abc import Iterator
 
 import numpy as np
 import pytest
+from fake_trajectories import one_token_trajectory
 
 from asyncrl.config import Config
-from asyncrl.protocol import Batch, BatchRequest, LeaseRequest, PromptItem, Trajectory
+from asyncrl.protocol import Batch, BatchRequest, LeaseRequest, PromptItem
 from learner.leader import zero_variance_groups
 from replay.access import Peer
 from replay.service import ReplayService, setup_replay_service
@@ -53,22 +54,8 @@ def _lease(service: ReplayService, k: int, version: int = 0) -> list[PromptItem]
 def _fill(service: ReplayService, item: PromptItem, rewards, **metrics) -> None:
     """The group's samples, with these rewards (and per-sample metrics), through `_take`."""
     for i, reward in enumerate(rewards):
-        traj = Trajectory(
-            traj_id=f"{item.group_id}/{i}",
-            attempt=0,
-            group_id=item.group_id,
-            sample_index=i,
-            server_id=0,
-            prompt_ids=np.array([1, 2], np.int32),
-            response_ids=np.array([3], np.int32),
-            loss_mask=np.ones(1, np.uint8),
-            behaviour_logprobs=np.full(1, -0.5, np.float32),
-            versions=np.zeros(1, np.int32),
-            reward=float(reward),
-            finish_reason="stop",
-            baseline_reward=float("nan"),
-            metrics={k: float(v[i]) for k, v in metrics.items()},
-        )
+        metric = {k: float(v[i]) for k, v in metrics.items()}
+        traj = one_token_trajectory(item.group_id, i, reward, metric)
         assert service._take(traj) == ("accepted", "")
 
 

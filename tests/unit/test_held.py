@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any
 
-import numpy as np
 import pytest
+from fake_trajectories import one_token_trajectory
 
 from asyncrl.config import Config
 from asyncrl.protocol import (
@@ -18,7 +18,6 @@ from asyncrl.protocol import (
     LeaseGrant,
     LeaseRequest,
     PromptItem,
-    Trajectory,
 )
 from replay.access import Peer
 from replay.components import ReplayComponents, setup_replay_components
@@ -60,22 +59,7 @@ class Outbox:
 def _fill(parts: ReplayComponents, item: PromptItem) -> None:
     """Both samples of `item`'s group, sampled at version 0 by server 0."""
     for i in range(item.n):
-        traj = Trajectory(
-            traj_id=f"{item.group_id}/{i}",
-            attempt=0,
-            group_id=item.group_id,
-            sample_index=i,
-            server_id=0,
-            prompt_ids=np.array([1, 2], np.int32),
-            response_ids=np.array([3], np.int32),
-            loss_mask=np.ones(1, np.uint8),
-            behaviour_logprobs=np.full(1, -0.5, np.float32),
-            versions=np.zeros(1, np.int32),
-            reward=1.0,
-            finish_reason="stop",
-            baseline_reward=float("nan"),
-            metrics={},
-        )
+        traj = one_token_trajectory(item.group_id, i)
         assert parts.buffer.add(traj) == "accepted"
 
 
