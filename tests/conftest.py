@@ -17,6 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 # tests are left out instead of failing the whole collection.
 collect_ignore = [] if importlib.util.find_spec("ray") else ["unit/test_ray_placement.py"]
 
+ENGINE_STEP_TIMEOUT_S = 1800
+"""A vLLM, SmolLM2 or SGLang test may take this long (engine start-up and a real model's
+training on CPU); every other test gets `timeout` in pyproject.toml (pytest-timeout)."""
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        engine_step = any(item.get_closest_marker(m) for m in ("vllm", "smollm2", "sglang"))
+        if engine_step and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(ENGINE_STEP_TIMEOUT_S))
+
 
 @pytest.fixture(scope="module")
 def replay_fuzz() -> Iterator[ModuleType]:
