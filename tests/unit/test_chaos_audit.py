@@ -15,12 +15,12 @@ import sys
 import time
 from pathlib import Path
 
-import numpy as np
 import pytest
+from fake_trajectories import one_token_trajectory
 
 from asyncrl.analysis.audit import audit_run, row_of
 from asyncrl.checkpoints import REPLAY_FILE, SHARDS_DONE, TRAINER_FILE
-from asyncrl.protocol import PromptItem, Trajectory
+from asyncrl.protocol import PromptItem
 from replay.buffer import SavedGroup
 from replay.checkpoint import ReplayState, write_state
 
@@ -36,25 +36,6 @@ def _item(gid: str) -> PromptItem:
     return PromptItem(gid, N, "asyncrl/arith", [{"role": "user", "content": "1+1"}], "2", {})
 
 
-def _traj(gid: str, index: int) -> Trajectory:
-    return Trajectory(
-        traj_id=f"{gid}/{index}",
-        attempt=0,
-        group_id=gid,
-        sample_index=index,
-        server_id=0,
-        prompt_ids=np.array([1, 2], np.int32),
-        response_ids=np.array([3], np.int32),
-        loss_mask=np.ones(1, np.uint8),
-        behaviour_logprobs=np.zeros(1, np.float32),
-        versions=np.zeros(1, np.int32),
-        reward=1.0,
-        baseline_reward=float("nan"),
-        finish_reason="stop",
-        metrics={},
-    )
-
-
 def _jsonl(path: Path, records: list[dict]) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -67,7 +48,8 @@ def _checkpoint(
     (ckpt / SHARDS_DONE).write_bytes(b"")
     (ckpt / TRAINER_FILE).write_text(json.dumps({"version": version}))
     groups = [
-        SavedGroup(_item(g), version, 0, [_traj(g, i) for i in range(N)], [0.1]) for g in ready
+        SavedGroup(_item(g), version, 0, [one_token_trajectory(g, i) for i in range(N)], [0.1])
+        for g in ready
     ]
     state = ReplayState(
         version=version,
