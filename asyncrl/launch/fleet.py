@@ -50,6 +50,10 @@ class Fleet(Protocol):
     """A started run, whatever started it: what `launch`, `serve` and `eval` need."""
 
     spec: RunSpec
+    death_notice_lag_s: float
+    """How late this backend may see a member's end (0 where it polls the process itself): a
+    server the replay declares dead is acted on this long after, so one whose process ended
+    is reported by how it ended (`ServerRestarts`)."""
 
     def failures(self) -> Sequence[EndedMember]:
         """Checks every member now; those that failed, or ended while the run still needed
@@ -287,7 +291,13 @@ def print_line(line: str) -> None:
 def setup_restarts(fleet: Fleet, cfg: Config | None, say: Callable[[str], None]) -> ServerRestarts:
     """The fleet's `ServerRestarts` (`cfg`: default, the run directory's config.yaml)."""
     cfg = load_config(fleet.spec.config_path) if cfg is None else cfg
-    return ServerRestarts(cfg, fleet.spec.run_dir, fleet.server_health, say=say)
+    return ServerRestarts(
+        cfg,
+        fleet.spec.run_dir,
+        fleet.server_health,
+        say=say,
+        declared_grace_s=fleet.death_notice_lag_s,
+    )
 
 
 RESTARTS_FILE = "restarts.jsonl"
@@ -308,6 +318,7 @@ class _Server:
     restart_at: float | None = None  # clock time of its pending restart
     heard: bool = False  # the replay has reported its current epoch (it sent a heartbeat)
     healthy_since: float | None = None  # first of the polls in a row that found it alive
+    declared_at: float | None = None  # first poll that found its epoch declared dead
     why: str = ""  # how its latest epoch ended
     dropped: bool = False
 
@@ -316,11 +327,12 @@ class ServerRestarts:
     """Restarts rollout servers that die, up to `launch.max_restarts` each.
 
     A server is dead when its process ends (however: the run needs it to the end), when the
-    replay declares it dead (no message for `launch.server_timeout_s`: hung, stopped), or when
-    the replay has not heard from its current epoch within `launch.startup_timeout_s` of that
-    epoch's start (hung before its first heartbeat, e.g. while loading its model; judged only
-    on the replay's answers: a replay that does not answer is no news). The launcher kills the
-    last two. Restart k+1 starts `restart_backoff_s * 2**k` after the death it follows, as the
+    replay declares it dead (no message for `launch.server_timeout_s`: hung, stopped; acted on
+    `declared_grace_s` after the first report, the backend's `death_notice_lag_s`, so that a
+    process that ended is reported by how it ended), or when the replay has not heard from its current epoch within
+    `launch.startup_timeout_s` of that epoch's start (hung before its first heartbeat, e.g.
+    while loading its model; judged only on the replay's answers: a replay that does not answer
+    is no news). The launcher kills the last two. Restart k+1 starts `restart_backoff_s * 2**k` after the death it follows, as the
     next epoch (`ASYNCRL_SERVER_EPOCH`, which only goes up). A server reported alive for
     `HEALTHY_RESET_TIMEOUTS * launch.server_timeout_s` in a row gets its budget back (k from 0
     again). A server whose restarts are used up is dropped and the run goes on with the others;
@@ -336,8 +348,10 @@ class ServerRestarts:
         health: Callable[[], list[ServerHealth] | None],
         clock: Callable[[], float] = time.monotonic,
         say: Callable[[str], None] = print_line,
+        declared_grace_s: float = 0.0,
     ) -> None:
         lc = cfg.launch
+        self.declared_grace_s = declared_grace_s
         self.max_restarts, self.backoff_s = lc.max_restarts, lc.restart_backoff_s
         self.startup_timeout_s = lc.startup_timeout_s
         self.healthy_reset_s = HEALTHY_RESET_TIMEOUTS * lc.server_timeout_s
@@ -374,6 +388,7 @@ class ServerRestarts:
                 server.restart_at, server.epoch = None, server.epoch + 1
                 server.restarts += 1
                 server.started_at, server.heard, server.healthy_since = self.clock(), False, None
+                server.declared_at = None
                 fleet.start_server(int(name.rpartition("_")[2]), server.epoch)
                 self._record(name, server.epoch, "restart", server.why)
 
@@ -391,8 +406,13 @@ class ServerRestarts:
             if report is not None and report.epoch == server.epoch:
                 server.heard = True
                 if report.alive:
+                    server.declared_at = None
                     self._maybe_reset(name, server, now)
                     continue
+                if server.declared_at is None:
+                    server.declared_at = now
+                if now - server.declared_at < self.declared_grace_s:
+                    continue  # its process may have ended: let the fleet report how
                 how = f"was declared dead by the replay (silent for {report.silent_s:.1f} s)"
                 self._kill(fleet, name, how)
             elif not server.heard and now - server.started_at > self.startup_timeout_s:
@@ -421,7 +441,7 @@ class ServerRestarts:
         fleet.retire(name)
         how = how.partition("\n")[0]  # a reason Ray gives can run over several lines
         server = self.servers[name]
-        server.why, server.healthy_since = how, None
+        server.why, server.healthy_since, server.declared_at = how, None, None
         self.deaths.append((self.clock(), f"{name} {how}"))
         if server.restarts < self.max_restarts:
             delay = min(MAX_BACKOFF_S, self.backoff_s * 2**server.restarts)

@@ -100,6 +100,7 @@ class LocalFleet:
     checks: int = 0  # how many times every process has been polled
     commands: dict[str, tuple[list[str], dict[str, str]]] = field(default_factory=dict)
     started_pids: list[int] = field(default_factory=list)  # every child ever started
+    death_notice_lag_s: float = 0.0  # each check polls the processes: an end is seen at once
 
     def start(self, name: str, argv: list[str], env: dict[str, str]) -> Proc:
         log_path = Path(self.spec.run_dir) / "logs" / f"{name}.log"

@@ -173,6 +173,9 @@ class RayFleet:
     seats: list[Seat] = field(default_factory=list)  # as planned at the start
     stopped: bool = False
     checks: int = 0  # how many times every member's run has been polled
+    death_notice_lag_s: float = 10.0
+    """Ray reports a killed actor's death late: in CI (stop 37) learner rank 0 had server_0
+    declared dead 0.8 s after its SIGKILL and the launcher named that, not the death."""
 
     def member(self, name: str) -> RayMember:
         return next(m for m in self.members if m.name == name)

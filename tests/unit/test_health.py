@@ -252,13 +252,13 @@ class Clock:
         return self.now
 
 
-def _restarts(tmp_path, health=(), servers=2, **launch):
+def _restarts(tmp_path, health=(), servers=2, grace_s=0.0, **launch):
     cfg = Config.model_validate(
         {"rollout": {"num_servers": servers}, "launch": {"restart_backoff_s": 2.0, **launch}}
     )
     clock, said = Clock(), []
     fleet = FakeFleet([FakeMember("replay"), *(FakeMember(f"server_{i}") for i in range(servers))])
-    restarts = ServerRestarts(cfg, tmp_path, lambda: list(health), clock, said.append)
+    restarts = ServerRestarts(cfg, tmp_path, lambda: list(health), clock, said.append, grace_s)
     return restarts, fleet, clock, said
 
 
@@ -367,6 +367,42 @@ def test_with_max_restarts_0_a_declared_death_ends_the_run_naming_it(tmp_path):
         "process server_1 was declared dead by the replay (silent for 31.0 s)"
     )
     assert e.value.failed == ("server_1",)
+
+
+def test_a_server_declared_dead_whose_process_ends_in_the_grace_is_named_by_its_end(tmp_path):
+    """The stop-37 CI failure (Ray): server_0 was SIGKILLed, learner rank 0 had it declared
+    dead after a failed weight sync, and the launcher named that before Ray reported the
+    actor's death. Given the backend's lag as a grace, the report names how the process
+    ended; a server still declared dead when the grace is over is killed as before."""
+    health = [ServerHealth(1, 0, False, 0.8, 0)]
+    restarts, fleet, clock, said = _restarts(tmp_path, health, grace_s=10.0, max_restarts=0)
+    restarts.check(fleet)
+    clock.now += 9.0
+    restarts.check(fleet)  # still within the grace: nothing is killed, nothing fails
+    fleet.end("server_1")  # the backend reports the death now
+    with pytest.raises(LaunchError) as e:
+        raise_on_failure(fleet, window_s=0.0, restarts=restarts)
+    assert str(e.value).splitlines()[0] == "process server_1 was killed by signal SIGKILL"
+    assert fleet.retired == [] and said == []
+
+    hung = [ServerHealth(1, 0, False, 31.0, 0)]
+    restarts, fleet, clock, said = _restarts(tmp_path, hung, grace_s=10.0, max_restarts=0)
+    restarts.check(fleet)
+    clock.now += 10.0
+    with pytest.raises(LaunchError, match="declared dead by the replay"):
+        restarts.check(fleet)
+
+
+def test_a_server_declared_dead_that_ends_in_the_grace_is_restarted_once(tmp_path):
+    health = [ServerHealth(1, 0, False, 0.8, 0)]
+    restarts, fleet, clock, said = _restarts(tmp_path, health, grace_s=10.0, max_restarts=2)
+    restarts.check(fleet)
+    fleet.end("server_1")
+    restarts.failures(fleet)
+    assert said == ["asyncrl: server_1 was killed by signal SIGKILL; restart 1/2 in 2.0s"]
+    clock.now += 10.0  # the report still names epoch 0 dead: that one is gone already
+    restarts.check(fleet)
+    assert fleet.started == [(1, 1)] and len(said) == 1
 
 
 def test_a_dead_servers_validation_prompts_are_leased_again():
