@@ -1,11 +1,15 @@
-"""The reward config section (`reward`): the reward function, its workers, and DAPO's
-overlong shaping (`reward.overlong_buffer`, see `rollout_servers.overlong`).
+"""The reward config section (`reward`): the reward function, its workers, DAPO's overlong
+shaping (`reward.overlong_buffer`, see `rollout_servers.overlong`), and a reward model served
+by a fleet of its own (`reward.model`, `reward.num_servers`: `reward_models/`) with how its
+score combines with the rule reward.
 
 Part of the tree `asyncrl.config` assembles (and re-exports); kept apart so each file reads
 as one thing.
 """
 
 from __future__ import annotations
+
+from typing import Literal
 
 from pydantic import Field
 
@@ -39,6 +43,47 @@ class OverlongBufferConfig(Section):
     (`rollout.tool_agent.max_response_tokens` for the tool agent)."""
 
 
+DEFAULT_JUDGE_TEMPLATE = (
+    "Rate the answer to the question below from 0 (wrong) to 10 (correct and clear).\n\n"
+    "Question: {prompt}\n\nAnswer: {response}\n\n"
+    "Reply with one line: 'Score: N'."
+)
+
+
+class RewardModelConfig(Section):
+    """A reward model served by `reward.num_servers` processes of its own (`reward_models/`).
+    A rollout server sends each response it finished to one of them and combines the model's
+    score with the rule reward (`reward.rule_weight`, `reward.model_weight`, or
+    `reward.combine`)."""
+
+    path: str | None = None
+    """Hugging Face model directory; None: no reward model (rule rewards only)."""
+    kind: Literal["classifier", "judge"] = "classifier"
+    """classifier: a sequence-classification model with one label, whose logit is the score.
+    judge: a chat model that answers `template`; `score_regex` finds the score in its answer."""
+    template: str = DEFAULT_JUDGE_TEMPLATE
+    """The judge's user message; `{prompt}` (the prompt's last user message), `{response}`,
+    `{ground_truth}` and `{data_source}` are filled in."""
+    score_regex: str = r"Score:\s*(-?\d+(?:\.\d+)?)"
+    """The judge's score: the first group of the first match in its answer (no match: an
+    error, scored 0 and counted)."""
+    score_scale: float = 0.1
+    """The judge's parsed number times this is its score (0-10 -> 0-1 by default)."""
+    max_new_tokens: int = Field(32, ge=1, le=4096)
+    """The judge's answer budget (greedy)."""
+    max_length: int = Field(1024, ge=16)
+    """Tokens of one scored text at most; a longer one keeps its end (the response)."""
+    max_batch: int = Field(32, ge=1, le=1024)
+    """Items in one forward pass of the reward-model server."""
+    timeout_s: float = Field(60.0, gt=0)
+    """A response not scored this long after it was sent (a hung or dead reward-model server,
+    resent meanwhile) scores 0 and is counted (`reward_model_timeout`)."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the reward model runs; auto: the GPU the launcher gave its process, else CPU."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """The reward model's dtype."""
+
+
 class RewardConfig(Section):
     custom: CustomRewardConfig = CustomRewardConfig()
     """A user's reward function loaded by path (verl's custom_reward_function)."""
@@ -51,6 +96,17 @@ class RewardConfig(Section):
     case_timeout_s, ...)."""
     overlong_buffer: OverlongBufferConfig = OverlongBufferConfig()
     """DAPO's overlong shaping: a penalty on responses that run into the end of their budget."""
+    model: RewardModelConfig = RewardModelConfig()
+    """A reward model served beside the fleet (off unless `reward.model.path` is set)."""
+    num_servers: int = Field(1, ge=1, le=64)
+    """Reward-model server processes (with `reward.model.path`)."""
+    rule_weight: float = 1.0
+    """With a reward model: reward = rule_weight * rule score + model_weight * model score."""
+    model_weight: float = 1.0
+    """See `rule_weight`."""
+    combine: CustomRewardConfig = CustomRewardConfig(name="combine")
+    """A user's function `combine(rule_score, model_score, data_source, extra_info)` -> float
+    that replaces the weighted sum (`path`: its file; `name`: the function)."""
 
 
 def response_budget(reward: RewardConfig, rollout: RolloutConfig, agent_name: str) -> int:
