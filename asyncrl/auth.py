@@ -228,10 +228,11 @@ def key_from_env(role: str) -> RoleKey:
 
 
 def auth_env(secret: bytes, process: str, epoch: int = 0) -> dict[str, str]:
-    """What a fleet process named `process` (replay, server_<i>, learner_<rank>) gets in its
-    environment: the run secret for the replay, its role's key for the others (a server's:
-    that of its `epoch`, with the epoch; see the module docstring)."""
-    if process == "replay":
+    """What a fleet process named `process` (replay, reward_model_<i>, server_<i>,
+    learner_<rank>) gets in its environment: the run secret for the replay and the reward-model
+    servers (they check every role's key), its role's key for the others (a server's: that of
+    its `epoch`, with the epoch; see the module docstring)."""
+    if process == "replay" or process.startswith("reward_model_"):
         return {SECRET_ENV: secret.hex()}
     if process.startswith("server_"):
         role = server_role(int(process.rpartition("_")[2]), epoch)

@@ -33,7 +33,9 @@ class ScoreItem:
     def validate(self) -> None:
         chars = len(self.response) + len(self.ground_truth)
         chars += sum(len(m.content) + len(m.role) for m in self.messages)
-        check(chars <= MAX_SCORE_TEXT_CHARS, f"ScoreItem: {chars} characters > {MAX_SCORE_TEXT_CHARS}")
+        check(
+            chars <= MAX_SCORE_TEXT_CHARS, f"ScoreItem: {chars} characters > {MAX_SCORE_TEXT_CHARS}"
+        )
         check_id(self.data_source, "ScoreItem.data_source", empty_ok=True)
 
 

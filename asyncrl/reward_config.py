@@ -43,6 +43,14 @@ class OverlongBufferConfig(Section):
     (`rollout.tool_agent.max_response_tokens` for the tool agent)."""
 
 
+class CombineConfig(Section):
+    path: str | None = None
+    """Python file with `combine(rule_score, model_score, data_source, extra_info)` -> float,
+    which replaces the weighted sum of the rule reward and the reward model's score."""
+    name: str = "combine"
+    """Name of the function in that file."""
+
+
 DEFAULT_JUDGE_TEMPLATE = (
     "Rate the answer to the question below from 0 (wrong) to 10 (correct and clear).\n\n"
     "Question: {prompt}\n\nAnswer: {response}\n\n"
@@ -78,6 +86,8 @@ class RewardModelConfig(Section):
     timeout_s: float = Field(60.0, gt=0)
     """A response not scored this long after it was sent (a hung or dead reward-model server,
     resent meanwhile) scores 0 and is counted (`reward_model_timeout`)."""
+    resend_s: float = Field(10.0, gt=0)
+    """A request not answered this long is sent again, to the next reward-model server."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the reward model runs; auto: the GPU the launcher gave its process, else CPU."""
     dtype: Literal["float32", "bfloat16"] = "float32"
@@ -104,9 +114,8 @@ class RewardConfig(Section):
     """With a reward model: reward = rule_weight * rule score + model_weight * model score."""
     model_weight: float = 1.0
     """See `rule_weight`."""
-    combine: CustomRewardConfig = CustomRewardConfig(name="combine")
-    """A user's function `combine(rule_score, model_score, data_source, extra_info)` -> float
-    that replaces the weighted sum (`path`: its file; `name`: the function)."""
+    combine: CombineConfig = CombineConfig()
+    """A user's function that combines the two scores instead of the weighted sum."""
 
 
 def response_budget(reward: RewardConfig, rollout: RolloutConfig, agent_name: str) -> int:

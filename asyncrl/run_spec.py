@@ -30,6 +30,7 @@ class RunSpec:
     learner_master_port: int  # rendezvous port of the learner's FSDP process group
     threads: int  # torch intra-op threads per compute process
     placement: PlacementPlan | None = None  # every process's GPUs and memory share
+    reward_model_addresses: tuple[str, ...] = ()  # ZeroMQ address of each reward-model server
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1))
@@ -39,6 +40,7 @@ class RunSpec:
         data = json.loads(Path(path).read_text())
         if data.get("placement") is not None:
             data["placement"] = PlacementPlan.from_dict(data["placement"])
+        data["reward_model_addresses"] = tuple(data.get("reward_model_addresses", ()))
         return cls(**data)
 
     def own_place(self, name: str) -> Placement | None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.auth import key_from_env
+from asyncrl.auth import RoleKey, key_from_env
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.learner_config import LoraConfig
 from asyncrl.metrics import write_json_atomic
@@ -24,7 +24,9 @@ from rollout_servers.agents.tools import load_tool_config
 from rollout_servers.engines.base import Engine
 from rollout_servers.engines.hf import HFEngine
 from rollout_servers.replay_client import AsyncReplayClient
+from rollout_servers.reward_combination import CombinedReward
 from rollout_servers.reward_computer import RewardComputer
+from rollout_servers.reward_model_client import RewardModelClient
 from rollout_servers.rewards import REWARD_FNS
 from rollout_servers.sandbox import SharedSandbox
 from rollout_servers.server import RolloutServer, engine_device, sampling_params
@@ -149,14 +151,37 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
         limits=ta,
         loops=built,
     )
+    key = key_from_env(f"server_{server_id}")
     client = AsyncReplayClient(
         spec.replay_address,
-        key_from_env(f"server_{server_id}"),
+        key,
         ack_timeout_s=rc.ack_timeout_s,
         max_message_bytes=int(cfg.replay.max_message_mb * 2**20),
     )
     rewards = setup_rewards(cfg, sandbox)
-    return RolloutServer(cfg, spec, server_id, engine, agent, client, rewards, sandbox)
+    reward_model = setup_reward_model(cfg, spec, key, rewards)
+    return RolloutServer(
+        cfg, spec, server_id, engine, agent, client, rewards, sandbox, reward_model
+    )
+
+
+def setup_reward_model(
+    cfg: Config, spec: RunSpec, key: RoleKey, rules: RewardComputer
+) -> CombinedReward | None:
+    """The rule reward combined with the reward-model fleet's score (None without
+    `reward.model.path`)."""
+    mc = cfg.reward.model
+    if mc.path is None:
+        return None
+    if not spec.reward_model_addresses:
+        raise ValueError(
+            "reward.model.path is set but the launcher started no reward-model server "
+            "(run_dir/launch.json has no reward_model_addresses)"
+        )
+    client = RewardModelClient(
+        list(spec.reward_model_addresses), key, timeout_s=mc.timeout_s, resend_s=mc.resend_s
+    )
+    return CombinedReward(cfg.reward, rules, client)
 
 
 def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
@@ -177,6 +202,8 @@ def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
             )
             server.client.close()
             server.rewards.close()
+            if server.reward_model is not None:
+                server.reward_model.model.close()
             if server.sandbox is not None:
                 server.sandbox.close()
             server.trace.flush()

@@ -15,6 +15,8 @@ Components (built by `rollout_servers.factories.setup_rollout_server`, driven by
 - reward computer (`reward_computer.py`, with the reward functions of `rewards.py`): scores
   each response right after its loop, off the loop; `overlong.py` adds DAPO's overlong
   penalty to the score when `reward.overlong_buffer` is on.
+- reward model (with `reward.model.path`): `reward_model_client.py` sends each response to the
+  reward-model fleet and `reward_combination.py` combines its score with the rule reward.
 
 The main loop keeps up to `rollout.max_concurrent_groups` leases in flight. It asks for more
 whenever it has room or its engine moved to a new version (so admission control sees the new
@@ -46,6 +48,7 @@ from rollout_servers.agents.base import AgentLoop
 from rollout_servers.engines.base import Engine, SamplingParams, SyncTarget
 from rollout_servers.overlong import OverlongShaping
 from rollout_servers.replay_client import AsyncReplayClient
+from rollout_servers.reward_combination import CombinedReward
 from rollout_servers.reward_computer import RewardComputer
 from rollout_servers.sandbox import SharedSandbox
 from rollout_servers.trajectory_log import TrajectoryMetricsLog
@@ -69,6 +72,7 @@ class RolloutServer:
         client: AsyncReplayClient,
         rewards: RewardComputer,
         sandbox: SharedSandbox | None = None,
+        reward_model: CombinedReward | None = None,
     ):
         self.cfg, self.spec, self.server_id = cfg, spec, server_id
         self.epoch = int(os.environ.get("ASYNCRL_SERVER_EPOCH", "0"))
@@ -79,6 +83,7 @@ class RolloutServer:
             client,
             rewards,
         )
+        self.reward_model = reward_model  # the rule reward combined with a reward model's
         self.overlong = OverlongShaping(cfg)  # DAPO's penalty on responses near their budget
         self.counters: Counter[str] = Counter()
         self._failed_in_a_row = 0  # groups that raised since the last one that did not
@@ -226,6 +231,8 @@ class RolloutServer:
         return self.overlong.shape(reward, len(greedy.response_ids), prompt)[0]
 
     async def _score(self, prompt: PromptItem, text: str) -> tuple[float, dict[str, float]]:
+        if self.reward_model is not None:
+            return await self.reward_model.score(prompt, text)
         return await self.rewards.score(
             prompt.data_source, text, prompt.ground_truth, prompt.extra_info
         )
@@ -265,6 +272,8 @@ class RolloutServer:
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
         background = self.client.start()
+        if self.reward_model is not None:
+            background += self.reward_model.model.start()
         receiver = self.start_weight_receiver(loop)
         started = time.monotonic()
         groups: set[asyncio.Task] = set()
@@ -366,6 +375,7 @@ class RolloutServer:
             **{f"reward_{k}": v for k, v in self.rewards.failures.items()},
             **{f"reward_limit_{k}": v for k, v in self.rewards.limits.items()},  # truncated...
             **getattr(self.agent_loop, "stats", dict)(),  # the openai endpoint's counts
+            **(self.reward_model.stats() if self.reward_model is not None else {}),
             "engine_version": self.engine.version,
             "responses_capped_by_context": self.engine.responses_capped_by_context,
             "weight_syncs": len(self.sync_times),

@@ -83,6 +83,11 @@ class Fleet(Protocol):
         of the one retired."""
         ...
 
+    def start_reward_model(self, index: int, epoch: int) -> None:
+        """Start reward-model server `index` again (its `epoch`-th start), in the place of the
+        one retired."""
+        ...
+
     def server_health(self) -> list[ServerHealth] | None:
         """The replay's view of the rollout servers (`replay_health`), asked from where the
         replay can be reached; None when it does not answer in time."""
@@ -324,22 +329,26 @@ class _Server:
 
 
 class ServerRestarts:
-    """Restarts rollout servers that die, up to `launch.max_restarts` each.
+    """Restarts rollout servers (and reward-model servers) that die, up to
+    `launch.max_restarts` each.
 
-    A server is dead when its process ends (however: the run needs it to the end), when the
-    replay declares it dead (no message for `launch.server_timeout_s`: hung, stopped; acted on
-    `declared_grace_s` after the first report, the backend's `death_notice_lag_s`, so that a
-    process that ended is reported by how it ended), or when the replay has not heard from its current epoch within
-    `launch.startup_timeout_s` of that epoch's start (hung before its first heartbeat, e.g.
-    while loading its model; judged only on the replay's answers: a replay that does not answer
-    is no news). The launcher kills the last two. Restart k+1 starts `restart_backoff_s * 2**k` after the death it follows, as the
-    next epoch (`ASYNCRL_SERVER_EPOCH`, which only goes up). A server reported alive for
-    `HEALTHY_RESET_TIMEOUTS * launch.server_timeout_s` in a row gets its budget back (k from 0
-    again). A server whose restarts are used up is dropped and the run goes on with the others;
-    only when none is left does it fail (LaunchError naming the dropped servers). With
-    `max_restarts=0` a server's end fails the run as any member's does (`raise_on_failure`),
-    and a declared or startup death fails it naming that. Each restart and drop is a printed
-    line and a record in run_dir/restarts.jsonl; a budget reset is a printed line."""
+    A rollout server is dead when its process ends (however: the run needs it to the end), when
+    the replay declares it dead (no message for `launch.server_timeout_s`: hung, stopped; acted
+    on `declared_grace_s` after the first report, the backend's `death_notice_lag_s`, so that a
+    process that ended is reported by how it ended), or when the replay has not heard from its
+    current epoch within `launch.startup_timeout_s` of that epoch's start (hung before its
+    first heartbeat, e.g. while loading its model; judged only on the replay's answers: a
+    replay that does not answer is no news). The launcher kills the last two. A reward-model
+    server is dead when its process ends (a hung one costs its callers `reward.model.timeout_s`
+    per request, scored 0 and counted). Restart k+1 starts `restart_backoff_s * 2**k` after the
+    death it follows, as the next epoch (`ASYNCRL_SERVER_EPOCH`, which only goes up). A server
+    reported alive for `HEALTHY_RESET_TIMEOUTS * launch.server_timeout_s` in a row gets its
+    budget back (k from 0 again). A server whose restarts are used up is dropped and the run
+    goes on with the others of its kind; only when none is left does it fail (LaunchError
+    naming the dropped servers). With `max_restarts=0` a server's end fails the run as any
+    member's does (`raise_on_failure`), and a declared or startup death fails it naming that.
+    Each restart and drop is a printed line and a record in run_dir/restarts.jsonl; a budget
+    reset is a printed line."""
 
     def __init__(
         self,
@@ -358,6 +367,8 @@ class ServerRestarts:
         self.health, self.clock, self.say = health, clock, say
         now = clock()
         self.servers = {f"server_{i}": _Server(now) for i in range(cfg.rollout.num_servers)}
+        for i in range(cfg.reward.num_servers if cfg.reward.model.path else 0):
+            self.servers[f"reward_model_{i}"] = _Server(now)  # restarted when its process ends
         self.path = Path(run_dir) / RESTARTS_FILE
         self.deaths: list[tuple[float, str]] = []  # (clock time, "server_1 <how>")
         self.dropped: list[str] = []
@@ -389,7 +400,11 @@ class ServerRestarts:
                 server.restarts += 1
                 server.started_at, server.heard, server.healthy_since = self.clock(), False, None
                 server.declared_at = None
-                fleet.start_server(int(name.rpartition("_")[2]), server.epoch)
+                index = int(name.rpartition("_")[2])
+                if name.startswith("reward_model_"):
+                    fleet.start_reward_model(index, server.epoch)
+                else:
+                    fleet.start_server(index, server.epoch)
                 self._record(name, server.epoch, "restart", server.why)
 
     def earlier(self) -> list[str]:
@@ -400,7 +415,7 @@ class ServerRestarts:
     def _judge(self, fleet: Fleet, reports: dict[int, ServerHealth], now: float) -> None:
         """Each running server against the replay's report of it (one that answered)."""
         for name, server in self.servers.items():
-            if server.dropped or server.restart_at is not None:
+            if server.dropped or server.restart_at is not None or not name.startswith("server_"):
                 continue
             report = reports.get(int(name.rpartition("_")[2]))
             if report is not None and report.epoch == server.epoch:
@@ -453,9 +468,11 @@ class ServerRestarts:
         self.dropped.append(name)
         self.say(f"asyncrl: {name} dropped after {server.restarts} restarts: {how}")
         self._record(name, server.epoch, "dropped", how)
-        if all(s.dropped for s in self.servers.values()):
+        kind = "reward_model_" if name.startswith("reward_model_") else "server_"
+        if all(s.dropped for n, s in self.servers.items() if n.startswith(kind)):
+            what = "reward-model server" if kind == "reward_model_" else "rollout server"
             raise LaunchError(
-                f"no rollout server is left: each used up its {self.max_restarts} restarts; the "
+                f"no {what} is left: each used up its {self.max_restarts} restarts; the "
                 f"last, {name}, {how}\n{log_lines}".rstrip(),
                 self.dropped,
             )

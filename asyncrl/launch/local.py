@@ -35,6 +35,7 @@ from asyncrl.auth import auth_env, read_secret
 from asyncrl.config import Config
 from asyncrl.launch.failures import Ending, death_order, log_written_at
 from asyncrl.launch.fleet import (
+    LaunchError,
     client_key,
     learner_env,
     log_tail,
@@ -160,6 +161,15 @@ class LocalFleet:
         # that epoch's key: only the launcher can start a later epoch (`asyncrl.auth`)
         self.start(name, argv, env | auth_env(read_secret(self.spec.run_dir), name, epoch))
 
+    def start_reward_model(self, index: int, epoch: int) -> None:
+        """Reward-model server `index` again, with the command it was first started with."""
+        name = f"reward_model_{index}"
+        argv, env = self.commands[name]
+        log_path = Path(self.spec.run_dir) / "logs" / f"{name}.log"
+        with log_path.open("a") as log:
+            log.write(f"---- asyncrl: {name} restarted ({epoch}) ----\n")
+        self.start(name, argv, env)
+
     def server_health(self) -> list[ServerHealth] | None:
         return replay_health(self.spec.replay_address, client_key(self.spec))
 
@@ -231,9 +241,13 @@ def start_local_fleets(
     cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True
 ) -> LocalFleet:
     host = cfg.launch.host
+    rm_path = cfg.reward.model.path
+    if rm_path is not None and not (Path(rm_path) / "config.json").is_file():
+        raise LaunchError(f"reward.model.path={rm_path!r} has no config.json")
     plan = launch_placement(cfg, with_learner)  # refused here, before any process starts
     print_line(plan.table())
-    replay_port, sync_port, master_port = free_ports(host, 3)
+    reward_models = cfg.reward.num_servers if cfg.reward.model.path else 0
+    replay_port, sync_port, master_port, *reward_ports = free_ports(host, 3 + reward_models)
     spec = RunSpec(
         run_dir=str(run_dir),
         model_path=model_path,
@@ -243,6 +257,7 @@ def start_local_fleets(
         learner_master_port=master_port,
         threads=threads_per_process(cfg),
         placement=plan,
+        reward_model_addresses=tuple(tcp_address(host, port) for port in reward_ports),
     )
     spec_path = run_dir / "launch.json"
     spec.save(spec_path)
@@ -267,11 +282,17 @@ def start_local_fleets(
 def local_commands(
     cfg: Config, spec: RunSpec, plan: PlacementPlan, worker: list[str], spec_path: str
 ) -> list[tuple[str, list[str], dict[str, str]]]:
-    """(name, argv, environment) of every process, in start order: the replay, the servers,
-    the learner ranks (when the plan has them). Each gets the CUDA_VISIBLE_DEVICES of its
-    placement; a learner rank on GPUs of its own numbering has LOCAL_RANK=0 (its first GPU is
-    its cuda:0), as under Ray."""
+    """(name, argv, environment) of every process, in start order: the replay, the
+    reward-model servers (with `reward.model.path`), the rollout servers, the learner ranks
+    (when the plan has them). Each gets the CUDA_VISIBLE_DEVICES of its placement; a learner
+    rank on GPUs of its own numbering has LOCAL_RANK=0 (its first GPU is its cuda:0), as under
+    Ray. (The reward-model servers are not in the placement plan yet: on a GPU machine they
+    see what the launcher sees.)"""
     commands = [("replay", [*worker, "replay", spec_path], process_env(spec, "replay"))]
+    for i in range(len(spec.reward_model_addresses)):
+        name = f"reward_model_{i}"
+        argv = [*worker, "reward_model", spec_path, "--index", str(i)]
+        commands.append((name, argv, process_env(spec, name)))
     for i in range(cfg.rollout.num_servers):
         name = f"server_{i}"
         argv = [*worker, "server", spec_path, "--index", str(i)]

@@ -187,6 +187,10 @@ class RayFleet:
             ray.kill(m.actor, no_restart=True)
         self.members.remove(m)
 
+    def start_reward_model(self, index: int, epoch: int) -> None:
+        """Never called: `start_ray_fleets` refuses a run with a reward model."""
+        raise LaunchError("the Ray launcher does not run reward-model servers")
+
     def start_server(self, index: int, epoch: int) -> None:
         """A new actor for server `index` in its bundle, running the server role as `epoch`
         (located as it starts, without waiting here: `locate` runs before `run`)."""
@@ -285,6 +289,11 @@ def start_ray_fleets(
 ) -> RayFleet:
     """Start the fleets as Ray actors (the replay first; once it answers, the servers and the
     learner ranks); on any failure stop what was started and raise LaunchError."""
+    if cfg.reward.model.path is not None:
+        raise LaunchError(
+            "reward.model.path: the reward-model fleet runs under launch.backend=local only "
+            "for now (the Ray launcher does not start it)"
+        )
     plan = ray_placement(cfg, with_learner)  # refused here, before any actor starts
     print(plan.table() + "\n  (Ray sets each GPU actor's CUDA_VISIBLE_DEVICES)", flush=True)
     seats = plan_seats(cfg, with_learner, plan)

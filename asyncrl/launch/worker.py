@@ -16,7 +16,7 @@ import sys
 from asyncrl.config import Config, load_config
 from asyncrl.run_spec import RunSpec
 
-ROLES = ("replay", "server", "learner")
+ROLES = ("replay", "server", "learner", "reward_model")
 
 
 def setup_logging(name: str) -> None:
@@ -29,8 +29,9 @@ def setup_logging(name: str) -> None:
 
 
 def process_name(role: str, index: int = 0) -> str:
-    """replay, server_<index>, learner (a learner rank's launcher calls it learner_<rank>)."""
-    return f"{role}_{index}" if role == "server" else role
+    """replay, server_<index>, reward_model_<index>, learner (a learner rank's launcher calls
+    it learner_<rank>)."""
+    return f"{role}_{index}" if role in ("server", "reward_model") else role
 
 
 def run_role(role: str, spec: RunSpec, cfg: Config, index: int = 0) -> None:
@@ -43,6 +44,10 @@ def run_role(role: str, spec: RunSpec, cfg: Config, index: int = 0) -> None:
         from rollout_servers.factories import run_server
 
         run_server(spec, cfg, index)
+    elif role == "reward_model":
+        from reward_models.server import run_reward_model_server
+
+        run_reward_model_server(spec, cfg, index)
     elif role == "learner":
         from learner.trainer import run_learner
 
@@ -68,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m asyncrl.launch.worker")
     parser.add_argument("role", choices=ROLES)
     parser.add_argument("spec", help="run_dir/launch.json written by the launcher")
-    parser.add_argument("--index", type=int, default=0, help="server index")
+    parser.add_argument("--index", type=int, default=0, help="server (or reward-model) index")
     args = parser.parse_args(argv)
     spec = RunSpec.load(args.spec)
     return run_process(args.role, spec, load_config(spec.config_path), args.index)

@@ -243,6 +243,10 @@ class FakeFleet:
         self.started.append((index, epoch))
         self.members.append(FakeMember(f"server_{index}"))
 
+    def start_reward_model(self, index: int, epoch: int) -> None:
+        self.started.append((100 + index, epoch))  # 100 + i: reward_model_<i>
+        self.members.append(FakeMember(f"reward_model_{index}"))
+
 
 class Clock:
     def __init__(self) -> None:
@@ -403,6 +407,57 @@ def test_a_server_declared_dead_that_ends_in_the_grace_is_restarted_once(tmp_pat
     clock.now += 10.0  # the report still names epoch 0 dead: that one is gone already
     restarts.check(fleet)
     assert fleet.started == [(1, 1)] and len(said) == 1
+
+
+def _with_reward_models(tmp_path, health=(), **launch):
+    """Two rollout servers and two reward-model servers (`reward.model.path` set)."""
+    cfg = Config.model_validate(
+        {
+            "rollout": {"num_servers": 2},
+            "reward": {"model": {"path": "/rm"}, "num_servers": 2},
+            "launch": {"restart_backoff_s": 2.0, **launch},
+        }
+    )
+    clock, said = Clock(), []
+    names = ["replay", "server_0", "server_1", "reward_model_0", "reward_model_1"]
+    fleet = FakeFleet([FakeMember(n) for n in names])
+    restarts = ServerRestarts(cfg, tmp_path, lambda: list(health), clock, said.append)
+    return restarts, fleet, clock, said
+
+
+def test_a_dead_reward_model_server_is_restarted_and_the_replays_report_never_judges_it(
+    tmp_path,
+):
+    # the replay reports rollout servers by index: its server 0 is not reward_model_0
+    health = [ServerHealth(0, 0, True, 0.5, 1), ServerHealth(1, 0, True, 0.5, 0)]
+    restarts, fleet, clock, said = _with_reward_models(tmp_path, health, startup_timeout_s=5.0)
+    fleet.end("reward_model_1")
+    assert restarts.failures(fleet) == []  # taken: restarted, not a failure of the run
+    assert said == ["asyncrl: reward_model_1 was killed by signal SIGKILL; restart 1/3 in 2.0s"]
+    clock.now += 2.0
+    restarts.check(fleet)
+    assert fleet.started == [(101, 1)] and fleet.retired == ["reward_model_1"]
+    clock.now += 60.0  # the replay never hears from a reward-model server: no startup kill
+    restarts.check(fleet)
+    assert fleet.retired == ["reward_model_1"]
+    assert _records(tmp_path)[0]["server"] == "reward_model_1"
+
+
+def test_with_every_reward_model_server_dropped_the_run_fails_naming_them(tmp_path):
+    restarts, fleet, clock, said = _with_reward_models(tmp_path, max_restarts=1)
+    for name in ("reward_model_0", "reward_model_1"):
+        fleet.end(name)
+        restarts.failures(fleet)
+        clock.now += 2.0
+        restarts.check(fleet)
+    fleet.end("reward_model_0")
+    assert restarts.failures(fleet) == []  # one is left
+    fleet.end("reward_model_1")
+    with pytest.raises(LaunchError) as e:
+        restarts.failures(fleet)
+    assert str(e.value).startswith("no reward-model server is left: each used up its 1 restarts")
+    assert e.value.failed == ("reward_model_0", "reward_model_1")
+    assert fleet.started[:2] == [(100, 1), (101, 1)]
 
 
 def test_a_dead_servers_validation_prompts_are_leased_again():
