@@ -119,6 +119,7 @@ class RewardModelClient:
             self.counters["late_replies"] += 1  # answered already (a resend) or timed out
             return
         self._in_flight[request.target] -= len(request.items)
+        self.counters["settled"] += len(request.items)  # once per item: `items` at the end
         for answer, (score, error) in zip(request.answers, results, strict=True):
             if error:  # timeout, closed, or the reward model's own reason (counted as error)
                 self.counters[error if error in ("timeout", "closed") else "error"] += 1

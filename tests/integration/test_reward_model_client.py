@@ -109,6 +109,7 @@ async def test_an_unanswered_request_is_resent_to_the_next_server_and_a_late_rep
         await send_msg(first.sock, late[0], identity, auth=first.keyring.key("server_0"))
         await _until(lambda: client.counters["late_replies"] == 1)  # signed, but settled
         assert client.counters["bad_replies"] == 1
+        assert client.counters["items"] == client.counters["settled"] == 1  # scored once
     finally:
         client.close()
         first.close()
