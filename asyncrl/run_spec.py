@@ -30,6 +30,7 @@ class RunSpec:
     learner_master_port: int  # rendezvous port of the learner's FSDP process group
     threads: int  # torch intra-op threads per compute process
     placement: PlacementPlan | None = None  # every process's GPUs and memory share
+    reward_model_addresses: tuple[str, ...] = ()  # ZeroMQ address of each reward-model server
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=1))
@@ -37,6 +38,8 @@ class RunSpec:
     @classmethod
     def load(cls, path: str | Path) -> RunSpec:
         data = json.loads(Path(path).read_text())
+        if "reward_model_addresses" in data:  # JSON has lists, the spec a (hashable) tuple
+            data["reward_model_addresses"] = tuple(data["reward_model_addresses"])
         if data.get("placement") is not None:
             data["placement"] = PlacementPlan.from_dict(data["placement"])
         return cls(**data)

@@ -83,7 +83,7 @@ from asyncrl.protocol import (
     Trajectory,
     VersionUpdate,
 )
-from replay.access import Peer
+from replay.access import AccessRules, Peer
 from replay.buffer import AddStatus, MalformedTrajectory, check_trajectory
 from replay.checkpoint import ReplayState, read_state, write_state
 from replay.components import ReplayComponents, setup_replay_components
@@ -105,6 +105,8 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class ReplayService(Endpoint):
     """The replay's main loop over an authenticated ROUTER socket (see the module docstring)."""
+
+    access: AccessRules  # the endpoint's rules, with where checkpoints may be written
 
     def __init__(self, cfg: Config, address: str, parts: ReplayComponents) -> None:
         """Bind `address` and drive `parts` (`setup_replay_components`)."""
