@@ -6,6 +6,7 @@ serves until SIGTERM and writes its counters."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import signal
@@ -19,7 +20,7 @@ from contextlib import contextmanager
 import pytest
 import torch
 import zmq
-from transformers import LlamaConfig, LlamaForSequenceClassification
+from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
 from asyncrl.auth import SECRET_ENV, Keyring, role_key
 from asyncrl.codec import decode, encode
@@ -27,9 +28,10 @@ from asyncrl.demo.tiny_model import build_tokenizer
 from asyncrl.endpoint import accounted
 from asyncrl.protocol import ChatMessage, Error, StatsRequest
 from asyncrl.protocol_rewards import ScoreItem, ScoreRequest, Scores
+from asyncrl.reward_config import RewardModelConfig
 from asyncrl.run_spec import RunSpec
 from asyncrl.transport import decode_signed, free_port, tcp_address
-from reward_models.scorers import ClassifierScorer, Scored
+from reward_models.scorers import ClassifierScorer, JudgeScorer, Scored
 from reward_models.server import RewardModelServer
 
 pytestmark = pytest.mark.integration
@@ -254,3 +256,18 @@ def test_the_entry_point_serves_until_sigterm_then_writes_its_stats(tmp_path, sc
     stats = json.loads((tmp_path / "stats" / "reward_model_1.json").read_text())
     assert stats["requests"] == 1 and stats["items"] == 2 and accounted(stats)
     assert b"reward-model server 1 done: 1 requests, 2 items" in out
+
+
+def test_a_judge_without_a_score_in_its_answer_is_counted_and_scored_zero(scorer):
+    """A tiny random judge never writes 'Score: N': each item is an error, scored 0 and
+    counted (`score_errors`), and the request is still answered in full."""
+    torch.manual_seed(0)
+    tokenizer = scorer.inner.tokenizer
+    judge_model = LlamaForCausalLM(copy.deepcopy(scorer.inner.model.config))
+    cfg = RewardModelConfig(kind="judge", max_new_tokens=2, max_length=64)
+    judge = JudgeScorer(judge_model.eval(), tokenizer, cfg)
+    with serving(judge) as server, dealer(server.address) as sock:  # type: ignore[arg-type]
+        reply = ask(sock, ScoreRequest(request_id=4, items=_items(2, "judge")), "client")
+    assert isinstance(reply, Scores) and reply.scores == [0.0, 0.0]
+    assert all(e.startswith("no score in the judge's answer") for e in reply.errors)
+    assert server.stats()["score_errors"] == 2
