@@ -9,8 +9,10 @@ as one thing.
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
+import pydantic
 from pydantic import Field
 
 from asyncrl.config_base import Section
@@ -92,6 +94,26 @@ class RewardModelConfig(Section):
     """Where the reward model runs; auto: the GPU the launcher gave its process, else CPU."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The reward model's dtype."""
+
+    @pydantic.field_validator("template")
+    @classmethod
+    def _template_shows_the_response(cls, template: str) -> str:
+        """A judge that never sees the response would score every response alike."""
+        if "{response}" not in template:
+            raise ValueError("reward.model.template must contain {response}")
+        return template
+
+    @pydantic.field_validator("score_regex")
+    @classmethod
+    def _regex_has_a_group(cls, regex: str) -> str:
+        """The score is the first group of the first match: a regex without one finds none."""
+        try:
+            groups = re.compile(regex).groups
+        except re.error as e:
+            raise ValueError(f"reward.model.score_regex does not compile: {e}") from None
+        if groups < 1:
+            raise ValueError("reward.model.score_regex needs a group: the score is its first")
+        return regex
 
 
 class RewardConfig(Section):

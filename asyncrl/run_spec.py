@@ -38,6 +38,8 @@ class RunSpec:
     @classmethod
     def load(cls, path: str | Path) -> RunSpec:
         data = json.loads(Path(path).read_text())
+        if "reward_model_addresses" in data:  # JSON has lists, the spec a (hashable) tuple
+            data["reward_model_addresses"] = tuple(data["reward_model_addresses"])
         if data.get("placement") is not None:
             data["placement"] = PlacementPlan.from_dict(data["placement"])
         data["reward_model_addresses"] = tuple(data.get("reward_model_addresses", ()))

@@ -7,18 +7,19 @@ i, and a sample only fills a group leased to it (`replay.buffer`). A heartbeat s
 for the epoch whose key signed it (`asyncrl.auth`: the launcher hands each restart its epoch's
 key), so no server can forge a later epoch and lock its slot out. A checkpoint
 is written only inside the run directory. `AccessRules` holds these rules for one run (its
-keyring and run directory); `replay.endpoint` applies them to every message. Per-peer quotas
+keyring and run directory; it is the replay's `asyncrl.endpoint.Access`), which the
+endpoint applies to every message. Per-peer quotas
 (leases, evaluation jobs) live with the state they bound: `LeaseDesk.wanted` and `EvalJobs`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from asyncrl.auth import Keyring, RoleKey, role_epoch, role_kind, server_index
+from asyncrl.endpoint import Peer
 from asyncrl.protocol import (
     BatchRequest,
     CheckpointRequest,
@@ -55,13 +56,7 @@ PERMISSIONS: dict[str, frozenset[type]] = {
 `rejected_forbidden`."""
 
 
-@dataclass(frozen=True)
-class Peer:
-    """The sender of one message: its ROUTER identity and the role that signed it (None: it
-    could not be authenticated, so replies to it are unsigned errors)."""
-
-    identity: bytes
-    role: str | None
+__all__ = ["PERMISSIONS", "AccessRules", "Peer"]  # Peer: the endpoint's, named here for the replay
 
 
 class AccessRules:

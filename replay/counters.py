@@ -3,18 +3,9 @@ summary it logs when it stops."""
 
 from __future__ import annotations
 
-OUTCOMES = (
-    "handled",
-    "rejected_malformed",
-    "rejected_oversized",
-    "rejected_unauthenticated",
-    "rejected_unexpected",
-    "rejected_forbidden",
-    "rejected_invalid",
-    "rejected_quota",
-    "handler_errors",
-)
-"""The counters one received message ends in, exactly one of them (`replay.endpoint`)."""
+from asyncrl.endpoint import OUTCOMES
+
+__all__ = ["COUNTERS", "OUTCOMES", "summarize"]  # OUTCOMES: the endpoint's (`asyncrl.endpoint`)
 
 COUNTERS = (
     "received",

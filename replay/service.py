@@ -3,7 +3,7 @@
 Components (`replay.components`, built by `setup_replay_components`; `setup_replay_service`
 hands them to a `ReplayService`, whose loop drives them):
 - access rules (`replay.access`): who signed a message, whether its role may send it, where a
-  checkpoint may be written. The service is an `replay.endpoint.Endpoint`, which applies them.
+  checkpoint may be written. The service is an `asyncrl.endpoint.Endpoint`, which applies them.
 - lease desk (`replay.leases`): grants leases, prompts from a `PromptSource` (`replay.prompts`),
   as many as its `AdmissionController` allows (`replay.admission`), evaluation prompts first.
 - buffer (`replay.buffer`): holds each lease's samples until the learner takes its group.
@@ -45,7 +45,7 @@ Messages (see `asyncrl.protocol`):
   request's version, which must be the learner version it last heard, written to the file asked
   for, which must lie inside the run directory (`replay.checkpoint`).
 Every message is authenticated first and its role must be allowed to send it; each ends in
-exactly one outcome counter, and nothing a peer sends stops the loop (`replay.endpoint`).
+exactly one outcome counter, and nothing a peer sends stops the loop (`asyncrl.endpoint`).
 """
 
 from __future__ import annotations
@@ -64,6 +64,7 @@ from asyncrl.auth import secret_from_env
 from asyncrl.checkpoints import REPLAY_FILE
 from asyncrl.codec import ProtocolError, short_repr
 from asyncrl.config import Config
+from asyncrl.endpoint import Endpoint
 from asyncrl.metrics import peak_rss_mb, write_json_atomic
 from asyncrl.protocol import (
     Ack,
@@ -82,12 +83,11 @@ from asyncrl.protocol import (
     Trajectory,
     VersionUpdate,
 )
-from replay.access import Peer
+from replay.access import AccessRules, Peer
 from replay.buffer import AddStatus, MalformedTrajectory, check_trajectory
 from replay.checkpoint import ReplayState, read_state, write_state
 from replay.components import ReplayComponents, setup_replay_components
 from replay.counters import summarize
-from replay.endpoint import Endpoint
 from replay.eval_jobs import EvalForbidden, EvalQuotaExceeded
 from replay.held import Changes, HeldBatches, HeldLeases
 from replay.prompts import PromptSource
@@ -106,13 +106,17 @@ _STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 class ReplayService(Endpoint):
     """The replay's main loop over an authenticated ROUTER socket (see the module docstring)."""
 
+    access: AccessRules  # the endpoint's rules, with where checkpoints may be written
+
     def __init__(self, cfg: Config, address: str, parts: ReplayComponents) -> None:
         """Bind `address` and drive `parts` (`setup_replay_components`)."""
         rc = cfg.replay
         max_bytes = int(rc.max_message_mb * 2**20)
         limits = {"learner": max_bytes, "server": max_bytes}
         limits["client"] = int(rc.max_client_message_mb * 2**20)
-        super().__init__(address, parts.access, limits, cfg.launch.allow_remote, parts.counters)
+        super().__init__(
+            address, parts.access, limits, cfg.launch.allow_remote, parts.counters, logger=log
+        )
         self.cfg = cfg
         self.address = address
         self.buffer = parts.buffer

@@ -15,6 +15,7 @@ from replay_peers import trajectory as _traj
 from asyncrl.auth import role_key
 from asyncrl.codec import decode, encode
 from asyncrl.config import Config
+from asyncrl.endpoint import accounted
 from asyncrl.protocol import (
     Ack,
     Batch,
@@ -35,7 +36,6 @@ from asyncrl.protocol import (
     VersionUpdate,
 )
 from asyncrl.transport import free_port, tcp_address
-from replay.endpoint import accounted
 from replay.eval_jobs import MAX_OPEN_JOBS
 from replay.service import setup_replay_service
 

@@ -1,8 +1,8 @@
 """The layout rules of docs/architecture.md, checked on the source with `ast` (nothing is imported).
 
-Layers: the core (`asyncrl/*.py`) <- the fleets (`rollout_servers`, `replay`, `learner`) <- the
-launch layer (`asyncrl.launch`). Around them: the demo (`asyncrl.demo`) and analysis
-(`asyncrl.analysis`). Every import counts: module level, inside functions, and under
+Layers: the core (`asyncrl/*.py`) <- the fleets (`rollout_servers`, `replay`, `learner`,
+`reward_models`) <- the launch layer (`asyncrl.launch`). Around them: the demo (`asyncrl.demo`)
+and analysis (`asyncrl.analysis`). Every import counts: module level, inside functions, and under
 `TYPE_CHECKING`.
 """
 
@@ -16,10 +16,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ("asyncrl", "rollout_servers", "replay", "learner")
-FLEETS = ("rollout_servers", "replay", "learner")
+PACKAGES = ("asyncrl", "rollout_servers", "replay", "learner", "reward_models")
+FLEETS = ("rollout_servers", "replay", "learner", "reward_models")
 MAX_FILE_LINES = 450
-"""For the four packages; tools/ and tests/ may reach `MAX_SCRIPT_LINES`."""
+"""For the five packages; tools/ and tests/ may reach `MAX_SCRIPT_LINES`."""
 MAX_SCRIPT_LINES = 500
 MAX_FUNCTION_LINES = 80
 
@@ -106,6 +106,7 @@ ALLOWED = {
     "rollout_servers": {"core", "rollout_servers"},
     "replay": {"core", "replay"},
     "learner": {"core", "learner"},
+    "reward_models": {"core", "reward_models"},
     "demo": {"core", "demo"},
     "analysis": {"core", "analysis", "replay"},  # the pipeline model runs the replay's admission
     "launch": {"core", "launch", "demo", "analysis", *FLEETS},

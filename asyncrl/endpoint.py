@@ -1,17 +1,20 @@
-"""An authenticated ZeroMQ ROUTER endpoint that no message can stop (the replay's socket).
+"""An authenticated ZeroMQ ROUTER endpoint that no message can stop: the socket of every
+service a run's processes talk to (the replay, `replay.service`; the reward-model servers,
+`reward_models.server`). A service subclasses `Endpoint`, fills `_handlers` and drives the
+socket from its own loop; the rules of who may send what are its `Access` (`replay.access`).
 
 `Endpoint` owns the socket, the run's keyring and the counters, and takes every message to
 exactly one outcome:
 
     handled                    a handler took it (and answered, now or later)
     rejected_malformed         it does not decode: framing, header, a field's type or range
-    rejected_oversized         larger than its role's limit (`replay.max_message_mb`,
+    rejected_oversized         larger than its role's limit (the replay's: `replay.max_message_mb`,
                                `replay.max_client_message_mb` for a client), measured on the
                                raw frames before the signature is checked or anything decoded
     rejected_unauthenticated   no valid authentication frame (`asyncrl.auth`); answered with
                                an unsigned Error and nothing else
     rejected_unexpected        a type this endpoint does not accept
-    rejected_forbidden         its role may not send it (`replay.access.AccessRules`), or it
+    rejected_forbidden         its role may not send it (the service's `Access`), or it
                                asks for something outside the run (a checkpoint path)
     rejected_invalid           it decoded but cannot be done (an unknown job, an untrainable
                                trajectory, ...); set by the handler through `_reject`
@@ -29,19 +32,55 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import Counter
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import zmq
 
-from asyncrl.auth import AuthError, role_kind
+from asyncrl.auth import AuthError, RoleKey, role_kind
 from asyncrl.codec import ProtocolError, encode
 from asyncrl.protocol import Error
 from asyncrl.transport import decode_frames, send_msg, setup_socket
-from replay.access import AccessRules, Peer
-from replay.counters import OUTCOMES
 
-log = logging.getLogger("asyncrl.replay")
+OUTCOMES = (
+    "handled",
+    "rejected_malformed",
+    "rejected_oversized",
+    "rejected_unauthenticated",
+    "rejected_unexpected",
+    "rejected_forbidden",
+    "rejected_invalid",
+    "rejected_quota",
+    "handler_errors",
+)
+"""The counters one received message ends in, exactly one of them (see the module docstring)."""
+
+
+@dataclass(frozen=True)
+class Peer:
+    """The sender of one message: its ROUTER identity and the role that signed it (None: it
+    could not be authenticated, so replies to it are unsigned errors)."""
+
+    identity: bytes
+    role: str | None
+
+
+class Access(Protocol):
+    """A service's rules for one run: who signed a message, whether it may send it, and the
+    key a reply to it is signed with (the replay's: `replay.access.AccessRules`)."""
+
+    def authenticate(self, auth_frame: bytes, frames: Sequence[bytes | memoryview]) -> str:
+        """The role whose key signed `frames`; AuthError if none did."""
+        ...
+
+    def forbidden(self, role: str, msg: Any) -> str:
+        """Why `role` may not send `msg` ("" when it may)."""
+        ...
+
+    def key(self, role: str) -> RoleKey:
+        """The key a reply to `role` is signed with."""
+        ...
 
 
 def accounted(counters: dict[str, float]) -> bool:
@@ -55,15 +94,20 @@ class Endpoint:
     def __init__(
         self,
         address: str,
-        access: AccessRules,
+        access: Access,
         max_bytes: dict[str, int],
         allow_remote: bool,
         counters: Counter[str],
+        name: str = "the replay",
+        logger: logging.Logger | None = None,
     ) -> None:
         """`max_bytes`: the largest message (all its frames) each kind of role may send
         (learner, server, client); a message is held to the limit of the role its
-        authentication frame names, before anything else is done with it."""
+        authentication frame names, before anything else is done with it. `name` says who
+        refuses in an Error's reason; `logger` is the service's (rejections, bugs)."""
         self.access = access
+        self.name = name
+        self.log = logger or logging.getLogger("asyncrl.endpoint")
         self.max_bytes = max_bytes
         largest = max(max_bytes.values())
         self.counters = counters
@@ -93,10 +137,10 @@ class Endpoint:
         self._peer, self._kind = Peer(frames[0].bytes if frames else b"", None), "message"
         try:
             self._dispatch(frames[1:])
-        except Exception:  # a bug in the replay: counted, logged, answered; the loop goes on
+        except Exception:  # a bug in the service: counted, logged, answered; the loop goes on
             self.counters["handler_errors"] += 1
             if self.counters["handler_errors"] <= 10:
-                log.exception("BUG: handling a %s message raised", self._kind)
+                self.log.exception("BUG: handling a %s message raised", self._kind)
             reason = f"internal error handling {self._kind} (logged)"
             with contextlib.suppress(Exception):  # a courtesy; the count is what matters
                 self._send(self._peer, Error(reason=reason))
@@ -133,7 +177,7 @@ class Endpoint:
         kind = self._kind = type(msg).TYPE
         handler = self._handlers.get(type(msg))
         if handler is None:
-            self._reject(peer, "rejected_unexpected", f"the replay does not accept {kind!r}")
+            self._reject(peer, "rejected_unexpected", f"{self.name} does not accept {kind!r}")
         elif reason := self.access.forbidden(role, msg):
             self._reject(peer, "rejected_forbidden", reason)
         else:
@@ -162,6 +206,6 @@ class Endpoint:
         self.counters[counter] += 1
         n = self.counters[counter]
         if n <= 10 or n % 1000 == 0:  # enough to diagnose, never a flood
-            log.warning("rejected message #%d (%s): %s", n, counter, reason)
+            self.log.warning("rejected message #%d (%s): %s", n, counter, reason)
         if peer.identity and reply:
             self._send(peer, Error(reason=reason))
