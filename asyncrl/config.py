@@ -194,7 +194,7 @@ class LaunchConfig(_Section):
     max_restarts: int = Field(3, ge=0)
     """Restarts per rollout server in a row; one that fails after the last is dropped from the
     run, which goes on with the others (0: a server death ends the run). A server alive for
-    10 x server_timeout_s in a row (`fleet.HEALTHY_RESET_TIMEOUTS`) gets them all back, and its
+    10 x server_timeout_s in a row (`restarts.HEALTHY_RESET_TIMEOUTS`) gets them all back, and its
     backoff starts over."""
     restart_backoff_s: float = Field(2.0, ge=0)
     """Wait before a server's first restart (and before an automatic resume,

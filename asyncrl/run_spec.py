@@ -42,7 +42,6 @@ class RunSpec:
             data["reward_model_addresses"] = tuple(data["reward_model_addresses"])
         if data.get("placement") is not None:
             data["placement"] = PlacementPlan.from_dict(data["placement"])
-        data["reward_model_addresses"] = tuple(data.get("reward_model_addresses", ()))
         return cls(**data)
 
     def own_place(self, name: str) -> Placement | None:

@@ -24,7 +24,7 @@ trained, because their groups are gone and the re-issued prompts get new group i
 
 Only servers heard from are tracked: one that dies or hangs before its first heartbeat (while it
 loads its model) is the launcher's to notice, by its child's end or by its epoch missing from
-`report` for `launch.startup_timeout_s` (`asyncrl.launch.fleet.ServerRestarts`). The state is
+`report` for `launch.startup_timeout_s` (`asyncrl.launch.restarts.ServerRestarts`). The state is
 bounded by the number of servers (a heartbeat's server_id must be its sender's own).
 """
 

@@ -103,7 +103,7 @@ def _config(args: list[str]):
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
-    from asyncrl.launch.fleet import watch_serving
+    from asyncrl.launch.restarts import watch_serving
     from asyncrl.launch.run import LaunchError, serve
 
     cfg = _config(ns.args)

@@ -8,7 +8,7 @@ replay that restarts. Children run in their own sessions (so a terminal's Ctrl-C
 only the launcher, which then stops them in order) and die with the launcher even if it is
 killed outright (Linux parent-death signal), so no process outlives a run.
 
-A rollout server that dies is restarted in place (`fleet.ServerRestarts` decides when):
+A rollout server that dies is restarted in place (`restarts.ServerRestarts` decides when):
 `LocalFleet.retire` SIGKILLs its process group and forgets it, `start_server` starts it again
 with the same command, its epoch in the environment, appending to the same log.
 

@@ -26,7 +26,7 @@ failed (an actor's death fails its run), and `RayFleet.wait` wakes on the first 
 so deaths whose logs are on this machine are ordered by their logs' last writes (a follower
 writes its traceback after the death that caused it); others in the order Ray reports them.
 
-Restarts (`fleet.ServerRestarts` decides when): `RayFleet.retire` kills a dead or hung server's
+Restarts (`restarts.ServerRestarts` decides when): `RayFleet.retire` kills a dead or hung server's
 actor (`ray.kill`), which frees its bundle, and `start_server` creates a new actor in that
 bundle and runs the server role in it with its epoch in the environment.
 

@@ -18,9 +18,10 @@ from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.data_check import check_agent_names, check_data, check_files, check_rewards
-from asyncrl.launch.fleet import Fleet, LaunchError, prepare_model, prepare_run_dir, watch
+from asyncrl.launch.fleet import Fleet, LaunchError, prepare_model, prepare_run_dir
 from asyncrl.launch.local import start_local_fleets
 from asyncrl.launch.progress import Progress
+from asyncrl.launch.restarts import watch
 from asyncrl.launch.resume import resume_in_place, run_with_resumes
 from asyncrl.metrics import read_jsonl
 from asyncrl.placement import launch_placement

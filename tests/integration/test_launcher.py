@@ -194,7 +194,7 @@ def test_exits_seen_together_are_ordered_by_their_logs(tmp_path):
 def test_a_retired_server_is_killed_even_when_stopped_and_starts_again_as_its_next_epoch(
     tmp_path,
 ):
-    """What `fleet.ServerRestarts` asks of the local fleet: `retire` SIGKILLs a hung (here:
+    """What `restarts.ServerRestarts` asks of the local fleet: `retire` SIGKILLs a hung (here:
     stopped) server and its children and forgets it, so its end is no failure; `start_server`
     runs the same command again with the epoch and that epoch's key (`asyncrl.auth`) in its
     environment, appending to its log."""

@@ -15,7 +15,8 @@ import pytest
 
 from asyncrl.config import Config
 from asyncrl.launch.failures import Ending
-from asyncrl.launch.fleet import LaunchError, ServerRestarts, raise_on_failure
+from asyncrl.launch.fleet import LaunchError, raise_on_failure
+from asyncrl.launch.restarts import ServerRestarts
 from asyncrl.protocol import LeaseRequest, ServerHealth, Trajectory
 from replay.buffer import GroupBuffer
 from replay.eval_jobs import EvalJobs

@@ -1,5 +1,5 @@
 """The launcher's rules for rollout server restarts that need no process to end
-(`asyncrl.launch.fleet.ServerRestarts`): a server epoch the replay has not heard from within
+(`asyncrl.launch.restarts.ServerRestarts`): a server epoch the replay has not heard from within
 `launch.startup_timeout_s` of its start is killed and restarted (each epoch timed from its own
 start; a replay that does not answer is no news), and a server healthy for
 `HEALTHY_RESET_TIMEOUTS * launch.server_timeout_s` in a row gets its restart budget and backoff
@@ -16,12 +16,8 @@ import pytest
 
 from asyncrl.auth import new_secret, role_key
 from asyncrl.config import Config
-from asyncrl.launch.fleet import (
-    HEALTHY_RESET_TIMEOUTS,
-    LaunchError,
-    ServerRestarts,
-    replay_health,
-)
+from asyncrl.launch.fleet import LaunchError, replay_health
+from asyncrl.launch.restarts import HEALTHY_RESET_TIMEOUTS, ServerRestarts
 from asyncrl.protocol import ServerHealth
 from replay.service import setup_replay_service
 
