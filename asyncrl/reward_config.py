@@ -74,6 +74,10 @@ class RewardModelConfig(Section):
     template: str = DEFAULT_JUDGE_TEMPLATE
     """The judge's user message; `{prompt}` (the prompt's last user message), `{response}`,
     `{ground_truth}` and `{data_source}` are filled in."""
+    answer_prefix: str = "Score:"
+    """The start of the judge's answer, written for it after the generation prompt: a small
+    chat model then continues with a number instead of a sentence. `score_regex` is matched
+    against this prefix followed by what the judge generated ("" : the judge starts alone)."""
     score_regex: str = r"Score:\s*(-?\d+(?:\.\d+)?)"
     """The judge's score: the first group of the first match in its answer (no match: an
     error, scored 0 and counted)."""

@@ -182,15 +182,18 @@ class JudgeScorer:
             raise ValueError("the judge's tokenizer has neither a pad nor an EOS token")
 
     def prompt_ids(self, item: ScoreItem) -> list[int]:
-        """The judge's question as a user turn with the generation prompt, its end kept."""
+        """The judge's question as a user turn with the generation prompt and the start of its
+        answer (`answer_prefix`), its end kept."""
         question = [{"role": "user", "content": fill_template(self.cfg.template, item)}]
         if getattr(self.tokenizer, "chat_template", None):
             text = self.tokenizer.apply_chat_template(
                 question, tokenize=False, add_generation_prompt=True
             )
-            ids = _tokenize(self.tokenizer, str(text), templated=True)
+            text = str(text) + self.cfg.answer_prefix  # the judge's answer starts so
+            ids = _tokenize(self.tokenizer, text, templated=True)
         else:
-            ids = _tokenize(self.tokenizer, question[0]["content"], templated=False)
+            text = question[0]["content"] + "\n" + self.cfg.answer_prefix
+            ids = _tokenize(self.tokenizer, text, templated=False)
         return keep_end(ids, self.cfg.max_length)
 
     def score(self, items: list[ScoreItem]) -> list[Scored]:
@@ -205,6 +208,7 @@ class JudgeScorer:
             chunk = ready[start : start + self.cfg.max_batch]
             answers = self.answer([ids for _, ids in chunk])
             for (i, _), answer in zip(chunk, answers, strict=True):
+                answer = self.cfg.answer_prefix + answer  # what the judge "said", whole
                 out[i] = parse_judge_score(answer, self.regex, self.cfg.score_scale)
         return [s if s is not None else failed("not scored") for s in out]
 

@@ -172,7 +172,9 @@ def test_the_template_is_filled_once_so_braces_in_a_response_stay_as_written():
 def test_a_judge_whose_answer_holds_no_score_scores_zero_with_its_reason(tokenizer):
     torch.manual_seed(0)
     judge = LlamaForCausalLM(_llama_config(tokenizer)).eval()
-    cfg = RewardModelConfig(kind="judge", max_new_tokens=6, max_batch=2, max_length=64)
+    cfg = RewardModelConfig(
+        kind="judge", max_new_tokens=6, max_batch=2, max_length=64, answer_prefix=""
+    )
     scorer = JudgeScorer(judge, tokenizer, cfg)
     scored = scorer.score(ITEMS)
     assert all(s == 0.0 and e.startswith("no score in the judge's answer") for s, e in scored)
@@ -180,6 +182,19 @@ def test_a_judge_whose_answer_holds_no_score_scores_zero_with_its_reason(tokeniz
     alone = [scorer.answer([scorer.prompt_ids(item)])[0] for item in ITEMS[:3]]
     assert scorer.answer([scorer.prompt_ids(item) for item in ITEMS[:3]]) == alone
     assert len(scorer.prompt_ids(_item("y" * 500, "r"))) == 64
+
+
+def test_the_judges_answer_starts_with_the_prefix_it_was_given(tokenizer, monkeypatch):
+    """`answer_prefix` ends the judge's prompt, and the regex reads prefix + generated text:
+    a judge that only writes " 7" scored 0.7; one that writes "seven" gets its error."""
+    judge = LlamaForCausalLM(_llama_config(tokenizer)).eval()
+    scorer = JudgeScorer(judge, tokenizer, RewardModelConfig(kind="judge", max_length=256))
+    prefix = tokenizer("Score:", add_special_tokens=False)["input_ids"]
+    assert scorer.prompt_ids(ITEMS[0])[-len(prefix) :] == prefix
+    monkeypatch.setattr(scorer, "answer", lambda batch: [" 7", "seven"])
+    (good, _), (bad, error) = scorer.score(ITEMS[:2])
+    assert good == pytest.approx(0.7) and bad == 0.0
+    assert error == "no score in the judge's answer: 'Score:seven'"
 
 
 def test_setup_scorer_loads_either_kind_from_a_model_directory(tmp_path, tokenizer, classifier):
