@@ -8,14 +8,15 @@ Runs `asyncrl launch` on any config (the embedded default when none is given; ov
 passed through) for N minutes from its first learner step (start-up, a warm-start included, is
 not counted; --startup-s bounds it). From the first learner step on, every T seconds it picks a live
 rollout server at random and SIGKILLs it or SIGSTOPs it for S seconds (then SIGCONT, if it is
-still the same process), the kinds taken in turn from --kinds; once, at a third of the training
+still the same process), or SIGKILLs a reward-model server (`rmkill`, for a run with
+`reward.model.path`), the kinds taken in turn from --kinds; once, at a third of the training
 window, it SIGKILLs learner rank 0, and once, at two thirds, the replay. Every fault (time, kind,
 target, pid) goes to run_dir/chaos.jsonl and is printed.
 
 Processes are found by their environment, as the launchers set it for every fleet process
 (`asyncrl.launch.fleet.process_env`): ASYNCRL_RUN_DIR=<run dir> and ASYNCRL_PROCESS=<replay |
-server_<i> | learner_<r>>, read from /proc/<pid>/environ. Ray actors are processes on this
-machine with the same variables. A process's children (reward workers) inherit them; the target
+server_<i> | reward_model_<i> | learner_<r>>, read from /proc/<pid>/environ. Ray actors are
+processes on this machine with the same variables. A process's children (reward workers) inherit them; the target
 is the one whose parent is not of the same name.
 
 Length: total_steps is set very large (unless given) and the run is stopped after N minutes:
@@ -32,7 +33,9 @@ launch.max_restarts=100 (so learner, replay and server deaths are survived).
 
 Then it audits the run from its own records (`asyncrl.analysis.audit`), prints the table, writes
 run_dir/audit.json, and exits 1 when an invariant fails, the run ended before its window did,
-or the learner trained nothing after the last learner or replay kill.
+or the learner trained nothing after the last learner or replay kill; with a reward-model fleet,
+also when a killed reward-model server was not restarted or a rollout server's responses were
+not each settled once (`reward_models`).
 `--clean` first runs the same config for the same minutes without faults, audits it too, and
 prints the chaos run's throughput as a fraction of the clean run's.
 """
@@ -161,14 +164,15 @@ class Injector:
 
     def server_fault(self, kind: str) -> None:
         frozen = {m.pid for _, m in self.frozen}
-        servers = [m for n, m in fleet_members(self.run_dir).items() if n.startswith("server_")]
+        prefix = "reward_model_" if kind == "rmkill" else "server_"
+        servers = [m for n, m in fleet_members(self.run_dir).items() if n.startswith(prefix)]
         if kind == "stop":  # freeze one that is not frozen already
             servers = [m for m in servers if m.pid not in frozen]
         if not servers:
             print(f"chaos: no server to {kind}", flush=True)
             return
         m = self.rng.choice(sorted(servers, key=lambda s: s.name))
-        if kind == "kill":
+        if kind in ("kill", "rmkill"):
             self.signal("sigkill", m, signal.SIGKILL)
         elif self.signal("sigstop", m, signal.SIGSTOP, f"for {self.stop_s:g}s"):
             self.frozen.append((time.monotonic() + self.stop_s, m))
@@ -256,7 +260,7 @@ def _inject(proc: subprocess.Popen, injector: Injector, plan: Plan) -> None:
         injector.thaw(now)
         while events and injector.t0 + events[0][0] <= now:
             _, what = events.pop(0)
-            if what in ("kill", "stop"):
+            if what in ("kill", "stop", "rmkill"):
                 injector.server_fault(what)
             else:
                 injector.kill("learner_0" if what == "learner" else "replay")
@@ -300,13 +304,45 @@ def run_once(args: argparse.Namespace, run_dir: Path, faults: bool) -> dict[str,
 def recovered(run_dir: Path, faults: list[dict[str, Any]]) -> Check:
     """Whether the learner trained a step after the last learner or replay kill (a resumed run
     that never got going again is no success, even if its records are consistent)."""
-    kills = [f for f in faults if f["kind"] == "sigkill" and not f["target"].startswith("server")]
+    kills = [
+        f
+        for f in faults
+        if f["kind"] == "sigkill" and not f["target"].startswith(("server", "reward_model"))
+    ]
     if not kills:
         return Check("recovered", True, "no learner or replay kill")
     metrics = read_jsonl(run_dir / "metrics.jsonl")
     after = [m for m in metrics if m["time"] > kills[-1]["time"]]
     detail = f"{len(after)} step(s) after the {kills[-1]['target']} kill at t={kills[-1]['t']}s"
     return Check("recovered", bool(after), detail)
+
+
+def reward_models_held(run_dir: Path, faults: list[dict[str, Any]]) -> Check | None:
+    """With a reward-model fleet: every killed reward-model server was restarted, and every
+    response a rollout server sent it was settled once (scored, or 0.0 on a counted timeout)
+    by the servers that wrote their stats. None for a run without one."""
+    killed = [
+        f["target"]
+        for f in faults
+        if f["kind"] == "sigkill" and f["target"].startswith("reward_model_")
+    ]
+    restarted = [
+        r["server"]
+        for r in read_jsonl(run_dir / "restarts.jsonl")
+        if r["server"].startswith("reward_model_") and r["event"] == "restart"
+    ]
+    stats = [json.loads(p.read_text()) for p in (run_dir / "stats").glob("server_*.json")]
+    sent = [s for s in stats if "reward_model_items" in s]
+    if not killed and not sent:
+        return None
+    uneven = [s for s in sent if s["reward_model_items"] != s.get("reward_model_settled")]
+    timeouts = sum(s.get("reward_model_timeout", 0) for s in sent)
+    detail = (
+        f"{len(killed)} killed, {len(restarted)} restarted; {len(sent)} server(s) sent "
+        f"{sum(s['reward_model_items'] for s in sent):.0f} responses, "
+        f"{len(uneven)} with unsettled ones, {timeouts:.0f} scored 0 on a timeout"
+    )
+    return Check("reward_models", len(restarted) >= len(killed) and not uneven, detail)
 
 
 def report(run_dir: Path, outcome: dict[str, Any], clean: Audit | None) -> bool:
@@ -319,6 +355,8 @@ def report(run_dir: Path, outcome: dict[str, Any], clean: Audit | None) -> bool:
     audit.counts["launcher_rc"] = outcome["launcher_rc"]
     audit.checks.insert(0, Check("survived", not outcome["ended_early"], outcome["ended_early"]))
     audit.checks.insert(1, recovered(run_dir, outcome["faults"]))
+    if (held := reward_models_held(run_dir, outcome["faults"])) is not None:
+        audit.checks.insert(2, held)
     doc = audit.to_json() | {"outcome": outcome}
     if clean is not None:
         chaos_rate = audit.counts.get("samples_per_s", 0.0)
@@ -339,7 +377,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--minutes", type=float, default=10.0, help="from the first step on")
     p.add_argument("--every", type=float, default=60.0, help="seconds between server faults")
     p.add_argument("--stop-s", type=float, default=60.0, help="how long a SIGSTOP lasts")
-    p.add_argument("--kinds", default="kill,stop", help="server faults, taken in turn")
+    p.add_argument(
+        "--kinds",
+        default="kill,stop",
+        help="faults taken in turn: kill, stop (a rollout server), rmkill (a reward-model server)",
+    )
     p.add_argument("--no-learner-kill", action="store_true")
     p.add_argument("--no-replay-kill", action="store_true")
     p.add_argument("--backend", choices=("local", "ray"), default="local")
@@ -350,8 +392,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("overrides", nargs="*", help="[CONFIG] section.key=value ...")
     args = p.parse_args(argv)
     args.kinds = [k for k in args.kinds.split(",") if k]
-    if bad := [k for k in args.kinds if k not in ("kill", "stop")]:
-        p.error(f"--kinds: {bad} (kill, stop)")
+    if bad := [k for k in args.kinds if k not in ("kill", "stop", "rmkill")]:
+        p.error(f"--kinds: {bad} (kill, stop, rmkill)")
     args.big_kills = (not args.no_learner_kill, not args.no_replay_kill)
     return args
 

@@ -105,7 +105,8 @@ class ServerRestarts:
     first heartbeat, e.g. while loading its model; judged only on the replay's answers: a
     replay that does not answer is no news). The launcher kills the last two. A reward-model
     server is dead when its process ends (a hung one costs its callers `reward.model.timeout_s`
-    per request, scored 0 and counted). Restart k+1 starts `restart_backoff_s * 2**k` after the
+    per request, scored 0 and counted; its budget comes back once its process has run for
+    the healthy stretch below). Restart k+1 starts `restart_backoff_s * 2**k` after the
     death it follows, as the next epoch (`ASYNCRL_SERVER_EPOCH`, which only goes up). A server
     reported alive for `HEALTHY_RESET_TIMEOUTS * launch.server_timeout_s` in a row gets its
     budget back (k from 0 again). A server whose restarts are used up is dropped and the run
@@ -171,6 +172,22 @@ class ServerRestarts:
                 else:
                     fleet.start_server(index, server.epoch)
                 self._record(name, server.epoch, "restart", server.why)
+            elif name.startswith("reward_model_") and server.restart_at is None:
+                self._maybe_reset_reward_model(name, server, now)
+
+    def _maybe_reset_reward_model(self, name: str, server: _Server, now: float) -> None:
+        """The replay does not hear from reward-model servers: one whose process has run for
+        healthy_reset_s since its last restart gets its budget back."""
+        if (
+            server.restarts
+            and not server.dropped
+            and now - server.started_at >= self.healthy_reset_s
+        ):
+            self.say(
+                f"asyncrl: {name} running for {now - server.started_at:.0f} s since its restart: "
+                f"its restart budget is reset ({self.max_restarts} left)"
+            )
+            server.restarts = 0
 
     def earlier(self) -> list[str]:
         """The server deaths so far, for the report of a failure that ends the run."""

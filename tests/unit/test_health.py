@@ -444,6 +444,26 @@ def test_a_dead_reward_model_server_is_restarted_and_the_replays_report_never_ju
     assert _records(tmp_path)[0]["server"] == "reward_model_1"
 
 
+def test_a_reward_model_server_running_long_enough_gets_its_restart_budget_back(tmp_path):
+    restarts, fleet, clock, said = _with_reward_models(tmp_path, max_restarts=1)
+    fleet.end("reward_model_0")
+    restarts.failures(fleet)
+    clock.now += 2.0
+    restarts.check(fleet)
+    clock.now += 10 * 30.0 - 1.0  # HEALTHY_RESET_TIMEOUTS x server_timeout_s, less a second
+    restarts.check(fleet)
+    assert not any("budget is reset" in line for line in said)
+    clock.now += 1.0
+    restarts.check(fleet)
+    assert said[-1] == (
+        "asyncrl: reward_model_0 running for 300 s since its restart: its restart budget is "
+        "reset (1 left)"
+    )
+    fleet.end("reward_model_0")  # a rare death, much later: restarted, not dropped
+    restarts.failures(fleet)
+    assert said[-1].endswith("restart 1/1 in 2.0s")
+
+
 def test_with_every_reward_model_server_dropped_the_run_fails_naming_them(tmp_path):
     restarts, fleet, clock, said = _with_reward_models(tmp_path, max_restarts=1)
     for name in ("reward_model_0", "reward_model_1"):
