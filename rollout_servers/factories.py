@@ -197,13 +197,13 @@ def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
         try:
             await server.run(stop)
         finally:
+            if server.reward_model is not None:  # first: what it cuts short is counted
+                server.reward_model.model.close()
             write_json_atomic(
                 Path(spec.run_dir) / "stats" / f"server_{server_id}.json", server.stats()
             )
             server.client.close()
             server.rewards.close()
-            if server.reward_model is not None:
-                server.reward_model.model.close()
             if server.sandbox is not None:
                 server.sandbox.close()
             server.trace.flush()

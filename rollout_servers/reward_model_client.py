@@ -172,7 +172,8 @@ class RewardModelClient:
                     self._spawn_send(request_id, request)
 
     def close(self) -> None:
-        """Stop; a call still waiting scores 0.0 as a timeout would."""
+        """Stop; a call still waiting scores 0.0, counted as `closed` (so once closed, every
+        item sent has been settled: `items == settled`)."""
         for request_id in list(self._requests):
             self._settle(request_id, [(0.0, "closed")] * len(self._requests[request_id].items))
         for _, answer in self._unsent:

@@ -289,6 +289,7 @@ def run_once(args: argparse.Namespace, run_dir: Path, faults: bool) -> dict[str,
         ended_early = f"the run ended after {lasted:.0f}s of {window_s:g}s" if rc else ""
         if rc is None:  # still going (rc 0: it reached its total_steps)
             _settle(proc, run_dir, args.settle_s)
+    stopped_at = time.time()  # when the launcher is told to stop (it restarts nothing after)
     rc = _stop(proc)
     if ended_early:
         ended_early += f" (launcher exit code {rc})"
@@ -296,6 +297,7 @@ def run_once(args: argparse.Namespace, run_dir: Path, faults: bool) -> dict[str,
         "launcher_rc": rc,
         "ended_early": ended_early,
         "wall_s": round(time.monotonic() - start, 1),
+        "stopped_at": stopped_at,
         "faults": injector.log,
     }
 
@@ -317,32 +319,43 @@ def recovered(run_dir: Path, faults: list[dict[str, Any]]) -> Check:
     return Check("recovered", bool(after), detail)
 
 
-def reward_models_held(run_dir: Path, faults: list[dict[str, Any]]) -> Check | None:
-    """With a reward-model fleet: every killed reward-model server was restarted, and every
-    response a rollout server sent it was settled once (scored, or 0.0 on a counted timeout)
-    by the servers that wrote their stats. None for a run without one."""
-    killed = [
-        f["target"]
-        for f in faults
+def reward_models_held(run_dir: Path, outcome: dict[str, Any]) -> Check | None:
+    """With a reward-model fleet: every killed reward-model server was restarted (unless the
+    run stopped before its restart was due: `launch.restart_backoff_s`, doubled per restart of
+    that server), and every response a rollout server sent the fleet was settled once (scored,
+    or 0.0 on a counted timeout or at shutdown). None for a run without a fleet."""
+    kills = [
+        f
+        for f in outcome["faults"]
         if f["kind"] == "sigkill" and f["target"].startswith("reward_model_")
     ]
-    restarted = [
-        r["server"]
+    restarts = [
+        r
         for r in read_jsonl(run_dir / "restarts.jsonl")
         if r["server"].startswith("reward_model_") and r["event"] == "restart"
     ]
     stats = [json.loads(p.read_text()) for p in (run_dir / "stats").glob("server_*.json")]
     sent = [s for s in stats if "reward_model_items" in s]
-    if not killed and not sent:
+    if not kills and not sent:
         return None
+    cfg = yaml.safe_load((run_dir / "config.yaml").read_text()) or {}
+    backoff_s = cfg.get("launch", {}).get("restart_backoff_s", 2.0)
+    missed = []
+    for kill in kills:
+        before = [r for r in restarts if r["server"] == kill["target"] and r["time"] < kill["time"]]
+        after = [r for r in restarts if r["server"] == kill["target"] and r["time"] > kill["time"]]
+        due = kill["time"] + min(300.0, backoff_s * 2 ** len(before))
+        if not after and due + 1.0 < outcome["stopped_at"]:  # 1 s: the launcher's loop
+            missed.append(f"{kill['target']} at t={kill['t']}s")
     uneven = [s for s in sent if s["reward_model_items"] != s.get("reward_model_settled")]
     timeouts = sum(s.get("reward_model_timeout", 0) for s in sent)
     detail = (
-        f"{len(killed)} killed, {len(restarted)} restarted; {len(sent)} server(s) sent "
-        f"{sum(s['reward_model_items'] for s in sent):.0f} responses, "
-        f"{len(uneven)} with unsettled ones, {timeouts:.0f} scored 0 on a timeout"
+        f"{len(kills)} killed, {len(restarts)} restarted"
+        + (f" (not restarted: {', '.join(missed)})" if missed else "")
+        + f"; {len(sent)} server(s) sent {sum(s['reward_model_items'] for s in sent):.0f} "
+        f"responses, {len(uneven)} with unsettled ones, {timeouts:.0f} scored 0 on a timeout"
     )
-    return Check("reward_models", len(restarted) >= len(killed) and not uneven, detail)
+    return Check("reward_models", not missed and not uneven, detail)
 
 
 def report(run_dir: Path, outcome: dict[str, Any], clean: Audit | None) -> bool:
@@ -355,7 +368,7 @@ def report(run_dir: Path, outcome: dict[str, Any], clean: Audit | None) -> bool:
     audit.counts["launcher_rc"] = outcome["launcher_rc"]
     audit.checks.insert(0, Check("survived", not outcome["ended_early"], outcome["ended_early"]))
     audit.checks.insert(1, recovered(run_dir, outcome["faults"]))
-    if (held := reward_models_held(run_dir, outcome["faults"])) is not None:
+    if (held := reward_models_held(run_dir, outcome)) is not None:
         audit.checks.insert(2, held)
     doc = audit.to_json() | {"outcome": outcome}
     if clean is not None:

@@ -1,0 +1,78 @@
+"""`asyncrl launch` with a reward-model fleet (`reward.model.path`): its servers are started
+beside the others, SIGKILLed ones are restarted (tools/chaos.py's `rmkill`), and the run's
+audit holds: every row trained once, whole groups, and every response a rollout server sent
+to the fleet settled once."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForSequenceClassification
+
+from asyncrl.demo.tiny_model import build_tokenizer
+from asyncrl.metrics import read_jsonl
+
+pytestmark = [pytest.mark.integration, pytest.mark.long]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def random_reward_model(tmp_path_factory) -> Path:
+    """A tiny untrained classifier with the embedded policy's tokenizer: what it scores does
+    not matter here, only that it is served, killed and served again."""
+    out = tmp_path_factory.mktemp("rm")
+    tokenizer = build_tokenizer()
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        num_labels=1,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForSequenceClassification(config).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def test_killed_reward_model_servers_are_restarted_and_the_audit_holds(
+    tmp_path, random_reward_model
+):
+    run_dir = tmp_path / "run"
+    cmd = [
+        *(sys.executable, str(ROOT / "tools" / "chaos.py"), "--minutes", "0.5"),
+        *("--every", "6", "--kinds", "rmkill", "--no-learner-kill", "--no-replay-kill"),
+        *("--settle-s", "60", f"trainer.cache_dir={tmp_path / 'cache'}"),
+        *("trainer.warmstart_steps=50", "data.train_batch_size=4", "rollout.n=4"),
+        *(f"reward.model.path={random_reward_model}", "reward.num_servers=2"),
+        *("reward.model.resend_s=2", "reward.model.timeout_s=30"),
+        "launch.restart_backoff_s=0.5",  # the last kill's restart comes before the stop
+        *("launch.progress=none", f"trainer.run_dir={run_dir}"),
+    ]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    audit = json.loads((run_dir / "audit.json").read_text())
+    checks = {c["name"]: c for c in audit["checks"]}
+    assert audit["ok"] and checks["reward_models"]["ok"], checks
+    counts = audit["counts"]
+    assert counts["rows_lost"] == counts["rows_duplicated"] == counts["groups_partial"] == 0
+    kills = [f for f in read_jsonl(run_dir / "chaos.jsonl") if f["kind"] == "sigkill"]
+    assert len(kills) >= 3 and all(f["target"].startswith("reward_model_") for f in kills)
+    restarts = [r for r in read_jsonl(run_dir / "restarts.jsonl") if r["event"] == "restart"]
+    assert len(restarts) >= len(kills)
+    server = json.loads((run_dir / "stats" / "server_0.json").read_text())
+    assert server["reward_model_items"] == server["reward_model_settled"] > 0
+    # a server still loading when the run stops ends before it can write its counters
+    for path in (run_dir / "stats").glob("reward_model_*.json"):
+        stats = json.loads(path.read_text())
+        assert stats["rejected_unauthenticated"] == 0 and stats["handler_errors"] == 0
