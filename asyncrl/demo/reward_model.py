@@ -22,9 +22,14 @@ Training, and why it departs from a plain classifier fit:
    (nothing extra is saved). The one bit per text of the classification loss alone needs
    ~1000 steps before it suddenly learns; the dense next-token signal teaches the body to
    compute the sum first (the embedded policy's warm-start learns it in the same way).
-4. Half of the wrong answers are any other number in range, half are the policy's own noise
-   (off by 1 or 2, as `ArithmeticTask.demonstration` makes them): the far ones give a gradient
-   early, the near ones are what the held-out accuracy and a warm-started policy present.
+4. Three quarters of the wrong answers are any other number in range, a quarter the policy's
+   own noise (off by 1 or 2, as `ArithmeticTask.demonstration` makes them): the far ones give
+   a gradient early, the near ones are what the held-out accuracy and a warm-started policy
+   present. Measured over seeds 0-7 of the test's recipe (400 steps of 16 prompts): only near
+   wrong answers never learned in 300 steps; half far gave held-out accuracy 0.60-0.93;
+   three quarters far 0.78-1.00.
+5. One torch thread while training: the model is so small that intra-op threads cost more
+   than they give, and on 2 shared cores they made a 14 s build take over 5 minutes.
 
 Invariant: the cache directory for one (spec, task, steps, seed) exists only when complete
 (written to a temporary sibling and renamed into place), as for the embedded policy.
@@ -76,7 +81,7 @@ class RewardModelSpec:
     warmup_steps: int = 20
     aux_weight: float = 1.0
     """Weight of the auxiliary next-token loss on correct answers (point 3 of the docstring)."""
-    p_far_wrong: float = 0.5
+    p_far_wrong: float = 0.75
     """Share of training wrong answers drawn from the whole range rather than off by 1 or 2."""
 
 
@@ -246,22 +251,27 @@ def train_reward_model(
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
     model.train()
     start = time.perf_counter()
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        for step in range(steps):
-            batch = pair_batch(task, tokenizer, rng, spec.batch_prompts, spec.p_far_wrong)
-            loss, bce = training_loss(model, batch, spec.aux_weight)
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            scheduler.step()
-            if step % 50 == 0 or step == steps - 1:
-                elapsed = time.perf_counter() - start
-                log(
-                    f"reward-model step {step + 1}/{steps} loss {loss.item():.4f} "
-                    f"bce {bce.item():.4f} {elapsed:.1f}s"
-                )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # point 5 of the module docstring
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            for step in range(steps):
+                batch = pair_batch(task, tokenizer, rng, spec.batch_prompts, spec.p_far_wrong)
+                loss, bce = training_loss(model, batch, spec.aux_weight)
+                optimizer.zero_grad(set_to_none=True)
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                scheduler.step()
+                if step % 50 == 0 or step == steps - 1:
+                    elapsed = time.perf_counter() - start
+                    log(
+                        f"reward-model step {step + 1}/{steps} loss {loss.item():.4f} "
+                        f"bce {bce.item():.4f} {elapsed:.1f}s"
+                    )
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
 
 
