@@ -143,11 +143,16 @@ async def one_client(
 
 
 async def run_level(
-    address: str, key: RoleKey, items: list[ScoreItem], concurrency: int, seconds: float
+    address: str,
+    key: RoleKey,
+    items: list[ScoreItem],
+    ids: itertools.count[int],
+    concurrency: int,
+    seconds: float,
 ) -> Level:
-    """`concurrency` clients for `seconds` (request ids unique across levels)."""
+    """`concurrency` clients for `seconds`, drawing request ids from `ids` (one counter for
+    the whole bench: ids stay unique and within the wire's int32 bound)."""
     ctx = zmq.asyncio.Context()
-    ids = itertools.count(concurrency * 10**9)
     try:
         latencies: list[float] = []
         start = time.perf_counter()
@@ -160,17 +165,19 @@ async def run_level(
         )
         elapsed = time.perf_counter() - start
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # closes the sockets of clients a failure left waiting
     return Level(concurrency, elapsed, len(latencies), len(latencies), latencies)
 
 
-async def wait_ready(address: str, key: RoleKey, items: list[ScoreItem]) -> None:
+async def wait_ready(
+    address: str, key: RoleKey, items: list[ScoreItem], ids: itertools.count[int]
+) -> None:
     """One request answered: the server has loaded its model and serves."""
     ctx = zmq.asyncio.Context()
     try:
-        await one_client(ctx, address, key, items, itertools.count(), float("inf"), [], 1)
+        await one_client(ctx, address, key, items, ids, float("inf"), [], 1)
     finally:
-        ctx.term()
+        ctx.destroy(linger=0)  # closes the sockets of clients a failure left waiting
 
 
 def table(levels: list[Level]) -> str:
@@ -206,12 +213,13 @@ def main() -> None:
     secret = new_secret()
     key = role_key(secret, "client")
     items = arith_items(seed=0)
+    ids = itertools.count()
     with tempfile.TemporaryDirectory(prefix="rm-bench-") as tmp:
         child, address = start_server(model, Path(tmp), secret, args)
         try:
-            asyncio.run(asyncio.wait_for(wait_ready(address, key, items), REPLY_TIMEOUT_S))
+            asyncio.run(asyncio.wait_for(wait_ready(address, key, items, ids), REPLY_TIMEOUT_S))
             levels = [
-                asyncio.run(run_level(address, key, items, c, args.seconds))
+                asyncio.run(run_level(address, key, items, ids, c, args.seconds))
                 for c in args.concurrency
             ]
         except BaseException:
