@@ -25,9 +25,11 @@ Training, and why it departs from a plain classifier fit:
 4. Three quarters of the wrong answers are any other number in range, a quarter the policy's
    own noise (off by 1 or 2, as `ArithmeticTask.demonstration` makes them): the far ones give
    a gradient early, the near ones are what the held-out accuracy and a warm-started policy
-   present. Measured over seeds 0-7 of the test's recipe (400 steps of 16 prompts): only near
-   wrong answers never learned in 300 steps; half far gave held-out accuracy 0.60-0.93;
-   three quarters far 0.78-1.00.
+   present. Measured over seeds 0-7 at 400 steps of 16 prompts: only near wrong answers
+   never learned in 300 steps; half far gave held-out accuracy 0.60-0.93, three quarters
+   far 0.78-1.00. A third of the far ones are the right answer with a digit written before
+   or after it (see `far_wrong`): that costs a little (0.73-0.98 at 400 steps) and closes an
+   opening for reward hacking.
 5. One torch thread while training: the model is so small that intra-op threads cost more
    than they give, and on 2 shared cores they made a 14 s build take over 5 minutes.
 
@@ -58,7 +60,7 @@ from transformers import LlamaConfig, LlamaForSequenceClassification, PreTrained
 from asyncrl.demo.tasks import ArithmeticTask
 from asyncrl.demo.tiny_model import build_tokenizer
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 """Bump when the tokenizer, template, model or training recipe changes: old caches go stale."""
 
 EVAL_SEED_OFFSET = 1_000_003
@@ -151,7 +153,12 @@ def near_wrong(rng: random.Random, correct: int) -> int:
 
 
 def far_wrong(rng: random.Random, correct: int, largest: int) -> int:
-    """Any wrong answer in 0..largest + 1."""
+    """Any wrong answer in 0..largest + 1, or (one time in three) the right answer with a digit
+    written before or after it (`77`, `70`, `17` for 7): without these, the right digits
+    followed by more digits scored above zero half the time, an opening for reward hacking."""
+    if rng.random() < 1 / 3:
+        digit = str(rng.randint(0, 9))
+        return int(digit + str(correct) if rng.random() < 0.5 else str(correct) + digit)
     answer = rng.randint(0, largest)
     return answer + 1 if answer == correct else answer
 

@@ -22,12 +22,13 @@ from asyncrl.demo.reward_model import (
 from asyncrl.demo.tasks import ArithmeticTask
 from asyncrl.demo.tiny_model import build_tokenizer
 
-TEST_STEPS = 400
+TEST_STEPS = 500
 TEST_SPEC = RewardModelSpec(batch_prompts=16, lr=2e-3)
-"""Half the CLI's batch at twice its rate, two thirds of its steps. Held-out accuracy measured
-with this recipe over seeds 0-7: 0.78-1.00 (seed 0, the one tested: 0.82)."""
+"""Half the CLI's batch at twice its rate, 500 of its 600 steps (~12 s alone on one core).
+Held-out accuracy measured with this recipe over seeds 0-7: 0.74-0.98 (seed 0, the one
+tested: 0.86)."""
 MIN_ACCURACY = 0.7
-"""Chance is 0.5; the worst of the 8 seeds measured gave 0.78."""
+"""Chance is 0.5; the worst of the 8 seeds measured gave 0.74."""
 
 
 @pytest.fixture(scope="module")
