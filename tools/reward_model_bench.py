@@ -80,7 +80,7 @@ def start_server(
         sync_port=0,
         learner_master_port=0,
         threads=args.threads,
-        reward_model_addresses=(address,),  # type: ignore[call-arg]  # added with reward_models/
+        reward_model_addresses=(address,),
     )
     spec.save(run_dir / "spec.json")
     overrides = [

@@ -121,11 +121,11 @@ def build_reward_model(
         num_attention_heads=spec.num_attention_heads,
         num_key_value_heads=spec.num_attention_heads,
         max_position_embeddings=spec.max_position_embeddings,
-        num_labels=1,
         bos_token_id=tokenizer.bos_token_id,
         eos_token_id=tokenizer.eos_token_id,
         pad_token_id=tokenizer.pad_token_id,
     )
+    config.num_labels = 1  # a settable property; LlamaConfig's typed signature lacks it
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         # transformers wraps `to` with functools.wraps(Module.to), which mypy reads unbound
