@@ -14,6 +14,11 @@ Printed: a table of requests/s, items/s and the latency p50/p99 per level.
 
 Without `--model`, the embedded reward model (`asyncrl.demo.reward_model`) is built in the
 cache directory (`--cache`); the items are `arith` prompts with right and wrong answers.
+
+Measured (wp-rmserver at 2b9ac00 with this branch, embedded reward model, CPU, `--threads 1
+--seconds 5`, 2 cores shared with other jobs, clients on the same cores): 1 client 135-200
+requests/s (p50 3-8 ms), 8 clients 590-620/s, 32 clients 680-890/s (p99 77-102 ms); the
+server was busy about 9-10 s of 15, so the clients' own process is part of the limit here.
 """
 
 from __future__ import annotations
