@@ -32,6 +32,7 @@ import pyarrow.parquet as pq
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.data import BadRowError, setup_task, validate_row
+from asyncrl.reward_config import scored_by_the_model_alone
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 """What every row needs (DESIGN.md's Data section; the other columns are optional)."""
@@ -57,7 +58,8 @@ def check_data(cfg: Config, reward_sources: Collection[str]) -> None:
         )
         for source in {str(r.get("data_source")) for r in rows}:
             found.setdefault(source, []).append(f"task {data.task!r}")
-    check_rewards(found, reward_sources, cfg.reward.custom.path)
+    model_alone = scored_by_the_model_alone(cfg.reward)
+    check_rewards(found, reward_sources, cfg.reward.custom.path, model_alone)
 
 
 def check_files(
@@ -123,11 +125,15 @@ def check_agent_names(key: str, files: Sequence[str], known: Collection[str]) ->
 
 
 def check_rewards(
-    found: dict[str, list[str]], reward_sources: Collection[str], custom_path: str | None
+    found: dict[str, list[str]],
+    reward_sources: Collection[str],
+    custom_path: str | None,
+    model_alone: bool = False,
 ) -> None:
     """DataError naming every data_source of `found` without a reward function (and where it
-    is), and the registered ones; nothing when a custom reward (`custom_path`) scores them."""
-    if custom_path is not None:
+    is), and the registered ones; nothing when a custom reward (`custom_path`) scores them, or
+    when the reward model's score is the whole reward (`model_alone`)."""
+    if custom_path is not None or model_alone:
         return
     unknown = sorted(set(found) - set(reward_sources))
     if unknown:

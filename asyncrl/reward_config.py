@@ -165,3 +165,9 @@ def check_overlong_budget(reward: RewardConfig, rollout: RolloutConfig) -> None:
             f"reward.overlong_buffer.len={ob.len} is longer than the response budget {budget} "
             f"of rollout.agent_loop={rollout.agent_loop!r}: every response would be penalised"
         )
+
+
+def scored_by_the_model_alone(reward: RewardConfig) -> bool:
+    """Whether the reward model's score is all a sample's reward is made of (a reward model,
+    `rule_weight=0`, no combine function): then a data source needs no rule reward."""
+    return reward.model.path is not None and reward.rule_weight == 0 and not reward.combine.path

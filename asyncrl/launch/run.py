@@ -25,6 +25,7 @@ from asyncrl.launch.restarts import watch
 from asyncrl.launch.resume import resume_in_place, run_with_resumes
 from asyncrl.metrics import read_jsonl
 from asyncrl.placement import launch_placement
+from asyncrl.reward_config import scored_by_the_model_alone
 
 
 def start_fleets(cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True) -> Fleet:
@@ -68,7 +69,10 @@ def check_run_data(cfg: Config) -> None:
 
 def check_eval_data(files: Sequence[str], cfg: Config) -> None:
     """`asyncrl eval --data FILE ...`: the same checks on the files to evaluate."""
-    check_rewards(check_files("--data", files), reward_sources(), cfg.reward.custom.path)
+    model_alone = scored_by_the_model_alone(cfg.reward)
+    check_rewards(
+        check_files("--data", files), reward_sources(), cfg.reward.custom.path, model_alone
+    )
     check_agent_names("--data", files, agent_loops(cfg))
 
 

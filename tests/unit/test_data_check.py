@@ -112,6 +112,14 @@ def test_a_custom_reward_scores_every_source(tmp_path):
     _check(f"data.train_files=[{train}]", f"reward.custom.path={reward}")
 
 
+def test_a_reward_model_alone_needs_no_rule_but_one_combined_with_the_rule_does(tmp_path):
+    train = _write(tmp_path / "train.parquet", [_row("mystery/source")])
+    model = [f"data.train_files=[{train}]", "reward.model.path=/rm"]
+    _check(*model, "reward.rule_weight=0")  # the model's score is the whole reward
+    with pytest.raises(DataError, match="no reward function for data_source 'mystery/source'"):
+        _check(*model)  # rule_weight 1: the rule is part of the reward
+
+
 def test_a_tasks_sources_are_checked_too():
     with pytest.raises(DataError, match="'asyncrl/arith' \\(in task 'arith'\\)"):
         check_data(load_config(None, []), ["openai/gsm8k"])
