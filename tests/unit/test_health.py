@@ -6,15 +6,13 @@ its restarts are used up, and fails the run only when no server is left."""
 
 from __future__ import annotations
 
-import json
 from collections import Counter
-from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
+from fake_fleets import Clock, FakeFleet, FakeMember, restart_records
 
 from asyncrl.config import Config
-from asyncrl.launch.failures import Ending
 from asyncrl.launch.fleet import LaunchError, raise_on_failure
 from asyncrl.launch.restarts import ServerRestarts
 from asyncrl.protocol import LeaseRequest, ServerHealth, Trajectory
@@ -203,60 +201,6 @@ def test_a_dead_servers_incomplete_leases_are_reissued_first_and_its_late_sample
 
 
 # ---- launcher side: ServerRestarts ---------------------------------------------------------
-@dataclass
-class FakeMember:
-    name: str
-    ending: Ending | None = None
-
-    @property
-    def who(self) -> str:
-        return f"process {self.name}"
-
-    def last_log_lines(self) -> str:
-        return f"last lines of {self.name}.log:\nboom"
-
-
-@dataclass
-class FakeFleet:
-    """Members end when a test says so; retire and start_server are recorded."""
-
-    members: list[FakeMember] = field(default_factory=list)
-    retired: list[str] = field(default_factory=list)
-    started: list[tuple[int, int]] = field(default_factory=list)
-    checks: int = 0
-
-    def end(self, name: str, how: str = "was killed by signal SIGKILL") -> None:
-        member = next(m for m in self.members if m.name == name)
-        member.ending = Ending(how, 0.0, self.checks + 1, None)
-
-    def failures(self) -> list[FakeMember]:
-        self.checks += 1
-        return [m for m in self.members if m.ending is not None]
-
-    def wait(self, timeout_s: float) -> bool:
-        return any(m.ending is None for m in self.members)
-
-    def retire(self, name: str) -> None:
-        self.retired.append(name)
-        self.members = [m for m in self.members if m.name != name]
-
-    def start_server(self, index: int, epoch: int) -> None:
-        self.started.append((index, epoch))
-        self.members.append(FakeMember(f"server_{index}"))
-
-    def start_reward_model(self, index: int, epoch: int) -> None:
-        self.started.append((100 + index, epoch))  # 100 + i: reward_model_<i>
-        self.members.append(FakeMember(f"reward_model_{index}"))
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1000.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def _restarts(tmp_path, health=(), servers=2, grace_s=0.0, **launch):
     cfg = Config.model_validate(
         {"rollout": {"num_servers": servers}, "launch": {"restart_backoff_s": 2.0, **launch}}
@@ -265,10 +209,6 @@ def _restarts(tmp_path, health=(), servers=2, grace_s=0.0, **launch):
     fleet = FakeFleet([FakeMember("replay"), *(FakeMember(f"server_{i}") for i in range(servers))])
     restarts = ServerRestarts(cfg, tmp_path, lambda: list(health), clock, said.append, grace_s)
     return restarts, fleet, clock, said
-
-
-def _records(tmp_path) -> list[dict]:
-    return [json.loads(line) for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
 
 
 def test_a_dead_server_is_restarted_after_a_doubling_backoff_with_its_next_epoch(tmp_path):
@@ -289,7 +229,7 @@ def test_a_dead_server_is_restarted_after_a_doubling_backoff_with_its_next_epoch
     clock.now += 4.1
     restarts.check(fleet)
     assert fleet.started == [(1, 1), (1, 2)]
-    records = _records(tmp_path)
+    records = restart_records(tmp_path)
     assert [(r["server"], r["epoch"], r["event"]) for r in records] == [
         ("server_1", 1, "restart"),
         ("server_1", 2, "restart"),
@@ -306,7 +246,7 @@ def test_a_server_out_of_restarts_is_dropped_and_the_run_fails_only_with_none_le
     fleet.end("server_0", "exited with code 1")
     assert restarts.failures(fleet) == []
     assert said[-1] == "asyncrl: server_0 dropped after 1 restarts: exited with code 1"
-    assert _records(tmp_path)[-1]["event"] == "dropped"
+    assert restart_records(tmp_path)[-1]["event"] == "dropped"
     clock.now += 100
     restarts.check(fleet)
     assert fleet.started == [(0, 1)]  # never again
@@ -408,77 +348,6 @@ def test_a_server_declared_dead_that_ends_in_the_grace_is_restarted_once(tmp_pat
     clock.now += 10.0  # the report still names epoch 0 dead: that one is gone already
     restarts.check(fleet)
     assert fleet.started == [(1, 1)] and len(said) == 1
-
-
-def _with_reward_models(tmp_path, health=(), **launch):
-    """Two rollout servers and two reward-model servers (`reward.model.path` set)."""
-    cfg = Config.model_validate(
-        {
-            "rollout": {"num_servers": 2},
-            "reward": {"model": {"path": "/rm"}, "num_servers": 2},
-            "launch": {"restart_backoff_s": 2.0, **launch},
-        }
-    )
-    clock, said = Clock(), []
-    names = ["replay", "server_0", "server_1", "reward_model_0", "reward_model_1"]
-    fleet = FakeFleet([FakeMember(n) for n in names])
-    restarts = ServerRestarts(cfg, tmp_path, lambda: list(health), clock, said.append)
-    return restarts, fleet, clock, said
-
-
-def test_a_dead_reward_model_server_is_restarted_and_the_replays_report_never_judges_it(
-    tmp_path,
-):
-    # the replay reports rollout servers by index: its server 0 is not reward_model_0
-    health = [ServerHealth(0, 0, True, 0.5, 1), ServerHealth(1, 0, True, 0.5, 0)]
-    restarts, fleet, clock, said = _with_reward_models(tmp_path, health, startup_timeout_s=5.0)
-    fleet.end("reward_model_1")
-    assert restarts.failures(fleet) == []  # taken: restarted, not a failure of the run
-    assert said == ["asyncrl: reward_model_1 was killed by signal SIGKILL; restart 1/3 in 2.0s"]
-    clock.now += 2.0
-    restarts.check(fleet)
-    assert fleet.started == [(101, 1)] and fleet.retired == ["reward_model_1"]
-    clock.now += 60.0  # the replay never hears from a reward-model server: no startup kill
-    restarts.check(fleet)
-    assert fleet.retired == ["reward_model_1"]
-    assert _records(tmp_path)[0]["server"] == "reward_model_1"
-
-
-def test_a_reward_model_server_running_long_enough_gets_its_restart_budget_back(tmp_path):
-    restarts, fleet, clock, said = _with_reward_models(tmp_path, max_restarts=1)
-    fleet.end("reward_model_0")
-    restarts.failures(fleet)
-    clock.now += 2.0
-    restarts.check(fleet)
-    clock.now += 10 * 30.0 - 1.0  # HEALTHY_RESET_TIMEOUTS x server_timeout_s, less a second
-    restarts.check(fleet)
-    assert not any("budget is reset" in line for line in said)
-    clock.now += 1.0
-    restarts.check(fleet)
-    assert said[-1] == (
-        "asyncrl: reward_model_0 running for 300 s since its restart: its restart budget is "
-        "reset (1 left)"
-    )
-    fleet.end("reward_model_0")  # a rare death, much later: restarted, not dropped
-    restarts.failures(fleet)
-    assert said[-1].endswith("restart 1/1 in 2.0s")
-
-
-def test_with_every_reward_model_server_dropped_the_run_fails_naming_them(tmp_path):
-    restarts, fleet, clock, said = _with_reward_models(tmp_path, max_restarts=1)
-    for name in ("reward_model_0", "reward_model_1"):
-        fleet.end(name)
-        restarts.failures(fleet)
-        clock.now += 2.0
-        restarts.check(fleet)
-    fleet.end("reward_model_0")
-    assert restarts.failures(fleet) == []  # one is left
-    fleet.end("reward_model_1")
-    with pytest.raises(LaunchError) as e:
-        restarts.failures(fleet)
-    assert str(e.value).startswith("no reward-model server is left: each used up its 1 restarts")
-    assert e.value.failed == ("reward_model_0", "reward_model_1")
-    assert fleet.started[:2] == [(100, 1), (101, 1)]
 
 
 def test_a_dead_servers_validation_prompts_are_leased_again():

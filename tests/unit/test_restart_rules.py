@@ -7,12 +7,12 @@ back. Driven with a fake fleet, a fake replay report and a fake clock."""
 
 from __future__ import annotations
 
-import json
 import tempfile
 import threading
 from dataclasses import dataclass, field
 
 import pytest
+from fake_fleets import restart_records
 
 from asyncrl.auth import new_secret, role_key
 from asyncrl.config import Config
@@ -74,10 +74,6 @@ def _advance(restarts: ServerRestarts, fleet: FakeFleet, clock: Clock, seconds: 
         restarts.check(fleet)
 
 
-def _records(tmp_path) -> list[dict]:
-    return [json.loads(line) for line in (tmp_path / "restarts.jsonl").read_text().splitlines()]
-
-
 # ---- startup: an epoch never heard from ------------------------------------------------------
 def test_an_epoch_not_heard_from_within_startup_timeout_is_killed_and_restarted(tmp_path):
     restarts, fleet, replay, clock, said = _restarts(tmp_path, startup_timeout_s=60.0)
@@ -92,7 +88,7 @@ def test_an_epoch_not_heard_from_within_startup_timeout_is_killed_and_restarted(
     ]
     _advance(restarts, fleet, clock, 2.0)
     assert fleet.started == [(1, 1)]
-    (record,) = _records(tmp_path)
+    (record,) = restart_records(tmp_path)
     assert (record["server"], record["epoch"], record["event"]) == ("server_1", 1, "restart")
     assert record["why"] == "sent no heartbeat within startup_timeout_s=60 s of its start"
 
@@ -175,7 +171,7 @@ def test_a_server_healthy_long_enough_gets_its_restart_budget_and_backoff_back(t
     assert said[-1].endswith("restart 1/1 in 2.0s")  # not dropped; the backoff starts over
     _advance(restarts, fleet, clock, 2.0)
     assert fleet.started == [(0, 1), (0, 2)]  # the epoch only goes up
-    assert [r["epoch"] for r in _records(tmp_path)] == [1, 2]
+    assert [r["epoch"] for r in restart_records(tmp_path)] == [1, 2]
 
 
 def test_deaths_closer_together_than_the_healthy_stretch_use_the_budget_up(tmp_path):
