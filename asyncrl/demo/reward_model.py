@@ -353,19 +353,26 @@ def prepare_reward_model(
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """`python -m asyncrl.demo.reward_model --out DIR [--steps N] [--seed S]`."""
+    """`python -m asyncrl.demo.reward_model --out DIR [--steps N] [--seed S] [--cache-dir C]`:
+    the model is built in (or taken from) the cache, then copied to DIR, a plain Hugging Face
+    directory for `reward.model.path=DIR`."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", required=True, help="cache directory to build the model in")
+    parser.add_argument("--out", required=True, help="directory to write the model to")
     parser.add_argument("--steps", type=int, default=600, help="supervised steps")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--max-operand", type=int, default=9, help="the arith task's operands")
+    parser.add_argument("--cache-dir", default=".asyncrl_cache", help="trainer.cache_dir")
     args = parser.parse_args(argv)
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not (out / "asyncrl_reward_model.json").is_file():
+        parser.error(f"--out {out} is not empty and holds no reward model: choose another")
     path = prepare_reward_model(
-        args.out, ArithmeticTask(max_operand=args.max_operand), args.steps, args.seed
+        args.cache_dir, ArithmeticTask(max_operand=args.max_operand), args.steps, args.seed
     )
-    report = json.loads((path / "asyncrl_reward_model.json").read_text())
+    shutil.copytree(path, out, dirs_exist_ok=True)
+    report = json.loads((out / "asyncrl_reward_model.json").read_text())
     print(
-        f"{path}: held-out accuracy {report['heldout_accuracy']:.3f}, "
+        f"{out}: held-out accuracy {report['heldout_accuracy']:.3f}, "
         f"mean logit gap {report['mean_gap']:.2f}, trained in {report['train_s']:.1f}s"
     )
 

@@ -96,6 +96,13 @@ def test_near_wrong_answers_are_off_by_one_or_two_and_never_negative() -> None:
 def test_cli_builds_and_prints_the_heldout_accuracy(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    main(["--out", str(tmp_path), "--steps", "0"])
+    out_dir, cache = tmp_path / "rm", tmp_path / "cache"
+    main(["--out", str(out_dir), "--steps", "0", "--cache-dir", str(cache)])
     out = capsys.readouterr().out
-    assert "held-out accuracy" in out and str(tmp_path) in out
+    assert "held-out accuracy" in out and str(out_dir) in out
+    assert (out_dir / "config.json").is_file()  # a plain model directory: reward.model.path=DIR
+    main(["--out", str(out_dir), "--steps", "0", "--cache-dir", str(cache)])  # again: fine
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(SystemExit):
+        main(["--out", str(tmp_path / "busy"), "--steps", "0", "--cache-dir", str(cache)])
