@@ -103,3 +103,13 @@ async def test_a_combine_function_that_fails_scores_0_and_is_counted(tmp_path, b
 def test_a_missing_combine_file_fails_at_start_up(tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist"):
         _combined(1.0, 0.5, combine={"path": str(tmp_path / "nope.py")})
+
+
+def test_the_shipped_probability_combine_squashes_the_logit_without_overflow():
+    from asyncrl.config import CONFIG_DIR
+    from rollout_servers.rewards import load_custom_reward
+
+    combine = load_custom_reward(CONFIG_DIR / "rewards" / "model_probability.py", "combine")
+    assert combine(1.0, 0.0, "s", {}) == 0.5
+    assert combine(1.0, 2.0, "s", {}) == pytest.approx(0.8808, abs=1e-4)
+    assert combine(0.0, 1000.0, "s", {}) == 1.0 and combine(0.0, -1000.0, "s", {}) == 0.0
