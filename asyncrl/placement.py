@@ -180,7 +180,7 @@ def plan_placement(
     }
     after = ranks + (rc.num_servers * t if servers_on_gpu else 0)  # rule 5: after them all
     rm_on_gpu = rm.device != "cpu" and g > 0
-    rm_gpus = {
+    rm_gpus: dict[str, tuple[int, ...]] = {
         f"reward_model_{k}": ((after + k) % g,) if rm_on_gpu else () for k in range(reward_models)
     }
     fractions = _server_fractions(server_gpus, set(range(ranks)), rc.gpu_memory_fraction)
