@@ -23,11 +23,21 @@ servers go on GPUs unless `rollout.device=cpu` or G = 0.
    (entries of the launcher's own `CUDA_VISIBLE_DEVICES` when set, else their index), so every
    process calls its first GPU `cuda:0`; "" for a process on CPU (the replay too) when the
    machine has GPUs; untouched when it has none (the CPU default run is as it always was).
+5. Reward-model servers (`reward_model_<k>`, k < `reward.num_servers`, only when
+   `reward.model.path` is set) come after the learner's and the servers' GPUs: on CPU when
+   `reward.model.device=cpu` or G = 0, else one GPU each, (L + S + k) mod G, with S =
+   `rollout.num_servers` * T the servers' GPUs (0 when the servers are on CPU). So they have
+   GPUs of their own when there are enough, else they share (on one GPU, GPU 0). Each takes
+   `reward.model.gpu_memory_fraction` (0.1) of its GPU, shared or not (so it needs the same
+   room on one GPU as on eight), and holds to it (`maybe_limit_gpu_memory`); on a GPU it
+   shares, that share counts as a server's does: the servers' default shares of rule 3 stay as
+   they are, a learner rank gets what servers and reward models leave (1 GPU, defaults: 1 -
+   0.4 - 0.1 = 0.5), and the refusal below counts it.
 
 Refused before anything starts, naming the keys (`PlacementError`): `launch.gpus` above the
 GPUs present, `rollout.gpus_per_server` above `launch.gpus`, more learner ranks than GPUs, a
-`cuda` device with no GPU, servers' fractions on one GPU above 1 (or leaving a learner rank
-less than `LEARNER_MIN_SHARE`).
+`cuda` device with no GPU (`reward.model.device` too, with a reward model), servers' and reward
+models' fractions on one GPU above 1 (or leaving a learner rank less than `LEARNER_MIN_SHARE`).
 """
 
 from __future__ import annotations
@@ -58,12 +68,12 @@ class PlacementError(ConfigError):
 class Placement:
     """One process of the run as placed."""
 
-    name: str  # replay, server_<i>, learner_<rank>
-    role: str  # replay | server | learner
-    index: int  # server index or learner rank (0 for the replay)
+    name: str  # replay, reward_model_<k>, server_<i>, learner_<rank>
+    role: str  # replay | reward_model | server | learner
+    index: int  # reward-model or server index, or learner rank (0 for the replay)
     gpus: tuple[int, ...]  # the launcher's GPU numbers (0 .. launch.gpus-1); () on CPU
     cuda_visible_devices: str | None  # what it is started with; None: inherited unchanged
-    memory_fraction: float | None  # server: its engine's share of each GPU; learner: its share
+    memory_fraction: float | None  # server: its engine's share of each GPU; others: their share
     shared: bool  # another process of the run is on one of its GPUs
 
     @property
@@ -94,12 +104,13 @@ class PlacementPlan:
     def table(self) -> str:
         """The plan as printed at start: one line per process."""
         lines = [f"asyncrl: placement: {self.mode}, {self.gpus} GPU(s)"]
-        lines.append(f"  {'process':<12} {'where':<10} {'CUDA_VISIBLE_DEVICES':<21} memory")
+        w = max([12, *(len(p.name) for p in self.places)])  # reward_model_<k> is longer
+        lines.append(f"  {'process':<{w}} {'where':<10} {'CUDA_VISIBLE_DEVICES':<21} memory")
         for p in self.places:
             cvd = "(inherited)" if p.cuda_visible_devices is None else repr(p.cuda_visible_devices)
             memory = "-" if p.memory_fraction is None else f"{p.memory_fraction:.2f}"
             memory += " shared" if p.shared else (" own" if p.gpus else "")
-            lines.append(f"  {p.name:<12} {p.where:<10} {cvd:<21} {memory}")
+            lines.append(f"  {p.name:<{w}} {p.where:<10} {cvd:<21} {memory}")
         return "\n".join(lines)
 
 
@@ -112,6 +123,8 @@ class PlacementSetup(Protocol):
     def rollout(self) -> Any: ...
     @property
     def learner(self) -> Any: ...
+    @property
+    def reward(self) -> Any: ...
 
 
 def visible_gpus() -> int:
@@ -132,10 +145,12 @@ def plan_placement(
     with_learner: bool = True,
     parent_cvd: str | None = None,
 ) -> PlacementPlan:
-    """Place the replay, the servers and (when training) the learner ranks by the rule of the
-    module docstring. `gpus_present`: what the launcher sees (`visible_gpus`); `parent_cvd`:
-    its own `CUDA_VISIBLE_DEVICES` (None: unset)."""
-    lc, rc, lr = cfg.launch, cfg.rollout, cfg.learner
+    """Place the replay, the reward-model servers (with `reward.model.path`), the servers and
+    (when training) the learner ranks by the rule of the module docstring. `gpus_present`:
+    what the launcher sees (`visible_gpus`); `parent_cvd`: its own `CUDA_VISIBLE_DEVICES`
+    (None: unset)."""
+    lc, rc, lr, rm = cfg.launch, cfg.rollout, cfg.learner, cfg.reward.model
+    reward_models = cfg.reward.num_servers if rm.path is not None else 0
     g = gpus_present if lc.gpus is None else lc.gpus
     if g > gpus_present:
         raise PlacementError(
@@ -145,6 +160,7 @@ def plan_placement(
     for key, device, needed in (
         ("rollout.device", rc.device, True),
         ("learner.device", lr.device, with_learner),
+        ("reward.model.device", rm.device, reward_models > 0),
     ):
         if needed and device == "cuda" and g == 0:
             raise PlacementError(f"{key}=cuda but launch.gpus resolves to 0 (no GPU to run on)")
@@ -162,9 +178,16 @@ def plan_placement(
         f"server_{i}": tuple((ranks + i * t + j) % g for j in range(t)) if servers_on_gpu else ()
         for i in range(rc.num_servers)
     }
+    after = ranks + (rc.num_servers * t if servers_on_gpu else 0)  # rule 5: after them all
+    rm_on_gpu = rm.device != "cpu" and g > 0
+    rm_gpus: dict[str, tuple[int, ...]] = {
+        f"reward_model_{k}": ((after + k) % g,) if rm_on_gpu else () for k in range(reward_models)
+    }
     fractions = _server_fractions(server_gpus, set(range(ranks)), rc.gpu_memory_fraction)
-    shares = _learner_shares(server_gpus, fractions, ranks)
-    users = _users({**learner_gpus, **server_gpus})
+    fractions |= {name: rm.gpu_memory_fraction for name, gpus in rm_gpus.items() if gpus}
+    _refuse_oversubscribed(server_gpus, rm_gpus, fractions, ranks, rc.gpu_memory_fraction)
+    shares = _learner_shares({**server_gpus, **rm_gpus}, fractions, ranks)
+    users = _users({**learner_gpus, **server_gpus, **rm_gpus})
     ids = _parent_ids(g, parent_cvd)
 
     def placed(
@@ -175,6 +198,8 @@ def plan_placement(
         return Placement(name, role, index, gpus, cvd, fraction if gpus else None, shared)
 
     places = [placed("replay", "replay", 0, (), None)]
+    for k, (name, gpus) in enumerate(rm_gpus.items()):
+        places.append(placed(name, "reward_model", k, gpus, fractions.get(name)))
     for i, (name, gpus) in enumerate(server_gpus.items()):
         places.append(placed(name, "server", i, gpus, fractions.get(name)))
     for r, (name, gpus) in enumerate(learner_gpus.items()):
@@ -198,8 +223,7 @@ def _users(gpus_of: dict[str, tuple[int, ...]]) -> dict[int, int]:
 def _server_fractions(
     server_gpus: dict[str, tuple[int, ...]], learner_gpus: set[int], fraction: float | None
 ) -> dict[str, float]:
-    """Each server's share of each of its GPUs (rule 3); refuses a GPU whose servers' shares add
-    up to more than it has."""
+    """Each server's share of each of its GPUs (rule 3)."""
     users = _users(server_gpus)
     if fraction is None:
         budget = {
@@ -210,26 +234,50 @@ def _server_fractions(
         }
     else:
         fractions = {n: fraction for n, gs in server_gpus.items() if gs}
-    for i in sorted(users):
-        total = sum(fractions[n] for n, gs in server_gpus.items() if i in gs)
-        limit = 1 - LEARNER_MIN_SHARE if i in learner_gpus else 1.0
-        if total > limit + 1e-9:
-            who = f"learner rank {i} less than {LEARNER_MIN_SHARE}" if i in learner_gpus else ""
-            raise PlacementError(
-                f"rollout.gpu_memory_fraction={fraction} x {users[i]} server(s) on GPU {i} "
-                f"adds up to {total:.2f}: more than the GPU has"
-                + (f" (it would leave {who})" if who else "")
-                + " (lower rollout.gpu_memory_fraction or rollout.num_servers, or raise launch.gpus)"
-            )
     return fractions
 
 
+def _refuse_oversubscribed(
+    server_gpus: dict[str, tuple[int, ...]],
+    rm_gpus: dict[str, tuple[int, ...]],
+    fractions: dict[str, float],
+    ranks: int,
+    fraction: float | None,
+) -> None:
+    """Refuse a GPU whose servers' and reward models' shares (`fractions`) add up to more than
+    it has, or leave a learner rank on it less than `LEARNER_MIN_SHARE`; the message names the
+    keys that set those shares."""
+    servers, rms = _users(server_gpus), _users(rm_gpus)
+    for i in sorted(servers.keys() | rms.keys()):
+        total = sum(fractions[n] for n, gs in server_gpus.items() if i in gs)
+        total += sum(fractions[n] for n, gs in rm_gpus.items() if i in gs)
+        limit = 1 - LEARNER_MIN_SHARE if i < ranks else 1.0
+        if total <= limit + 1e-9:
+            continue
+        who = f"learner rank {i} less than {LEARNER_MIN_SHARE}" if i < ranks else ""
+        parts, lower = [], []
+        if i in servers:
+            parts.append(f"rollout.gpu_memory_fraction={fraction} x {servers[i]} server(s)")
+            lower.append("rollout.gpu_memory_fraction or rollout.num_servers")
+        if i in rms:
+            rm_fraction = next(fractions[n] for n, gs in rm_gpus.items() if i in gs)
+            parts.append(
+                f"reward.model.gpu_memory_fraction={rm_fraction} x {rms[i]} reward model(s)"
+            )
+            lower.append("reward.model.gpu_memory_fraction or reward.num_servers")
+        raise PlacementError(
+            f"{' + '.join(parts)} on GPU {i} adds up to {total:.2f}: more than the GPU has"
+            + (f" (it would leave {who})" if who else "")
+            + f" (lower {', '.join(lower)}, or raise launch.gpus)"
+        )
+
+
 def _learner_shares(
-    server_gpus: dict[str, tuple[int, ...]], fractions: dict[str, float], ranks: int
+    shared_with: dict[str, tuple[int, ...]], fractions: dict[str, float], ranks: int
 ) -> list[float]:
-    """Each learner rank's share of its GPU: what the servers on it leave."""
+    """Each learner rank's share of its GPU: what the servers and reward models on it leave."""
     taken = [0.0] * ranks
-    for name, gpus in server_gpus.items():
+    for name, gpus in shared_with.items():
         for i in gpus:
             if i < ranks:
                 taken[i] += fractions[name]
@@ -269,13 +317,15 @@ def launch_placement(cfg: PlacementSetup, with_learner: bool = True) -> Placemen
 def maybe_limit_gpu_memory(place: Placement | None, device: Any) -> float | None:
     """State this process's placement in its log and, on a shared GPU, cap its caching
     allocator at its share (`torch.cuda.set_per_process_memory_fraction`); a process on CPU is
-    left untouched. Returns the cap applied, if any."""
+    left untouched. A reward model holds to its share on a GPU of its own too (rule 5). Returns
+    the cap applied, if any."""
     log = logging.getLogger("asyncrl.placement")
     who = "this process" if place is None else place.name
     if place is None or getattr(device, "type", str(device)) != "cuda":
         log.info("%s runs on %s", who, device)
         return None
-    fraction = place.memory_fraction if place.shared else None
+    capped = place.shared or place.role == "reward_model"
+    fraction = place.memory_fraction if capped else None
     cvd = place.cuda_visible_devices
     if fraction is None or fraction >= 1:
         log.info("%s on %s (CUDA_VISIBLE_DEVICES=%s), a GPU of its own", who, device, cvd)
@@ -284,11 +334,12 @@ def maybe_limit_gpu_memory(place: Placement | None, device: Any) -> float | None
 
     torch.cuda.set_per_process_memory_fraction(fraction, device)
     log.info(
-        "%s on %s (CUDA_VISIBLE_DEVICES=%s), shared: its share is %.2f of the GPU's memory "
+        "%s on %s (CUDA_VISIBLE_DEVICES=%s), %s: its share is %.2f of the GPU's memory "
         "(enforced: torch.cuda.set_per_process_memory_fraction)",
         who,
         device,
         cvd,
+        "shared" if place.shared else "a GPU of its own",
         fraction,
     )
     return fraction

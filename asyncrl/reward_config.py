@@ -98,6 +98,11 @@ class RewardModelConfig(Section):
     """Where the reward model runs; auto: the GPU the launcher gave its process, else CPU."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """The reward model's dtype."""
+    gpu_memory_fraction: float = Field(0.1, gt=0.0, le=1.0)
+    """Each reward-model server's share of its GPU's memory (`asyncrl.placement`, rule 5),
+    enforced with `torch.cuda.set_per_process_memory_fraction` on a GPU of its own too, so it
+    needs the same room on one GPU as on eight; on a learner rank's GPU the rank gets what the
+    servers and reward models leave."""
 
     @pydantic.field_validator("template")
     @classmethod

@@ -32,6 +32,7 @@ from asyncrl.auth import secret_from_env
 from asyncrl.config import Config
 from asyncrl.endpoint import OUTCOMES, Endpoint, Peer
 from asyncrl.metrics import peak_rss_mb, write_json_atomic
+from asyncrl.placement import maybe_limit_gpu_memory
 from asyncrl.protocol import Error
 from asyncrl.protocol_rewards import MAX_SCORE_ERROR_CHARS, ScoreItem, ScoreRequest, Scores
 from asyncrl.run_spec import RunSpec
@@ -183,9 +184,15 @@ def run_reward_model_server(spec: RunSpec, cfg: Config, index: int) -> None:
     """Entry point of reward-model server `index`: load the model (`reward.model`), serve
     `spec.reward_model_addresses[index]` until SIGTERM/SIGINT, then write the final counters
     to `run_dir/stats/reward_model_<index>.json` (atomically) and log a one-line summary. The
-    run secret comes from the environment (`asyncrl.auth`)."""
+    run secret comes from the environment (`asyncrl.auth`). On a GPU it holds to its placed
+    share of the GPU's memory (`asyncrl.placement`, rule 5), set before the model loads, and
+    states it in its log."""
     torch.set_num_threads(spec.threads)
-    scorer = setup_scorer(cfg.reward.model, resolve_device(cfg.reward.model.device))
+    place = spec.own_place(f"reward_model_{index}")
+    device = resolve_device(cfg.reward.model.device)
+    if device == "cuda":
+        maybe_limit_gpu_memory(place, torch.device("cuda", 0))
+    scorer = setup_scorer(cfg.reward.model, device)
     server = RewardModelServer(
         scorer,
         cfg.reward.model.max_batch,

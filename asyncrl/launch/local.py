@@ -286,8 +286,7 @@ def local_commands(
     reward-model servers (with `reward.model.path`), the rollout servers, the learner ranks
     (when the plan has them). Each gets the CUDA_VISIBLE_DEVICES of its placement; a learner
     rank on GPUs of its own numbering has LOCAL_RANK=0 (its first GPU is its cuda:0), as under
-    Ray. (The reward-model servers are not in the placement plan yet: on a GPU machine they
-    see what the launcher sees.)"""
+    Ray."""
     commands = [("replay", [*worker, "replay", spec_path], process_env(spec, "replay"))]
     for i in range(len(spec.reward_model_addresses)):
         name = f"reward_model_{i}"

@@ -56,13 +56,14 @@ def ray_placement(cfg: Config, with_learner: bool) -> PlacementPlan:
 
 def plan_seats(cfg: Config, with_learner: bool, plan: PlacementPlan | None = None) -> list[Seat]:
     """The replay, the servers and (when training) the learner ranks, with what each actor
-    takes (`plan`: the run's placement; default `ray_placement`)."""
+    takes (`plan`: the run's placement; default `ray_placement`). The plan's reward-model
+    servers get no seat: the Ray launcher refuses a run with a reward model (`start_ray_fleets`)."""
     plan = ray_placement(cfg, with_learner) if plan is None else plan
     rc = cfg.launch.ray
     cpus = {"server": rc.server_num_cpus, "learner": rc.learner_num_cpus}
     seats = [Seat("replay", "replay", 0, {})]
     for p in plan.places:
-        if p.role == "replay":
+        if p.role in ("replay", "reward_model"):
             continue
         gpus: float = len(p.gpus)
         if p.shared:
