@@ -3,7 +3,7 @@
     python tools/reward_model_report.py RUN_DIR [RUN_DIR ...]
 
 For each run: what it trained on (the reward model alone, `reward.rule_weight=0`; the rule and
-the model; or the rule), and the rule reward of its training samples (`traj/reward_rule` where a
+the model; a `reward.combine` function of them; or the rule), and the rule reward of its training samples (`traj/reward_rule` where a
 reward model ran, else `reward_mean`, which is the rule) over its first 5 steps, over the 20
 steps before step 100, 200 and the end, and the seconds from the first step's start to a
 20-step mean of 0.8. A run trained on the model never sees the rule; this is the measure of
@@ -29,10 +29,12 @@ def _mean(xs: list[float]) -> float:
 
 
 def trained_on(run_dir: Path) -> str:
-    """model | rule+model | rule, from the run's config.yaml."""
+    """model | rule+model | combine (a `reward.combine` function) | rule, from config.yaml."""
     reward = (yaml.safe_load((run_dir / "config.yaml").read_text()) or {}).get("reward", {})
     if not (reward.get("model") or {}).get("path"):
         return "rule"
+    if (reward.get("combine") or {}).get("path"):
+        return "combine"
     return "model" if reward.get("rule_weight", 1.0) == 0 else "rule+model"
 
 
@@ -42,8 +44,10 @@ def rule_rewards(rows: list[dict[str, Any]]) -> list[float]:
 
 def summarize(run_dir: Path) -> dict[str, Any]:
     rows = training_rows(read_jsonl(run_dir / "metrics.jsonl"))
+    if not rows:
+        raise ValueError(f"{run_dir} has no training steps in metrics.jsonl")
     rule = rule_rewards(rows)
-    start = rows[0]["time"] - rows[0].get("step_s", 0.0) if rows else 0.0
+    start = rows[0]["time"] - rows[0].get("step_s", 0.0)
     reached = next(
         (
             rows[i]["time"] - start
@@ -61,7 +65,7 @@ def summarize(run_dir: Path) -> dict[str, Any]:
         "at200": _mean(rule[180:200]),
         "last20": _mean(rule[-20:]),
         "s_to_target": reached,
-        "wall_s": rows[-1]["time"] - start if rows else 0.0,
+        "wall_s": rows[-1]["time"] - start,
     }
 
 
@@ -83,7 +87,11 @@ def main(argv: list[str]) -> int:
     if not argv:
         print(__doc__)
         return 2
-    print(table([summarize(Path(a)) for a in argv]))
+    try:
+        print(table([summarize(Path(a)) for a in argv]))
+    except ValueError as e:
+        print(f"reward_model_report: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
