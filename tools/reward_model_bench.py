@@ -3,8 +3,9 @@
     python tools/reward_model_bench.py [--model DIR] [--seconds 10] [--concurrency 1 8 32]
                                        [--device cpu|cuda|auto] [--max-batch 32] [--threads 2]
 
-The server runs in a child process, as in a run: `run_reward_model_server(spec, cfg, 0)` on a
-RunSpec written here (one loopback address in `reward_model_addresses`) with the run secret in
+The server runs in a child process, as the local launcher starts it: `python -m
+asyncrl.launch.worker reward_model RUN_DIR/launch.json --index 0`, with a RunSpec and a
+config.yaml written here (one loopback address in `reward_model_addresses`) and the run secret in
 its environment, stopped by SIGTERM. Each client is one asyncio DEALER signed with the run's
 `client` key that sends a `ScoreRequest` of one item, waits for its `Scores`, checks it (signed
 by the server, same request id, no error) and sends the next; every level runs `--seconds`
@@ -42,20 +43,12 @@ import zmq
 import zmq.asyncio
 
 from asyncrl.auth import SECRET_ENV, RoleKey, new_secret, role_key
+from asyncrl.config import config_to_yaml, load_config
 from asyncrl.demo.tasks import ARITH_SOURCE, ArithmeticTask
 from asyncrl.protocol import ChatMessage
 from asyncrl.protocol_rewards import ScoreItem, ScoreRequest, Scores
 from asyncrl.run_spec import RunSpec
 from asyncrl.transport import decode_signed, free_port, send_msg, setup_socket, tcp_address
-
-LAUNCH = """
-import json, sys
-from asyncrl.config import load_config
-from asyncrl.run_spec import RunSpec
-from reward_models.server import run_reward_model_server
-run_reward_model_server(RunSpec.load(sys.argv[1]), load_config(None, json.loads(sys.argv[2])), 0)
-"""
-"""The child's program: the server's entry point on the spec and overrides written here."""
 
 REPLY_TIMEOUT_S = 120.0
 """A reply slower than this (the first one includes loading the model) fails the bench."""
@@ -87,15 +80,17 @@ def start_server(
         threads=args.threads,
         reward_model_addresses=(address,),
     )
-    spec.save(run_dir / "spec.json")
+    spec.save(run_dir / "launch.json")
     overrides = [
         f"reward.model.path={model}",
         f"reward.model.device={args.device}",
         f"reward.model.max_batch={args.max_batch}",
     ]
+    (run_dir / "config.yaml").write_text(config_to_yaml(load_config(None, overrides)))
     log = (run_dir / "reward_model_0.log").open("wb")
-    child = subprocess.Popen(
-        [sys.executable, "-c", LAUNCH, str(run_dir / "spec.json"), json.dumps(overrides)],
+    worker = [sys.executable, "-m", "asyncrl.launch.worker", "reward_model"]
+    child = subprocess.Popen(  # as the local launcher starts it
+        [*worker, str(run_dir / "launch.json"), "--index", "0"],
         env={**os.environ, SECRET_ENV: secret.hex()},
         stdout=log,
         stderr=subprocess.STDOUT,

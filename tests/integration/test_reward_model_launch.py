@@ -12,10 +12,8 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForSequenceClassification
 
-from asyncrl.demo.reward_model import prepare_reward_model
+from asyncrl.demo.reward_model import RewardModelSpec, build_reward_model, prepare_reward_model
 from asyncrl.demo.tasks import ArithmeticTask
 from asyncrl.demo.tiny_model import build_tokenizer
 from asyncrl.launch.progress import training_rows
@@ -32,18 +30,7 @@ def random_reward_model(tmp_path_factory) -> Path:
     not matter here, only that it is served, killed and served again."""
     out = tmp_path_factory.mktemp("rm")
     tokenizer = build_tokenizer()
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        num_labels=1,
-        pad_token_id=tokenizer.pad_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForSequenceClassification(config).save_pretrained(out)
+    build_reward_model(tokenizer, RewardModelSpec(), seed=0).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
 

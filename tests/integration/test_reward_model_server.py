@@ -20,10 +20,12 @@ from contextlib import contextmanager
 import pytest
 import torch
 import zmq
-from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
+from transformers import LlamaForCausalLM
 
 from asyncrl.auth import SECRET_ENV, Keyring, role_key
 from asyncrl.codec import decode, encode
+from asyncrl.config import config_to_yaml, load_config
+from asyncrl.demo.reward_model import RewardModelSpec, build_reward_model
 from asyncrl.demo.tiny_model import build_tokenizer
 from asyncrl.endpoint import accounted
 from asyncrl.protocol import ChatMessage, Error, StatsRequest
@@ -46,18 +48,7 @@ class CountingScorer:
 
     def __init__(self) -> None:
         tokenizer = build_tokenizer()
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=len(tokenizer),
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            num_labels=1,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-        model = LlamaForSequenceClassification(config).eval()
+        model = build_reward_model(tokenizer, RewardModelSpec(hidden_size=32), seed=0).eval()
         self.inner = ClassifierScorer(model, tokenizer, max_length=256, max_batch=8)
         self.batches: list[int] = []
 
@@ -209,18 +200,10 @@ def test_a_scorer_that_raises_fails_its_batch_not_the_server(scorer):
     assert server.stats()["batch_failures"] == 1 and accounted(server.stats())
 
 
-_CHILD = """
-import json, logging, sys
-from asyncrl.config import Config
-from asyncrl.run_spec import RunSpec
-from reward_models.server import run_reward_model_server
-logging.basicConfig(level=logging.INFO)
-run_reward_model_server(RunSpec.load(sys.argv[1]), Config.model_validate(json.loads(sys.argv[2])), 1)
-"""
-
-
 def test_the_entry_point_serves_until_sigterm_then_writes_its_stats(tmp_path, scorer):
-    """`run_reward_model_server` in a process of its own, as a launcher would start it."""
+    """`python -m asyncrl.launch.worker reward_model SPEC --index 1`, as the local launcher
+    starts it (config.yaml and launch.json in the run directory, the run secret in its
+    environment)."""
     model_dir = tmp_path / "rm"
     scorer.inner.model.save_pretrained(model_dir)
     scorer.inner.tokenizer.save_pretrained(model_dir)
@@ -236,9 +219,11 @@ def test_the_entry_point_serves_until_sigterm_then_writes_its_stats(tmp_path, sc
         reward_model_addresses=("tcp://127.0.0.1:1", address),
     )
     spec.save(tmp_path / "launch.json")
-    cfg = {"reward": {"model": {"path": str(model_dir), "device": "auto"}}}
+    cfg = load_config(None, [f"reward.model.path={model_dir}", "reward.model.device=auto"])
+    (tmp_path / "config.yaml").write_text(config_to_yaml(cfg))
     env = {**os.environ, SECRET_ENV: SECRET.hex()}
-    argv = [sys.executable, "-c", _CHILD, str(tmp_path / "launch.json"), json.dumps(cfg)]
+    worker = [sys.executable, "-m", "asyncrl.launch.worker", "reward_model"]
+    argv = [*worker, str(tmp_path / "launch.json"), "--index", "1"]
     child = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         with dealer(address) as sock:
@@ -264,7 +249,7 @@ def test_a_judge_without_a_score_in_its_answer_is_counted_and_scored_zero(scorer
     torch.manual_seed(0)
     tokenizer = scorer.inner.tokenizer
     judge_model = LlamaForCausalLM(copy.deepcopy(scorer.inner.model.config))
-    cfg = RewardModelConfig(kind="judge", max_new_tokens=2, max_length=64)
+    cfg = RewardModelConfig(kind="judge", max_new_tokens=2, max_length=64, answer_prefix="")
     judge = JudgeScorer(judge_model.eval(), tokenizer, cfg)
     with serving(judge) as server, dealer(server.address) as sock:  # type: ignore[arg-type]
         reply = ask(sock, ScoreRequest(request_id=4, items=_items(2, "judge")), "client")
