@@ -14,6 +14,10 @@ judgement is the honest measure of a reward model. Each trajectory logs `reward_
 when the model gave no score (a timeout, a judge's answer without one), `reward_model_failed`.
 A combine function that raises or returns no finite number scores 0.0 and is counted
 (`combine_errors`), as a reward function's failure is.
+
+Evaluation prompts (`asyncrl eval`, `trainer.val_every`) are scored by the rule alone where
+the data source has one, as verl validates on rule rewards only: an evaluation reports the
+task's own score. Where it has none, the model's score is all there is.
 """
 
 from __future__ import annotations
@@ -42,14 +46,19 @@ class CombinedReward:
         self._combine = (
             load_custom_reward(cfg.combine.path, cfg.combine.name) if cfg.combine.path else None
         )
-        # a custom reward function scores every data source
-        self._rules_always = bool(cfg.rule_weight or self._combine or cfg.custom.path)
+        self._custom_rule = cfg.custom.path is not None  # it scores every data source
+        self._rules_always = bool(cfg.rule_weight or self._combine or self._custom_rule)
         self.counters: Counter[str] = Counter()
 
     async def score(self, prompt: PromptItem, text: str) -> tuple[float, dict[str, float]]:
         """(reward, extra metrics) of one response (see the module docstring)."""
         item = ScoreItem(list(prompt.messages), text, prompt.data_source, prompt.ground_truth)
-        if self._rules_always or prompt.data_source in REWARD_FNS:
+        has_rule = bool(self._custom_rule) or prompt.data_source in REWARD_FNS
+        if prompt.eval_job and has_rule:  # the task's own score
+            return await self.rules.score(
+                prompt.data_source, text, prompt.ground_truth, prompt.extra_info
+            )
+        if self._rules_always or has_rule:
             (rule, extras), (model, error) = await asyncio.gather(
                 self.rules.score(prompt.data_source, text, prompt.ground_truth, prompt.extra_info),
                 self.model.score(item),

@@ -34,8 +34,9 @@ class FakeModel:
         return self.result
 
 
-def _prompt(data_source: str = "openai/gsm8k") -> PromptItem:
-    return PromptItem("g1", 1, data_source, [ChatMessage("user", "2+2?")], "4", {"k": 1})
+def _prompt(data_source: str = "openai/gsm8k", eval_job: str = "") -> PromptItem:
+    messages = [ChatMessage("user", "2+2?")]
+    return PromptItem("g1", 1, data_source, messages, "4", {"k": 1}, eval_job=eval_job)
 
 
 def _combined(rule: float, model: float, error: str = "", **reward) -> tuple:
@@ -113,3 +114,12 @@ def test_the_shipped_probability_combine_squashes_the_logit_without_overflow():
     assert combine(1.0, 0.0, "s", {}) == 0.5
     assert combine(1.0, 2.0, "s", {}) == pytest.approx(0.8808, abs=1e-4)
     assert combine(0.0, 1000.0, "s", {}) == 1.0 and combine(0.0, -1000.0, "s", {}) == 0.0
+
+
+async def test_an_evaluation_reports_the_rule_where_there_is_one_else_the_model():
+    """As verl validates on rule rewards only: the task's own score, the model not asked."""
+    combined, _, model = _combined(1.0, 0.3, rule_weight=0.0)
+    assert await combined.score(_prompt(eval_job="job1"), "4") == (1.0, {"format": 1.0})
+    assert model.items == []
+    reward, extras = await combined.score(_prompt("my/unruled_source", eval_job="job1"), "4")
+    assert reward == pytest.approx(0.3) and extras == {"reward_model": 0.3}
