@@ -93,7 +93,8 @@ class RewardModelConfig(Section):
     """A response not scored this long after it was sent (a hung or dead reward-model server,
     resent meanwhile) scores 0 and is counted (`reward_model_timeout`)."""
     resend_s: float = Field(10.0, gt=0)
-    """A request not answered this long is sent again, to the next reward-model server."""
+    """A request not answered this long (or 3 x the slowest recent reply, if longer: a slow
+    model is not a dead one) is sent again, to the next reward-model server."""
     device: Literal["auto", "cpu", "cuda"] = "auto"
     """Where the reward model runs; auto: the GPU the launcher gave its process, else CPU."""
     dtype: Literal["float32", "bfloat16"] = "float32"

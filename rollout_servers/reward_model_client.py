@@ -9,7 +9,10 @@ as one `ScoreRequest`, to the reward-model server with the fewest items in fligh
   (`error`). Every `score` call returns.
 - **Nothing is lost to a dead server.** A request not answered within `resend_s` is sent again,
   to the next server (the one it went to may be dead, or restarted on the same address). ZeroMQ
-  also delivers what waited in a socket's queue once a restarted server is back.
+  also delivers what waited in a socket's queue once a restarted server is back. A slow model
+  is not a dead one: the wait before a resend is at least `SLOW_REPLY_FACTOR` times the
+  slowest recent reply (`reply_s`, decaying), so a judge that takes 30 s a request is not
+  sent every request twice, which would double its load.
 - **Nothing is scored twice into a trajectory.** Scoring is a pure function of an item, so a
   resent request is simply scored again; the first reply to a request id settles it and any
   later one is dropped (`late_replies`).
@@ -37,6 +40,10 @@ from asyncrl.transport import decode_signed, send_msg, setup_socket
 log = logging.getLogger("asyncrl.rollout.reward_model")
 
 REPLY_BYTES = 16 << 20  # a Scores reply is a few bytes per item: anything larger is refused
+SLOW_REPLY_FACTOR = 3.0
+"""A request is resent after max(resend_s, this x the slowest recent reply)."""
+REPLY_DECAY = 0.9
+"""Each reply moves `reply_s` to max(this reply, this factor x `reply_s`)."""
 
 
 @dataclass
@@ -58,6 +65,7 @@ class RewardModelClient:
         if not addresses:
             raise ValueError("RewardModelClient needs at least one reward-model server address")
         self.auth, self.timeout_s, self.resend_s = auth, timeout_s, resend_s
+        self.reply_s = 0.0  # the slowest recent reply (first send to answer), decaying
         self.counters: Counter[str] = Counter()
         self._ctx = zmq.asyncio.Context()
         self._socks = [setup_socket(self._ctx, zmq.DEALER, connect=a) for a in addresses]
@@ -120,6 +128,10 @@ class RewardModelClient:
             return
         self._in_flight[request.target] -= len(request.items)
         self.counters["settled"] += len(request.items)  # once per item: `items` at the end
+        if results and results[0][1] not in ("timeout", "closed"):  # a reply: how long it took
+            took = time.monotonic() - request.first_sent  # (an answer to a resend may be
+            # the first send's: the longer wait is the safe one to learn)
+            self.reply_s = max(took, REPLY_DECAY * self.reply_s)
         for answer, (score, error) in zip(request.answers, results, strict=True):
             if error:  # timeout, closed, or the reward model's own reason (counted as error)
                 self.counters[error if error in ("timeout", "closed") else "error"] += 1
@@ -163,7 +175,9 @@ class RewardModelClient:
                 if now - request.first_sent >= self.timeout_s:
                     self._settle(request_id, [(0.0, "timeout")] * len(request.items))
                     self.counters["requests_timed_out"] += 1
-                elif now - request.last_sent >= self.resend_s:
+                elif now - request.last_sent >= max(
+                    self.resend_s, SLOW_REPLY_FACTOR * self.reply_s
+                ):
                     self._in_flight[request.target] -= len(request.items)
                     request.target = (request.target + 1) % len(self._socks)
                     self._in_flight[request.target] += len(request.items)

@@ -41,6 +41,7 @@ class ScriptedServer:
         self.sock = setup_socket(self.ctx, zmq.ROUTER, bind=address)
         self.requests: list[ScoreRequest] = []
         self.identities: list[bytes] = []  # the ROUTER identity each request came from
+        self.delay_s = 0.0  # how long it "scores" each request before it answers
         self.task = asyncio.ensure_future(self._serve())
 
     async def _serve(self) -> None:
@@ -51,8 +52,17 @@ class ScriptedServer:
             seen = len(self.requests)
             self.requests.append(request)
             self.identities.append(identity)
-            for answer in self.reply(request, seen):
-                await send_msg(self.sock, answer, identity, auth=self.keyring.key(role))
+            answers, key = self.reply(request, seen), self.keyring.key(role)
+            if self.delay_s:  # each request "scored" on its own, as a batching server would
+                asyncio.ensure_future(self._answer_later(answers, identity, key))
+                continue
+            for answer in answers:
+                await send_msg(self.sock, answer, identity, auth=key)
+
+    async def _answer_later(self, answers: list[Scores], identity: bytes, key) -> None:
+        await asyncio.sleep(self.delay_s)
+        for answer in answers:
+            await send_msg(self.sock, answer, identity, auth=key)
 
     def close(self) -> None:
         self.task.cancel()
@@ -165,4 +175,23 @@ async def test_close_settles_every_waiting_call():
         client.close()
         assert await waiting == (0.0, "closed")
     finally:
+        server.close()
+
+
+async def test_a_slow_model_is_not_resent_every_request_once_its_pace_is_known():
+    """A server that takes 0.5 s a request, against resend_s=0.2: the first request, before
+    any reply was seen, is resent once (its second answer dropped as late); after that the
+    client waits 3 x the slowest recent reply, and the next requests leave once each."""
+    secret, (address,), client = _setup(1, timeout_s=10.0, resend_s=0.2)
+    server = ScriptedServer(address, secret)
+    server.delay_s = 0.5
+    try:
+        assert await client.score(_item("ab")) == (2.0, "")
+        assert client.counters["resent"] >= 1 and client.reply_s >= 0.2
+        resent = client.counters["resent"]
+        for text in ("abc", "abcd", "abcde"):
+            assert await client.score(_item(text)) == (float(len(text)), "")
+        assert client.counters["resent"] == resent
+    finally:
+        client.close()
         server.close()
