@@ -2,6 +2,7 @@
 the first process to die in time (and lists the deaths that followed); a dataset it cannot use
 fails before any process starts."""
 
+import contextlib
 import os
 import re
 import signal
@@ -23,7 +24,11 @@ from asyncrl.run_spec import RunSpec
 pytestmark = pytest.mark.integration
 
 
-def _start(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
+def _start(
+    tmp_path: Path, *overrides: str, sigint_ignored: bool = False
+) -> tuple[subprocess.Popen, Path]:
+    """A launch past its first learner step; with `sigint_ignored` it starts as a background
+    job of a script does: SIGINT ignored (which Python keeps, unless told otherwise)."""
     run_dir = tmp_path / "run"
     argv = [
         sys.executable,
@@ -37,7 +42,10 @@ def _start(tmp_path: Path, *overrides: str) -> tuple[subprocess.Popen, Path]:
         "launch.progress=line",
         *overrides,
     ]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=ignore
+    )
     deadline = time.monotonic() + 180
     while not (run_dir / "metrics.jsonl").exists() or not (run_dir / "metrics.jsonl").read_text():
         assert proc.poll() is None, proc.communicate()
@@ -68,11 +76,18 @@ def test_a_dead_server_stops_the_run_and_is_named(tmp_path):
 
 
 def test_ctrl_c_stops_every_process(tmp_path):
-    proc, _ = _start(tmp_path)
+    """Started as a background job of a script starts it (SIGINT inherited ignored: the local
+    CI run that found this left the fleets training for 20 minutes), SIGINT still stops it."""
+    proc, _ = _start(tmp_path, sigint_ignored=True)
     fleet = _fleet(proc.pid)
     assert len(fleet) >= 3  # replay, server, learner
     proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        _, err = proc.communicate(timeout=60)
+    finally:  # never leave a fleet training behind a failed test
+        for p in [proc, *fleet]:
+            with contextlib.suppress(psutil.NoSuchProcess, ProcessLookupError):
+                p.kill()
     assert proc.returncode == 130 and "interrupted" in err
     _assert_all_gone(fleet)
 
