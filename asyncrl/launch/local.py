@@ -154,21 +154,22 @@ class LocalFleet:
     def start_server(self, index: int, epoch: int) -> None:
         """Server `index` again, as `epoch`, with the command it was first started with."""
         name = f"server_{index}"
-        argv, env = self.commands[name]
-        log_path = Path(self.spec.run_dir) / "logs" / f"{name}.log"
-        with log_path.open("a") as log:
-            log.write(f"---- asyncrl: {name} restarted as epoch {epoch} ----\n")
         # that epoch's key: only the launcher can start a later epoch (`asyncrl.auth`)
-        self.start(name, argv, env | auth_env(read_secret(self.spec.run_dir), name, epoch))
+        key = auth_env(read_secret(self.spec.run_dir), name, epoch)
+        self._start_again(name, f"restarted as epoch {epoch}", key)
 
     def start_reward_model(self, index: int, epoch: int) -> None:
         """Reward-model server `index` again, with the command it was first started with."""
-        name = f"reward_model_{index}"
-        argv, env = self.commands[name]
+        self._start_again(f"reward_model_{index}", f"restarted ({epoch})", {})
+
+    def _start_again(self, name: str, note: str, env: dict[str, str]) -> None:
+        """`name`'s first command again (its environment updated by `env`), appending to its
+        log after a line that says so."""
+        argv, first_env = self.commands[name]
         log_path = Path(self.spec.run_dir) / "logs" / f"{name}.log"
         with log_path.open("a") as log:
-            log.write(f"---- asyncrl: {name} restarted ({epoch}) ----\n")
-        self.start(name, argv, env)
+            log.write(f"---- asyncrl: {name} {note} ----\n")
+        self.start(name, argv, first_env | env)
 
     def server_health(self) -> list[ServerHealth] | None:
         return replay_health(self.spec.replay_address, client_key(self.spec))
