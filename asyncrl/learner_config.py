@@ -80,9 +80,11 @@ class LearnerConfig(Section):
     the forward (each response attends to it as to its own prompt: exact). Runs on CPU and with
     FlexAttention on CUDA; false lets CUDA use flash-attn's varlen kernel (when installed, bf16),
     which packs every row whole."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """Compute dtype (FSDP2 MixedPrecisionPolicy): bfloat16 computes forward and backward in
-    bf16 while master weights, gradients' reduction, optimizer state and log-softmax stay fp32."""
+    bf16 while master weights, gradients' reduction, optimizer state and log-softmax stay fp32.
+    auto: bfloat16 on CUDA and on a CPU with bf16 arithmetic (AVX512_BF16, AMX, Arm BF16), else
+    float32, since emulated bf16 is many times slower than fp32 (`learner.precision`)."""
     activation_checkpointing: bool = False
     """Recompute each decoder layer's activations in the backward instead of keeping them
     (less memory, about a third more compute)."""

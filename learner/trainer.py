@@ -50,6 +50,7 @@ from learner.losses import (
     rejection_mask,
 )
 from learner.optim import lr_factor, set_lr, setup_optimizer
+from learner.precision import with_concrete_dtype
 from learner.update import UpdateInputs, Updater, recompute
 
 log = logging.getLogger("asyncrl.learner")
@@ -350,6 +351,7 @@ def run_learner(spec: RunSpec, cfg: Config) -> None:
     torch.set_num_threads(spec.threads)
     torch.manual_seed(cfg.trainer.seed)
     rank, world, device = setup_distributed(cfg.learner.device)
+    cfg = with_concrete_dtype(cfg, device)  # learner.dtype=auto -> float32 or bfloat16
     maybe_limit_gpu_memory(spec.own_place(f"learner_{rank}"), device)  # its share, in its log
     learner = setup_learner(cfg, spec, rank, world, device)
     signal.signal(signal.SIGTERM, lambda *_: setattr(learner, "stop_requested", True))
