@@ -306,14 +306,18 @@ def report(ns: argparse.Namespace) -> int:
             print(f"  {d.name}: no config.yaml, the run never started")
             continue
         bound = run_config(d)["replay"]["max_staleness"]
-        problems = staleness_problems(step_rows(d), bound)
+        rows = step_rows(d)
         done = FAILED not in d.name and cell_finished(d, out / f"{d.name}.log")
         state = "" if done else " (unfinished)"
+        if not rows and not done:  # still starting, or died before its first step
+            print(f"  {d.name}{state}: no step records yet, nothing trained to check")
+            continue
+        problems = staleness_problems(rows, bound)
         if problems:
             broken.append(d.name)
             print(f"  {d.name}{state}: BREAKS bound {bound}: {'; '.join(problems[:3])}")
         else:
-            worst = max(r["staleness_max"] for r in step_rows(d))
+            worst = max(r["staleness_max"] for r in rows)
             print(f"  {d.name}{state}: ok (max {worst:g} <= {bound})")
         if done:
             finished.append(load_cell(d))

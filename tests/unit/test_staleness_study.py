@@ -93,6 +93,19 @@ def test_report_exits_nonzero_when_a_cell_breaks_the_bound(study, tmp_path, caps
     assert "STALENESS BOUND BROKEN in 1 cells: s2-tis-lr5e-4-seed0" in capsys.readouterr().out
 
 
+def test_a_cell_still_starting_is_not_a_break_but_a_finished_one_without_records_is(
+    study, report, tmp_path, capsys, monkeypatch
+):
+    fake_run(tmp_path, "s0-none-lr5e-4-seed0", [[8]] * 3, bound=0, total=3)
+    fake_run(tmp_path, "s4-tis-lr5e-4-seed0", [], bound=4, total=3, done=False)  # starting
+    monkeypatch.setattr(sys, "argv", ["staleness_study.py", "report", "--out", str(tmp_path)])
+    assert study.main() == 0
+    out = capsys.readouterr().out
+    assert "s4-tis-lr5e-4-seed0 (unfinished): no step records yet" in out
+    assert "BROKEN" not in out
+    assert report.staleness_problems([], 4) == ["no step records"]  # as a finished run's
+
+
 def test_resume_decision_and_moving_aside(study, tmp_path):
     fake_run(tmp_path, "done", [[8]] * 3, bound=0, total=3)
     fake_run(tmp_path, "short", [[8]] * 2, bound=0, total=3)  # 2 of 3 steps
