@@ -50,7 +50,10 @@ def resolve_dtype(requested: str, device: torch.device, cpuinfo: str | None = No
     """The compute dtype for `requested` (`learner.dtype`) on `device`, logged once; see the
     module docstring for the rule."""
     if device.type != "cpu":
-        return "bfloat16" if requested == "auto" else requested
+        if requested != "auto":
+            return requested
+        log.info("learner.dtype=auto -> bfloat16 on %s", device)
+        return "bfloat16"
     native = cpu_has_native_bf16(cpuinfo)
     where = f"this CPU ({platform.machine()}, torch capability {cpu_capability()})"
     if requested == "auto":

@@ -35,6 +35,7 @@ def test_native_bf16_is_read_from_the_cpu_flags(cpuinfo, native):
 def test_auto_is_bf16_on_cuda_and_where_the_cpu_has_it_else_fp32(caplog):
     caplog.set_level(logging.INFO, "asyncrl.learner")
     assert resolve_dtype("auto", torch.device("cuda", 0)) == "bfloat16"
+    assert "learner.dtype=auto -> bfloat16 on cuda:0" in caplog.text
     assert resolve_dtype("auto", CPU, AVX512_BF16_EPYC) == "bfloat16"
     assert resolve_dtype("auto", CPU, AVX2_EPYC) == "float32"
     assert "learner.dtype=auto -> float32" in caplog.text

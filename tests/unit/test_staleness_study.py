@@ -93,7 +93,7 @@ def test_report_exits_nonzero_when_a_cell_breaks_the_bound(study, tmp_path, caps
     assert "STALENESS BOUND BROKEN in 1 cells: s2-tis-lr5e-4-seed0" in capsys.readouterr().out
 
 
-def test_a_cell_still_starting_is_not_a_break_but_a_finished_one_without_records_is(
+def test_a_cell_still_starting_is_not_a_break_while_no_records_stay_a_problem(
     study, report, tmp_path, capsys, monkeypatch
 ):
     fake_run(tmp_path, "s0-none-lr5e-4-seed0", [[8]] * 3, bound=0, total=3)
