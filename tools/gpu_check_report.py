@@ -4,6 +4,7 @@
     python tools/gpu_check_report.py junit NAME FILE.xml    # a pytest run's counts and failures
     python tools/gpu_check_report.py json NAME FILE.json    # every scalar of a bench's report
     python tools/gpu_check_report.py learner NAME FILE.json # tools/bench_learner.py's figures
+    python tools/gpu_check_report.py gpu-tests TESTS_DIR    # the test modules with gpu tests
 
 `launch` reads the run directory `asyncrl launch` writes (metrics.jsonl, launch.json): steps
 done, the mean reward of the first 5 and last 20 steps and the gain (the launcher's own summary,
@@ -12,13 +13,16 @@ acceptance of issue 27), and the medians of step time and weight-sync time. It w
 cut short by a timeout too: the steps written so far count. `learner` reads the JSON of
 tools/bench_learner.py: each configuration's speed, memory and MFU (or its error), the derived
 ratios, and the verdicts of issue 28's acceptance (bf16-packed at least 0.9x the bare model's
-tokens/s with at most 1.1x its peak memory). Standard library only, so it runs in any Python the
-check finds.
+tokens/s with at most 1.1x its peak memory). `gpu-tests` lists the test modules that hold a
+`gpu`-marked test, which are all the gpu tier hands pytest: a module without one may import what
+the GPU machine lacks (openai, Ray), and one module that fails to import stops pytest's whole
+collection. Standard library only, so it runs in any Python the check finds.
 """
 
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 import xml.etree.ElementTree as ET
@@ -43,6 +47,14 @@ LEARNER_KEYS = (
     "computed_tokens",
 )
 """What `learner` prints of each configuration of tools/bench_learner.py."""
+GPU_MARK = re.compile(r"\bmark\.gpu\b")
+"""How a test module marks a gpu test (`@pytest.mark.gpu`, `pytestmark = [..., pytest.mark.gpu]`,
+`pytest.param(..., marks=pytest.mark.gpu)`); tests/integration/test_gpu_check_tools.py checks
+that pytest's own `-m gpu` collection finds no module beyond these."""
+
+
+def gpu_test_files(tests_dir: Path) -> list[Path]:
+    return sorted(p for p in tests_dir.rglob("test_*.py") if GPU_MARK.search(p.read_text()))
 
 
 def launch_figures(name: str, run_dir: Path) -> list[str]:
@@ -180,6 +192,10 @@ def main(argv: list[str]) -> int:
         "json": json_figures,
         "learner": learner_figures,
     }
+    if len(argv) == 2 and argv[0] == "gpu-tests":
+        for path in gpu_test_files(Path(argv[1])):
+            print(path)
+        return 0
     if len(argv) != 3 or argv[0] not in kinds:
         print(__doc__, file=sys.stderr)
         return 2

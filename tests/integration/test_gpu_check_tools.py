@@ -169,3 +169,34 @@ def test_report_of_the_learner_bench_judges_packed_against_bare(tmp_path):
         "l.packed_over_bare_tokens_per_s.meets: no (>= 0.9x)",  # 0.45x
         "l.packed_over_bare_peak_mem.meets: no (<= 1.1x)",  # 1.91x
     ]
+
+
+@pytest.mark.long  # collects the whole tree: up to half a minute
+def test_the_gpu_tier_hands_pytest_every_module_that_holds_a_gpu_test():
+    """tools/gpu_check.sh runs `pytest -m gpu` on the modules `gpu-tests` lists (so that one
+    importing openai or Ray, which the GPU machine lacks, cannot stop the collection): pytest's
+    own `-m gpu` collection over the whole tree, with every dependency here, finds no module
+    beyond them, whatever way a test is marked."""
+    collected = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-m",
+            "gpu",
+            "-p",
+            "no:cacheprovider",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert collected.returncode == 0, collected.stdout[-3000:] + collected.stderr[-3000:]
+    modules = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line}
+    assert modules, collected.stdout[-2000:]  # the tree has gpu tests to find
+    listed = _tool("gpu_check_report.py", "gpu-tests", "tests").split()
+    assert modules <= set(listed), sorted(modules - set(listed))
+    assert all(path.startswith("tests/") and path.endswith(".py") for path in listed)
