@@ -207,6 +207,65 @@ def summarize(groups: dict[tuple[int, str, str], Group], ns: argparse.Namespace)
     return rows
 
 
+def wallclock(groups: dict[tuple[int, str, str], Group], ns: argparse.Namespace) -> list[dict]:
+    """Per seed, against the same seed's synchronous reference: when each asynchronous run's
+    running mean first reaches that reference's final reward (the full reward, not the table's
+    fraction), when the reference itself does, and when each finished its steps."""
+    rows = []
+    for g in groups.values():
+        ref = sync_of(groups, g)
+        if g.staleness == 0 or ref is None:
+            continue
+        refs = {r.seed: r for r in ref.runs}
+        for r in g.runs:
+            sync = refs.get(r.seed)
+            if sync is None:
+                continue
+            level = mean(sync.rewards[-ns.window :])
+            reach = first_reaching(r.seconds, running_mean(r.rewards, ns.smooth), level)
+            sync_reach = first_reaching(sync.seconds, running_mean(sync.rewards, ns.smooth), level)
+            rows.append(
+                {
+                    "cell": r.name,
+                    "sync": sync.name,
+                    "sync_final": level,
+                    "sync_reaches_s": sync_reach,
+                    "reaches_s": reach,
+                    "speedup": sync_reach / reach if reach and sync_reach else None,
+                    "sync_done_s": sync.seconds[-1],
+                    "done_s": r.seconds[-1],
+                }
+            )
+    return rows
+
+
+def wallclock_table(rows: list[dict], ns: argparse.Namespace) -> str:
+    head = "| cell | sync final (same seed) | sync reaches it (s) | cell reaches it (s) | speedup |"
+    head += " sync done (s) | cell done (s) | steps done sooner |"
+    lines = [head, "|---" * 8 + "|"]
+    for r in rows:
+        speedup = "-" if r["speedup"] is None else f"{r['speedup']:.2f}x"
+        cells = [
+            r["cell"],
+            f"{r['sync_final']:.3f}",
+            "never" if r["sync_reaches_s"] is None else f"{r['sync_reaches_s']:.0f}",
+            "never" if r["reaches_s"] is None else f"{r['reaches_s']:.0f}",
+            speedup,
+            f"{r['sync_done_s']:.0f}",
+            f"{r['done_s']:.0f}",
+            f"{r['sync_done_s'] / r['done_s']:.2f}x",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    caption = (
+        "Wall-clock, per seed: seconds since launch until the "
+        f"{ns.smooth}-step running mean of the reward first reaches the final reward (last "
+        f"{ns.window} steps) of the synchronous run of the same seed and lr; speedup: the "
+        "synchronous run's time over the cell's; steps done sooner: the synchronous run's time "
+        "for all its steps over the cell's."
+    )
+    return "\n".join(lines) + "\n\n" + caption + "\n"
+
+
 def _reached(values: list[float | None], fmt: str) -> str:
     hit = [v for v in values if v is not None]
     if not hit:
@@ -329,13 +388,15 @@ def report(ns: argparse.Namespace) -> int:
         return 1
     groups = group_runs(finished)
     rows = summarize(groups, ns)
-    text = table(rows, ns)
+    clock = wallclock(groups, ns)
+    text = table(rows, ns) + ("\n" + wallclock_table(clock, ns) if clock else "")
     print(text)
     if ns.table:
         ns.table.write_text(text)
     if ns.json:
         rows_out = [{k: _no_nan(v) for k, v in r.items()} for r in rows]
-        ns.json.write_text(json.dumps({"cells": rows_out, "broken": broken}, indent=1) + "\n")
+        record = {"cells": rows_out, "wallclock": clock, "broken": broken}
+        ns.json.write_text(json.dumps(record, indent=1) + "\n")
     if ns.figure:
         plot(groups, ns.smooth, ns.figure)
         print(f"figure: {ns.figure}")

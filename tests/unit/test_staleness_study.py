@@ -164,3 +164,44 @@ def test_group_final_standard_error_across_seeds_else_steps(report):
     two = report.Group(2, "none", "5e-4", [run(0, [0.0, 0.2]), run(1, [0.0, 0.6])])
     final, se = two.final(1)
     assert final == pytest.approx(0.4) and se == pytest.approx(0.2)  # sd 0.2828 / sqrt 2
+
+
+def test_wallclock_pairs_each_seed_with_its_own_sync_run_by_hand(report):
+    def run(s, seed, seconds, rewards):
+        n = len(rewards)
+        return report.CellRun(
+            f"s{s}-none-lr5e-4-seed{seed}",
+            s,
+            "none",
+            "5e-4",
+            seed,
+            seconds,
+            list(range(1, n + 1)),
+            rewards,
+            {},
+        )
+
+    # seed 0: sync final (last 2 steps) 0.5; its running means (2 steps) 0, 0.25, 0.5 reach it
+    # at t=30; the async run's 0.5, 0.5, 0.55 at t=5: 6x; it ends at 15 against 30
+    # seed 1: the async run never reaches its sync run's 0.8; seed 2 has no sync run
+    runs = [
+        run(0, 0, [10.0, 20.0, 30.0], [0.0, 0.5, 0.5]),
+        run(4, 0, [5.0, 10.0, 15.0], [0.5, 0.5, 0.6]),
+        run(0, 1, [10.0, 20.0], [0.8, 0.8]),
+        run(4, 1, [5.0, 10.0], [0.1, 0.1]),
+        run(4, 2, [5.0, 10.0], [0.9, 0.9]),
+    ]
+    ns = type("NS", (), {"window": 2, "smooth": 2})()
+    rows = {r["cell"]: r for r in report.wallclock(report.group_runs(runs), ns)}
+    assert set(rows) == {"s4-none-lr5e-4-seed0", "s4-none-lr5e-4-seed1"}
+    zero = rows["s4-none-lr5e-4-seed0"]
+    assert zero["sync_final"] == pytest.approx(0.5)
+    assert (zero["sync_reaches_s"], zero["reaches_s"]) == (30.0, 5.0)
+    assert zero["speedup"] == pytest.approx(6.0) and (zero["sync_done_s"], zero["done_s"]) == (
+        30,
+        15,
+    )
+    one = rows["s4-none-lr5e-4-seed1"]
+    assert one["reaches_s"] is None and one["speedup"] is None and one["sync_reaches_s"] == 10.0
+    text = report.wallclock_table(list(rows.values()), ns)
+    assert "| s4-none-lr5e-4-seed1 | 0.800 | 10 | never | - | 20 | 10 | 2.00x |" in text
