@@ -36,8 +36,9 @@
 #  8. /dev/shm after (and what appeared there), GPU processes left, total wall time.
 #
 # Knobs (environment): OUT; GPU_CHECK_BUDGET_S (default 550, under the device's 600 s a call:
-# later steps get what is left, a step with under 10 s left is skipped); GPU_CHECK_DEVICE=cpu, a dry run of the plumbing on a
-# machine without a GPU (no install, no nvidia-smi, small benches, the CPU default launch);
+# later steps get what is left, a step with under 10 s left is skipped); GPU_CHECK_DEVICE=cpu,
+# a dry run of the plumbing on a machine without a GPU (no install, no nvidia-smi, small
+# benches, the CPU default launch);
 # GPU_CHECK_LAUNCH_TESTS=auto|always|never (step 7); PYTHON (default python3).
 
 set -u
