@@ -248,7 +248,7 @@ class EvalResults:
 @message("checkpoint_request")
 class CheckpointRequest:
     request_id: int  # echoed in the Ack
-    path: str  # file the replay writes its whole state to (inside the run directory)
+    path: str  # file the replay writes its whole state to, relative to the run directory
     version: int  # the learner version the checkpoint is taken at (the replay's current one)
 
     def validate(self) -> None:

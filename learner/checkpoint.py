@@ -4,9 +4,15 @@ final weights as a plain Hugging Face model directory.
 
 `save_checkpoint` writes every part into `step_<v>.partial/` (the ranks' shards, then the
 replay's state, asked of the replay through the coordinator after version v was published and
-before the next batch is asked for, then `trainer.json`) and renames it to `step_<v>` last: a checkpoint is complete when
-it exists at all. The learning-rate schedule needs no state: it is a function of the version
-(`learner.optim`).
+before the next batch is asked for, then `trainer.json`) and renames it to `step_<v>` last: a
+checkpoint is complete when it exists at all. The learning-rate schedule needs no state: it is
+a function of the version (`learner.optim`).
+
+The replay is told where to write its part relative to the run directory
+(`checkpoints/step_<v>.partial/replay.msgpack`), never as the learner's path to it: the
+replay resolves it against its own run directory (`replay.access.AccessRules.checkpoint_path`),
+which is the same directory whatever either process's working directory and however
+`trainer.run_dir` was written (a relative `runs/{time}`, the default, included).
 """
 
 from __future__ import annotations
@@ -44,7 +50,8 @@ class ReplayState(Protocol):
     """The replay's side of a checkpoint (the learner's coordinator, `learner.coordinator`)."""
 
     def checkpoint(self, path: str, version: int) -> None:
-        """Have the replay write its whole state at `version` to `path`."""
+        """Have the replay write its whole state at `version` to `path`, relative to the run
+        directory."""
         ...
 
 
@@ -69,7 +76,7 @@ def save_checkpoint(
         dist.barrier()  # nobody writes into it before it is cleared
     save_sharded(partial, *modules)
     if rank == 0:
-        replay.checkpoint(str(partial / REPLAY_FILE), version)
+        replay.checkpoint(str(partial.relative_to(run_dir) / REPLAY_FILE), version)
         write_json_atomic(partial / TRAINER_FILE, {"version": version, **trainer_state})
         final = publish(partial)
         log.info("checkpoint at version %d written to %s", version, final)

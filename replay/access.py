@@ -5,11 +5,11 @@ kind of role whose key signed it decides which message types it may send (`PERMI
 a server (`server_<i>`) speaks only for itself: the server_id of its leases and samples must be
 i, and a sample only fills a group leased to it (`replay.buffer`). A heartbeat speaks only
 for the epoch whose key signed it (`asyncrl.auth`: the launcher hands each restart its epoch's
-key), so no server can forge a later epoch and lock its slot out. A checkpoint
-is written only inside the run directory. `AccessRules` holds these rules for one run (its
-keyring and run directory; it is the replay's `asyncrl.endpoint.Access`), which the
-endpoint applies to every message. Per-peer quotas
-(leases, evaluation jobs) live with the state they bound: `LeaseDesk.wanted` and `EvalJobs`.
+key), so no server can forge a later epoch and lock its slot out. A checkpoint is written
+only inside the run directory, at a path given relative to it. `AccessRules` holds these rules
+for one run (its keyring and run directory; it is the replay's `asyncrl.endpoint.Access`),
+which the endpoint applies to every message. Per-peer quotas (leases, evaluation jobs) live
+with the state they bound: `LeaseDesk.wanted` and `EvalJobs`.
 """
 
 from __future__ import annotations
@@ -89,8 +89,13 @@ class AccessRules:
         return ""
 
     def checkpoint_path(self, path: str) -> Path:
-        """Where a checkpoint asked for as `path` is written: `path` resolved (symlinks
-        followed), if it lies inside the run directory; ValueError if not."""
+        """Where a checkpoint asked for as `path` is written: `path` relative to the run
+        directory (as the learner sends it: `checkpoints/step_<v>.partial/replay.msgpack`,
+        `learner.checkpoint`), resolved (symlinks followed), if it lies inside the run
+        directory; ValueError if not. An absolute `path` is taken as it is, and must lie inside
+        too. Relative to the run directory, not to the working directory: with a relative
+        `trainer.run_dir` (the default `runs/{time}`), a path the learner wrote under the run
+        directory and joined on again landed in run_dir/run_dir/... (issue 40)."""
         if self.run_dir is None:
             raise ValueError("this replay has no run directory: it writes no checkpoints")
         root = self.run_dir.resolve()

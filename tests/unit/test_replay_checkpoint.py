@@ -9,6 +9,7 @@ from __future__ import annotations
 import shutil
 import time
 from collections import Counter
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +27,7 @@ from asyncrl.checkpoints import (
 from asyncrl.config import Config, load_config
 from asyncrl.protocol import LeaseRequest, PromptItem, Trajectory
 from learner.checkpoint import load_checkpoint, save_checkpoint
+from replay.access import AccessRules
 from replay.buffer import GroupBuffer
 from replay.checkpoint import decode_state, encode_state, read_state, write_state
 from replay.eval_jobs import EvalJobs
@@ -174,15 +176,17 @@ def test_a_damaged_state_file_is_refused_naming_it(desk_at_checkpoint, tmp_path)
 
 
 class _FakeReplay:
-    """The replay's side of a checkpoint: writes a state file, or dies before it can."""
+    """The replay's side of a checkpoint: writes a state file where the replay of `run_dir`
+    would (the path it is sent, resolved against its run directory by the replay's own rule,
+    `AccessRules.checkpoint_path`), or dies before it can."""
 
-    def __init__(self, alive: bool = True) -> None:
-        self.alive = alive
+    def __init__(self, run_dir: Path, alive: bool = True) -> None:
+        self.rules, self.alive = AccessRules(b"s" * 32, 1, run_dir), alive
 
     def checkpoint(self, path: str, version: int) -> None:
         if not self.alive:
             raise TimeoutError("the replay did not answer")
-        write_state(path, _desk().data_state(version))
+        write_state(self.rules.checkpoint_path(path), _desk().data_state(version))
 
 
 def _modules():
@@ -196,24 +200,37 @@ def _save(run_dir, version, replay, modules=None) -> None:
 
 
 def test_a_checkpoint_exists_only_once_every_part_is_in(tmp_path):
-    _save(tmp_path, 3, _FakeReplay())
+    _save(tmp_path, 3, _FakeReplay(tmp_path))
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 3)
     check_complete(checkpoint_dir(tmp_path, 3))
     with pytest.raises(TimeoutError):  # the learner dies between its shards and the replay's
-        _save(tmp_path, 6, _FakeReplay(alive=False))
+        _save(tmp_path, 6, _FakeReplay(tmp_path, alive=False))
     assert not checkpoint_dir(tmp_path, 6).exists() and partial_dir(tmp_path, 6).is_dir()
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 3)
-    _save(tmp_path, 6, _FakeReplay())  # a later attempt clears what the dead one left
+    _save(tmp_path, 6, _FakeReplay(tmp_path))  # a later attempt clears what the dead one left
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 6)
     assert not partial_dir(tmp_path, 6).exists()
+
+
+def test_the_replays_part_lands_in_a_checkpoint_of_a_relative_run_directory(tmp_path, monkeypatch):
+    """The default trainer.run_dir is relative (`runs/{time}`). The learner names the replay's
+    file relative to the run directory, as the replay reads it: before issue 40 it sent
+    `runs/x/checkpoints/...`, the replay joined that onto `runs/x` again, and the checkpoint
+    failed, its replay.msgpack missing (written to runs/x/runs/x/...)."""
+    monkeypatch.chdir(tmp_path)
+    run_dir = Path("runs/x")
+    save_checkpoint(run_dir, 2, 0, 1, _modules(), _FakeReplay(run_dir), {})
+    check_complete(checkpoint_dir(run_dir, 2))
+    assert latest_checkpoint(run_dir) == checkpoint_dir(run_dir, 2)
+    assert not (run_dir / "runs").exists()
 
 
 def test_a_checkpoint_missing_a_part_is_refused_naming_the_file(tmp_path):
     modules = _modules()
     with torch.no_grad():
         modules[0].weight.fill_(0.5)
-    _save(tmp_path, 3, _FakeReplay(), modules)
-    _save(tmp_path, 6, _FakeReplay())
+    _save(tmp_path, 3, _FakeReplay(tmp_path), modules)
+    _save(tmp_path, 6, _FakeReplay(tmp_path))
     ckpt = checkpoint_dir(tmp_path, 6)
     (ckpt / REPLAY_FILE).unlink()
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 3)
@@ -237,11 +254,11 @@ def test_keep_checkpoints_deletes_all_but_the_newest_complete_ones(tmp_path):
     from asyncrl.checkpoints import complete_checkpoints, prune
 
     for version in (2, 4):
-        save_checkpoint(tmp_path, version, 0, 1, _modules(), _FakeReplay(), {}, keep=2)
+        save_checkpoint(tmp_path, version, 0, 1, _modules(), _FakeReplay(tmp_path), {}, keep=2)
     partial_dir(tmp_path, 9).mkdir()  # another attempt's, still being written
     damaged = checkpoint_dir(tmp_path, 1)
     damaged.mkdir()  # lacks every part: not a checkpoint
-    save_checkpoint(tmp_path, 6, 0, 1, _modules(), _FakeReplay(), {}, keep=2)
+    save_checkpoint(tmp_path, 6, 0, 1, _modules(), _FakeReplay(tmp_path), {}, keep=2)
     assert complete_checkpoints(tmp_path) == [checkpoint_dir(tmp_path, v) for v in (4, 6)]
     assert partial_dir(tmp_path, 9).is_dir() and damaged.is_dir()
     assert not list((tmp_path / "checkpoints").glob("*.deleting"))
