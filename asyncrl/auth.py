@@ -14,6 +14,12 @@ A process gets only what it needs, in its environment (never on its command line
 gets the run secret (it checks every role); a learner rank or a rollout server gets its role's
 key. `asyncrl eval --address` reads the secret from `--run-dir` or `--secret-file`.
 
+The weight-sync joins, on learner rank 0's TCPStore (which torch cannot authenticate), are
+sealed with a sync key per server epoch, `HMAC-SHA256(learner key, "asyncrl weight sync
+<role>")` (`sync_key`): learner rank 0 derives it for any member; restart e of server i is
+handed the one of `server_<i>@<e>` beside its role key (`asyncrl.sealed_store` says what that
+protects and what it cannot).
+
 Epochs only step forward from what the launcher started. A server's epoch (its restart count)
 is bound to its key: the launcher, which holds the secret, hands restart e the key of
 `server_<i>@<e>` (`auth_env`), and the replay takes a heartbeat's epoch only from a message
@@ -55,6 +61,7 @@ EPOCH_ENV = "ASYNCRL_SERVER_EPOCH"  # a rollout server's epoch, set by the launc
 SECRET_FILE = "run.secret"
 SECRET_ENV = "ASYNCRL_RUN_SECRET"  # the run secret, hex (the replay; a user's shell)
 KEY_ENV = "ASYNCRL_AUTH_KEY"  # "<role>:<key hex>" (a learner rank or a rollout server)
+SYNC_KEY_ENV = "ASYNCRL_SYNC_KEY"  # a rollout server's weight-sync key, hex (`sync_key`)
 _DOMAIN = b"asyncrl-auth-v1"
 _MAC_BYTES = 32
 MAX_AUTH_FRAME = 64
@@ -165,6 +172,23 @@ class Keyring:
         return role
 
 
+def sync_key(learner: RoleKey, server: str) -> bytes:
+    """The key that seals server epoch `server`'s weight-sync join (`server_3@1`; see
+    `asyncrl.sealed_store`): derived from the learner's key, so learner rank 0 computes it for
+    any member it joins, while a server process is handed its own epoch's and no other."""
+    if learner.role != "learner" or role_kind(server) != "server":
+        raise ValueError(f"a sync key is the learner's for a server, not {learner.role}/{server}")
+    return hmac.new(learner.key, b"asyncrl weight sync " + server.encode(), "sha256").digest()
+
+
+def sync_key_from_env() -> bytes:
+    """A rollout server's weight-sync key, from $ASYNCRL_SYNC_KEY (set by the launcher)."""
+    text = os.environ.get(SYNC_KEY_ENV)
+    if not text:
+        raise AuthError(f"${SYNC_KEY_ENV} is not set: start the server with `asyncrl launch`")
+    return _parse_hex(text, f"${SYNC_KEY_ENV}")
+
+
 def new_secret() -> bytes:
     return secrets.token_bytes(32)
 
@@ -231,12 +255,15 @@ def auth_env(secret: bytes, process: str, epoch: int = 0) -> dict[str, str]:
     """What a fleet process named `process` (replay, reward_model_<i>, server_<i>,
     learner_<rank>) gets in its environment: the run secret for the replay and the reward-model
     servers (they check every role's key), its role's key for the others (a server's: that of
-    its `epoch`, with the epoch; see the module docstring)."""
+    its `epoch`, with the epoch and its weight-sync key: `sync_key`; see the module
+    docstring)."""
     if process == "replay" or process.startswith("reward_model_"):
         return {SECRET_ENV: secret.hex()}
     if process.startswith("server_"):
         role = server_role(int(process.rpartition("_")[2]), epoch)
-        return {KEY_ENV: f"{role}:{role_key(secret, role).key.hex()}", EPOCH_ENV: str(epoch)}
+        sync = sync_key(role_key(secret, "learner"), role).hex()
+        own = role_key(secret, role).key.hex()
+        return {KEY_ENV: f"{role}:{own}", EPOCH_ENV: str(epoch), SYNC_KEY_ENV: sync}
     role = process.rpartition("_")[0] or process
     key = role_key(secret, role)
     return {KEY_ENV: f"{role}:{key.key.hex()}"}

@@ -9,6 +9,11 @@ without the others stopping, and a member that dies or hangs fails only its own 
 because learner ranks already have a default group (the FSDP one) and a process can hold only
 one. The store and the gloo/NCCL sockets listen on the sync host only (`asyncrl.binds`).
 
+Every entry under a member's prefix (its `ready`, the learner's `answer`, the rendezvous of its
+group) is sealed with the member's sync key (`member_store`, `asyncrl.sealed_store`): the store
+takes any local connection, so a process without the run's keys could otherwise read the joins
+and forge or pre-write their answers.
+
 Joining (`join_sync_group`, a server's side): the server sets `ready` under its prefix to its
 place (`asyncrl.weight_transport.SyncPlace`: machine, device, GPU) and waits for the learner's
 `answer` (`SyncAnswer`): join over the transport the learner chose for it
@@ -31,7 +36,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from asyncrl.auth import RoleKey, server_role, sync_key
 from asyncrl.binds import bind_collectives_to, setup_store
+from asyncrl.sealed_store import SealedStore
 from asyncrl.weight_transport import (
     SyncAnswer,
     SyncPlace,
@@ -47,6 +54,22 @@ log = logging.getLogger("asyncrl.weight_sync")
 def sync_prefix(server_id: int, epoch: int) -> str:
     """The store prefix of one server epoch's group with learner rank 0."""
     return f"server_{server_id}/epoch_{epoch}"
+
+
+def member_store(
+    store: dist.Store, server_id: int, epoch: int, key: bytes, timeout_s: float
+) -> SealedStore:
+    """One server epoch's entries of learner rank 0's `store`, sealed with its sync `key`."""
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return SealedStore(store, sync_prefix(server_id, epoch), key, timeout)
+
+
+def learner_member_store(
+    store: dist.Store, learner: RoleKey, server_id: int, epoch: int, timeout_s: float
+) -> SealedStore:
+    """Learner rank 0's side of `member_store`: the member's sync key derived from its own."""
+    key = sync_key(learner, server_role(server_id, epoch))
+    return member_store(store, server_id, epoch, key, timeout_s)
 
 
 class _Backend(Protocol):
@@ -146,18 +169,23 @@ def join_sync_group(
     server_id: int | None = None,
     epoch: int = 0,
     transport: Transport | None = None,
+    key: bytes | None = None,
 ) -> SyncGroup:
     """A rollout server's side. With `server_id`: the 2-member group of this server epoch on
-    learner rank 0's store (it joins as rank 1 of 2 over the transport the learner chooses;
-    module docstring, joining); it waits up to `timeout_s` for the learner's answer. Without: a
-    group of its own at host:port, as `rank` of `world_size`, over `transport` (tests and
-    benches pair it with a plain `SyncGroup` of the same transport)."""
+    learner rank 0's store, its entries sealed with `key` (the epoch's sync key, required); it
+    joins as rank 1 of 2 over the transport the learner chooses (module docstring, joining)
+    and waits up to `timeout_s` for the learner's answer. Without: a group of its own at
+    host:port, as `rank` of `world_size`, over `transport` (tests and benches pair it with a
+    plain `SyncGroup` of the same transport)."""
     if server_id is None:
         return SyncGroup(host, port, rank, world_size, device, timeout_s, transport=transport)
+    if key is None:
+        raise ValueError(f"server {server_id} joins the weight sync with its sync key, not None")
     timeout = datetime.timedelta(seconds=timeout_s)
     prefix = sync_prefix(server_id, epoch)
-    store = dist.PrefixStore(prefix, dist.TCPStore(host, port, None, False, timeout))
-    store.set("ready", pack_message(place_of(device)))  # type: ignore[arg-type]  # bytes work
+    tcp = dist.TCPStore(host, port, None, False, timeout)
+    store = member_store(tcp, server_id, epoch, key, timeout_s)
+    store.set("ready", pack_message(place_of(device)))
     store.wait(["answer"])
     answer = unpack_message(store.get("answer"), SyncAnswer)
     if not answer.join:

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
 if TYPE_CHECKING:  # the launcher checks agent-loop names through this module: no torch import
@@ -106,6 +106,9 @@ class SyncTarget:
     transport: Transport | None = None
     """Without `server_id`: the plain group's transport (`asyncrl.weight_transport`; default
     nccl on a GPU, gloo on the CPU). With it, the learner chooses at the join."""
+    key: bytes | None = field(default=None, repr=False)
+    """With `server_id`: this epoch's sync key (`asyncrl.auth.sync_key`), which seals its
+    join on the learner's store; never printed."""
 
 
 @dataclass(frozen=True)

@@ -134,6 +134,7 @@ class HFVersionGate(Engine):
             target.server_id,
             target.epoch,
             target.transport,
+            target.key,
         )
         specs = specs_of(self.named_weights())
         if self._lora is not None:

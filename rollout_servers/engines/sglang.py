@@ -184,7 +184,9 @@ class SGLangEngine(GatedEngine):
         """Joins in this process (module docstring); the learner's next version waits in its
         broadcast until this one is applied and `receive` is called again."""
         args = (target.host, target.port, target.rank, target.world_size, target.device)
-        group = join_sync_group(*args, target.timeout_s, target.server_id, target.epoch)
+        group = join_sync_group(
+            *args, target.timeout_s, target.server_id, target.epoch, key=target.key
+        )
         receiver = WeightReceiver(group, self._specs)
         while not self._closed:
             got = receiver.receive()

@@ -47,6 +47,7 @@ class JoinWeightSync:
     timeout_s: float  # how long to wait for the learner: to join, then for each collective
     server_id: int | None  # the rollout server's id (None: a plain group, tests and benches)
     epoch: int  # which start of that server this is (its group's store prefix names it)
+    sync_key: bytes | None  # its sync key, which seals its join on the store (`SyncTarget.key`)
     specs: list[ParamLayout]  # every tensor of a version, in the order the learner sends them
     notify_address: str  # the server's ZeroMQ PULL socket for the worker's notices (ipc://)
     lora: LoraMerge | None  # versions carry adapters, merged here; None: full weights
@@ -76,6 +77,7 @@ def join_message(
         timeout_s=target.timeout_s,
         server_id=target.server_id,
         epoch=target.epoch,
+        sync_key=target.key,
         specs=layouts,
         notify_address=notify_address,
         lora=lora,

@@ -117,6 +117,7 @@ class WeightSyncExtension:
                 join.timeout_s,
                 join.server_id,
                 join.epoch,
+                key=join.sync_key,
             )
             receiver = WeightReceiver(group, self._asyncrl_specs)
             while True:

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import torch
+from sync_peers import member_key
 
 from asyncrl.learner_config import LoraConfig
 from rollout_servers.engines.base import SyncTarget
@@ -34,7 +35,8 @@ def main(port: int, model: str, device: str, lora_rank: int, out: Path) -> int:
     lora = LoraConfig(rank=lora_rank, alpha=2.0 * lora_rank) if lora_rank else None
     engine = HFEngine(model, device=device, seed=0, lora=lora)
     write({"event": "started"})
-    target = SyncTarget("127.0.0.1", port, 1, 2, torch.device(device), 60.0, server_id=0)
+    key = member_key(0, 0)
+    target = SyncTarget("127.0.0.1", port, 1, 2, torch.device(device), 60.0, server_id=0, key=key)
     try:
         for applied in engine.follow_learner(target):
             scored = engine.probe_logprobs(IDS)

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 import asyncrl.weight_receiver as weight_receiver
+from asyncrl.auth import role_key, server_role, sync_key
 from asyncrl.sync_group import join_sync_group
 from asyncrl.weight_receiver import WeightReceiver
 from asyncrl.weight_sync import ParamSpec, weights_checksum
@@ -31,6 +32,14 @@ SPECS = [
     ParamSpec("steps", (3,), torch.int64),
 ]
 BUCKET_BYTES = 256
+LEARNER_KEY = role_key(b"the weight-sync tests' run secret", "learner")
+"""The learner's key of the tests' run: the `SyncFleet`'s, from which each peer's sync key is
+derived (`member_key`), as the launcher derives a server's."""
+
+
+def member_key(server_id: int, epoch: int) -> bytes:
+    """The sync key a peer joins with (`asyncrl.auth.sync_key`)."""
+    return sync_key(LEARNER_KEY, server_role(server_id, epoch))
 
 
 def version_tensors(version: int) -> list[torch.Tensor]:
@@ -71,9 +80,8 @@ def main(port: int, server_id: int, epoch: int, out: Path) -> int:
 
     write({"event": "started", "epoch": epoch})
     try:
-        group = join_sync_group(
-            "127.0.0.1", port, 1, 2, torch.device("cpu"), 60.0, server_id, epoch
-        )
+        cpu, key = torch.device("cpu"), member_key(server_id, epoch)
+        group = join_sync_group("127.0.0.1", port, 1, 2, cpu, 60.0, server_id, epoch, key=key)
         receiver = WeightReceiver(group, SPECS)
         while (got := receiver.receive()) is not None:
             write({"version": got.version, "checksum": weights_checksum(got.weights)})

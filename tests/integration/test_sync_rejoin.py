@@ -18,7 +18,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from sync_peers import BUCKET_BYTES, SPECS, version_checksum, version_tensors
+from sync_peers import (
+    BUCKET_BYTES,
+    LEARNER_KEY,
+    SPECS,
+    member_key,
+    version_checksum,
+    version_tensors,
+)
 
 from asyncrl.metrics import JsonlWriter, read_jsonl
 from asyncrl.shm_segments import SHM_DIR
@@ -48,6 +55,7 @@ class Fleet:
             TIMEOUT_S,
             first_join_s,
             JsonlWriter(tmp / "sync_members.jsonl"),
+            learner_key=LEARNER_KEY,
         )
 
     def start(
@@ -239,16 +247,15 @@ def test_a_server_gone_between_ready_and_connecting_costs_the_join_bound_not_the
     """A server epoch that said `ready` and died before its group connected: the learner gives
     it up after the join bound (`server_timeout_s`), not after the long bound its collectives
     get (`startup_timeout_s`: a draining server may take that long to take a version)."""
-    import torch.distributed as dist
-
-    from asyncrl.sync_group import sync_prefix
+    from asyncrl.sync_group import member_store
 
     f = Fleet(tmp_path)
     f.fleet.op_timeout_s = 120.0
     try:
         f.start(0, 0)
         f.listed[1] = 0
-        dist.PrefixStore(sync_prefix(1, 0), f.fleet.store).set("ready", "1")  # then it died
+        store = member_store(f.fleet.store, 1, 0, member_key(1, 0), TIMEOUT_S)
+        store.set("ready", "1")  # then it died
         members, took = f.send(1)
         assert members == {0: 0} and took < 4 * TIMEOUT_S
         assert ("not_joined", 1, 0, 1) in f.events()
@@ -301,21 +308,22 @@ def test_a_silent_member_is_given_up_at_the_give_up_bound_not_the_op_timeout(tmp
 
 
 def test_a_garbled_join_is_abandoned_naming_what_is_wrong(tmp_path):
-    """A `ready` that is not a place (a hostile or broken peer) costs nothing but its own join:
-    it is answered abandon, with the decoder's reason, and the version goes to the others."""
+    """A `ready` that is not a place (a broken peer holding its sync key) costs nothing but its
+    own join: it is answered abandon, with the decoder's reason, and the version goes to the
+    others. (A keyless process's writes do not open at all: test_sync_store_keys.py.)"""
     import datetime
 
     import torch.distributed as dist
 
-    from asyncrl.sync_group import sync_prefix
+    from asyncrl.sync_group import member_store
     from asyncrl.weight_transport import SyncAnswer, unpack_message
 
     fleet = Fleet(tmp_path, num_servers=2, first_join_s=5.0)
     try:
         fleet.start(0, 0)
         client = dist.TCPStore("127.0.0.1", fleet.port, None, False, datetime.timedelta(10))
-        store = dist.PrefixStore(sync_prefix(1, 0), client)
-        store.set("ready", b"\x93not a place")  # type: ignore[arg-type]
+        store = member_store(client, 1, 0, member_key(1, 0), 10.0)
+        store.set("ready", b"\x93not a place")
         assert fleet.send(1)[0] == {0: 0}
         answer = unpack_message(store.get("answer"), SyncAnswer)
         assert not answer.join and answer.reason

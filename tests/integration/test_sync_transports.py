@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 from engine_peer import IDS
+from sync_peers import LEARNER_KEY
 from transformers import AutoModelForCausalLM
 
 from asyncrl.learner_config import LearnerConfig, LoraConfig
@@ -87,6 +88,7 @@ def test_every_version_reaches_the_engine_exactly(
         60.0,
         120.0,
         JsonlWriter(tmp_path / "sync_members.jsonl"),
+        learner_key=LEARNER_KEY,
     )
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'integration'}"}
     script = ROOT / "tests" / "integration" / "engine_peer.py"

@@ -9,6 +9,7 @@ from asyncrl.auth import (
     EPOCH_ENV,
     KEY_ENV,
     SECRET_ENV,
+    SYNC_KEY_ENV,
     AuthError,
     Keyring,
     RoleKey,
@@ -21,6 +22,8 @@ from asyncrl.auth import (
     role_kind,
     server_index,
     server_role,
+    sync_key,
+    sync_key_from_env,
     write_secret,
 )
 
@@ -71,7 +74,16 @@ def test_each_process_gets_only_its_own_key(monkeypatch):
     secret = new_secret()
     assert auth_env(secret, "replay") == {SECRET_ENV: secret.hex()}
     server_env = auth_env(secret, "server_3")
-    assert set(server_env) == {KEY_ENV, EPOCH_ENV} and secret.hex() not in server_env[KEY_ENV]
+    assert set(server_env) == {KEY_ENV, EPOCH_ENV, SYNC_KEY_ENV}
+    assert secret.hex() not in server_env[KEY_ENV]
+    learner_key = role_key(secret, "learner")
+    assert server_env[SYNC_KEY_ENV] == sync_key(learner_key, "server_3").hex()
+    assert learner_key.key.hex() not in server_env.values()  # its own join's key, not the learner's
+    monkeypatch.setenv(SYNC_KEY_ENV, server_env[SYNC_KEY_ENV])
+    assert sync_key_from_env() == sync_key(learner_key, "server_3")
+    assert (
+        auth_env(secret, "server_3", 2)[SYNC_KEY_ENV] == sync_key(learner_key, "server_3@2").hex()
+    )
     monkeypatch.delenv(SECRET_ENV, raising=False)
     monkeypatch.setenv(KEY_ENV, server_env[KEY_ENV])
     assert key_from_env("server_3") == role_key(secret, "server_3")

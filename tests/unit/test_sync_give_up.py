@@ -10,6 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
+from asyncrl.auth import role_key
 from asyncrl.config import Config
 from asyncrl.protocol import DeclareDead, Heartbeat, LeaseRequest, ServerHealth
 from asyncrl.transport import free_port
@@ -78,7 +79,7 @@ def test_the_members_given_up_are_the_silent_the_dead_and_the_replaced():
     replay = _Replay()
     fleet = SyncFleet(
         "127.0.0.1", free_port(), 5, torch.device("cpu"), 1 << 20, dict, 5.0, 5.0,
-        health=replay, give_up_s=10.0,
+        health=replay, give_up_s=10.0, learner_key=role_key(b"s" * 32, "learner"),
     )  # fmt: skip
     for key in [(0, 0), (1, 0), (2, 1), (3, 0), (4, 2)]:
         fleet.broadcaster.members[key] = None  # only the keys are read
