@@ -72,6 +72,19 @@ def load_agent(path: str) -> Callable[..., Any]:
     return fn
 
 
+def quiet_http_loggers() -> None:
+    """Log the agent clients' HTTP libraries at WARNING: at INFO they write a line per agent
+    request into the server's log (about 480 KB a 30-step demo). A level a user has set on
+    them is kept."""
+    import openai
+
+    names = {"httpx", "httpcore", openai.DefaultAsyncHttpxClient.__mro__[1].__module__}
+    for name in {n.partition(".")[0] for n in names}:
+        logger = logging.getLogger(name)
+        if logger.level == logging.NOTSET:
+            logger.setLevel(logging.WARNING)
+
+
 def agent_row(prompt: PromptItem) -> dict[str, Any]:
     """What the agent function gets of its row: plain data, no asyncrl types."""
     return {
@@ -100,6 +113,7 @@ class OpenAIAgentLoop:
         self.engine, self.tokenizer, self.params, self.config = engine, tokenizer, params, config
         self.agent = load_agent(config.agent)
         self.endpoint = OpenAIEndpoint(engine, tokenizer, config)
+        quiet_http_loggers()
         self._started: asyncio.Task[str] | None = None
         self.totals: Counter[str] = Counter(dict.fromkeys(TOTAL_KEYS, 0))
         """Episode outcomes summed over the server's life (`stats`)."""

@@ -7,8 +7,21 @@ completion token-exactly (docs/agents.md).
 opened with a fresh random key; a request's `Authorization: Bearer KEY` selects the episode, and
 a key unknown or already closed is 401. Requests a client gets wrong are 4xx in the OpenAI
 error shape (`openai_protocol.RequestError`): malformed JSON 400, unknown model 404, a bad tool
-schema 400, a prompt that leaves no room in the context 400, over the episode's request budget
-or concurrency 429. None of them reaches the engine, and the server keeps serving.
+schema 400, a prompt that leaves no room in the context 400, a field the endpoint does not honour
+400, over the episode's request budget or concurrency 429. None of them reaches the engine, and
+the server keeps serving.
+
+Bounded work on the event loop. The loop also carries the server's heartbeats, so a request may
+not hold it for long (`launch.server_timeout_s` declares a silent server dead): decoding the
+body, validating it, rendering and tokenizing its prompt run in the endpoint's own threads
+(`PREPARE_THREADS`; not the loop's default executor, where sync agents wait on this endpoint),
+and messages holding more characters than the model's context could take at the tokenizer's
+longest token are refused before any tokenization (`max_prompt_chars`).
+
+One temperature. The learner recomputes every trained token's log-prob at the episode's
+temperature (`rollout.temperature`), so a request asking for another `temperature` or `top_p`
+is refused (400, `unsupported_value`): its behaviour log-probs would be of another softmax and
+its importance ratios wrong.
 
 Token in, token out. The prompt of a request that continues an earlier completion of its
 episode (same tools, the same messages before it, the reply as returned, then only tool or user
@@ -16,7 +29,10 @@ messages) is that completion's prompt ids, its sampled ids and the template ids 
 messages (`tool_agent.TurnRenderer`): the sampled text is never tokenized again. Any other
 request is rendered whole by the chat template; when its episode already has completions, the
 client rewrote history (or started a second conversation): that is drift, counted on the episode
-(`Episode.drift`). What the agent loop does with it is `openai_agent.py`'s policy.
+(`Episode.drift`). What the agent loop does with it is `openai_agent.py`'s policy. A reply that
+did not end with the model's own end id (cut at `max_tokens`, or by a stop string of the
+request) is continued too: its ids are closed with the template's end-of-turn id (context, never
+sampled), as the template closes the reply the client sends back.
 """
 
 from __future__ import annotations
@@ -25,7 +41,9 @@ import asyncio
 import json
 import logging
 import secrets
+import threading
 from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -39,15 +57,18 @@ from rollout_servers.agents.openai_protocol import (
     RequestError,
     bad,
     parse_chat_request,
+    parse_json,
     reply_key,
     reply_message,
 )
-from rollout_servers.agents.tool_agent import TurnRenderer, render_ids
+from rollout_servers.agents.tool_agent import _A, _U, TurnRenderer, render_ids
 from rollout_servers.engines.base import Engine, GenerationOutput, SamplingParams
 
 log = logging.getLogger("asyncrl.openai_endpoint")
 
 MAX_RENDERERS = 64  # tool sets whose TurnRenderer is kept (a client could send endless ones)
+PREPARE_THREADS = 2  # threads that decode, validate and tokenize requests off the event loop
+UNKNOWN_CONTEXT = 1 << 17  # tokens assumed for the character bound of an engine that has none
 
 
 @dataclass
@@ -65,9 +86,11 @@ class Completion:
     context: tuple[str, tuple[MessageKey, ...], MessageKey]
     """(tools, request messages, reply) keys: what a request continuing this one starts with."""
     ended: bool
-    """Ended by the model's own end or stop token: a later turn may follow its ids."""
+    """Ended by the model's own end id (the engine's stop ids), so a later turn follows its ids
+    directly; else (cut at the token limit or by a stop string of the request) a later turn
+    first closes it with the template's end-of-turn id."""
     finish: str
-    """"stop" (the model's end, a stop token or string) or "length"."""
+    """"stop" (the model's end, a stop token or string) or "length" (cut at the token limit)."""
 
 
 @dataclass
@@ -92,6 +115,11 @@ class OpenAIEndpoint:
         self.episodes: dict[str, Episode] = {}
         self.counters: Counter[str] = Counter()
         self._renderers: dict[str, TurnRenderer] = {}
+        self._lock = threading.Lock()  # the renderers and the end id, shared by the threads
+        self._end_id: list[int | None] = []  # [the template's end-of-turn id] once looked up
+        self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="openai-prepare")
+        self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
+        """Characters of the tokenizer's longest token: no token covers more of a text."""
         self._runner: web.AppRunner | None = None
         self.base_url = ""
 
@@ -114,6 +142,13 @@ class OpenAIEndpoint:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """Message characters past which a prompt cannot fit the model's context, whatever
+        the text: each token covers at most `max_token_chars` characters of it."""
+        return (self.engine.context_tokens or UNKNOWN_CONTEXT) * self.max_token_chars
 
     def open_episode(self, params: SamplingParams) -> Episode:
         episode = Episode(secrets.token_urlsafe(32), params)
@@ -140,7 +175,7 @@ class OpenAIEndpoint:
             raw = await self._read_body(request)  # before any answer: else the client resets
             self._admit(episode)
             try:
-                return web.json_response(await self._complete(episode, _json(raw)))
+                return web.json_response(await self._complete(episode, raw))
             finally:
                 episode.in_flight -= 1
         except RequestError as e:
@@ -182,19 +217,26 @@ class OpenAIEndpoint:
             raise RequestError(413, "the request body is too large") from e
 
     # ---- one request -----------------------------------------------------------------------
-    async def _complete(self, episode: Episode, body: Any) -> dict[str, Any]:
-        req = parse_chat_request(body, self.cfg.model_name)
-        tools_key = json.dumps(req.tools, sort_keys=True)
-        parent, prompt_ids = self._prompt_ids(episode, req, tools_key)
+    async def _complete(self, episode: Episode, raw: bytes) -> dict[str, Any]:
+        earlier = list(episode.completions)
+        req, tools_key, parent, prompt_ids = await asyncio.get_running_loop().run_in_executor(
+            self._pool, self._prepare, raw, earlier
+        )
+        if parent is None and earlier:
+            episode.drift += 1
         params = self._params(episode, req, len(prompt_ids))
         outs = await asyncio.gather(
             *(self.engine.generate(prompt_ids, params) for _ in range(req.n))
         )
         choices = []
         for i, out in enumerate(outs):
-            completion, message = self._record(out, prompt_ids, parent, req, tools_key, params)
+            completion, message = self._record(
+                out, prompt_ids, parent, req, tools_key, params, episode.params.stop_token_ids
+            )
             episode.completions.append(completion)
-            finish = "tool_calls" if message.get("tool_calls") else out.finish_reason
+            finish = completion.finish
+            if finish == "stop" and message.get("tool_calls"):
+                finish = "tool_calls"  # a reply cut at the token limit stays "length"
             choices.append({"index": i, "message": message, "finish_reason": finish})
         sampled = sum(len(o.token_ids) for o in outs)
         return {
@@ -210,34 +252,83 @@ class OpenAIEndpoint:
             },
         }
 
+    def _prepare(
+        self, raw: bytes, earlier: list[Completion]
+    ) -> tuple[ChatRequest, str, Completion | None, list[int]]:
+        """(the request, its tools key, the completion it continues or None, its prompt ids),
+        or RequestError; in a thread of the endpoint's pool, off the event loop (module
+        docstring). Messages too long for the context are refused before any tokenizing."""
+        req = parse_chat_request(parse_json(raw), self.cfg.model_name)
+        chars = sum(len(m["content"]) for m in req.messages)
+        if chars > self.max_prompt_chars:
+            raise bad(
+                f"the messages hold {chars} characters: more than a context of "
+                f"{self.engine.context_tokens or UNKNOWN_CONTEXT} tokens can take (a token "
+                f"holds at most {self.max_token_chars} characters)",
+                code="context_length_exceeded",
+            )
+        tools_key = json.dumps(req.tools, sort_keys=True)
+        parent, prompt_ids = self._prompt_ids(earlier, req, tools_key)
+        return req, tools_key, parent, prompt_ids
+
     def _prompt_ids(
-        self, episode: Episode, req: ChatRequest, tools_key: str
+        self, earlier: list[Completion], req: ChatRequest, tools_key: str
     ) -> tuple[Completion | None, list[int]]:
         """(the completion the request continues or None, the prompt ids); see the module
         docstring. A template that cannot render the request is 400."""
         try:
-            for c in reversed(episode.completions):
+            end = self._template_end_id()
+            for c in reversed(earlier):
                 rest = _continuation(c, req, tools_key)
-                if rest is not None:
-                    turn = self._renderer(req.tools, tools_key).turn_ids(rest, c.token_ids[-1])
-                    return c, c.prompt_ids + c.token_ids + turn
-            if episode.completions:
-                episode.drift += 1
+                if rest is None or not (c.ended or end is not None):
+                    continue
+                renderer = self._renderer(req.tools, tools_key)
+                if c.ended:
+                    turn = renderer.turn_ids(rest, c.token_ids[-1])
+                else:  # a cut reply: closed as the template closes the returned message
+                    assert end is not None
+                    turn = [end, *renderer.turn_ids(rest, end)]
+                return c, c.prompt_ids + c.token_ids + turn
             return None, render_ids(self.tokenizer, req.messages, req.tools)
-        except (TemplateError, ValueError, TypeError, KeyError) as e:
+        except (TemplateError, ValueError, TypeError, KeyError, RecursionError) as e:
             raise bad(f"the chat template cannot render these messages: {e}") from e
 
     def _renderer(self, tools: list[dict[str, Any]] | None, tools_key: str) -> TurnRenderer:
-        if tools_key not in self._renderers:
-            if len(self._renderers) >= MAX_RENDERERS:
-                self._renderers.pop(next(iter(self._renderers)))
-            self._renderers[tools_key] = TurnRenderer(self.tokenizer, tools)
-        return self._renderers[tools_key]
+        with self._lock:
+            if tools_key not in self._renderers:
+                if len(self._renderers) >= MAX_RENDERERS:
+                    self._renderers.pop(next(iter(self._renderers)))
+                self._renderers[tools_key] = TurnRenderer(self.tokenizer, tools)
+            return self._renderers[tools_key]
+
+    def _template_end_id(self) -> int | None:
+        """The id that closes an assistant message in the chat template (its last special id:
+        `<|im_end|>`, `<|eot_id|>`, `</s>`), or None when it renders none: then a cut reply
+        cannot be continued (a request after it is drift)."""
+        with self._lock:
+            if not self._end_id:
+                ids = render_ids(self.tokenizer, [_U, _A], add_generation_prompt=False)
+                special = set(self.tokenizer.all_special_ids)
+                self._end_id.append(next((t for t in reversed(ids) if t in special), None))
+            return self._end_id[0]
 
     def _params(self, episode: Episode, req: ChatRequest, prompt_len: int) -> SamplingParams:
-        """The episode's sampling defaults with the request's overrides; the response budget
-        cut to the room the context leaves (none left: 400)."""
+        """The episode's sampling parameters with the request's stops and response budget,
+        cut to the room the context leaves (none left: 400). A temperature or top_p other than
+        the episode's is 400: the learner recomputes log-probs at the episode's."""
         base = episode.params
+        for name, asked, own in (
+            ("temperature", req.temperature, base.temperature),
+            ("top_p", req.top_p, base.top_p),
+        ):
+            if asked is not None and asked != own:
+                raise bad(
+                    f"{name}={asked} is not this run's: it samples and trains at {name}={own} "
+                    f"(rollout.{name}; the learner recomputes every trained token's log-prob "
+                    f"there), so a reply sampled at another would train with wrong importance "
+                    f"ratios. Leave {name} unset or send {own}.",
+                    code="unsupported_value",
+                )
         max_new = req.max_tokens or base.max_new_tokens
         context = self.engine.context_tokens
         if context is not None:
@@ -250,8 +341,6 @@ class OpenAIEndpoint:
         single = [ids[0] for ids in map(self._stop_ids, req.stop) if len(ids) == 1]
         return replace(
             base,
-            temperature=base.temperature if req.temperature is None else req.temperature,
-            top_p=base.top_p if req.top_p is None else req.top_p,
             max_new_tokens=max_new,
             stop_token_ids=tuple(base.stop_token_ids) + tuple(single),
         )
@@ -267,26 +356,30 @@ class OpenAIEndpoint:
         req: ChatRequest,
         tools_key: str,
         params: SamplingParams,
+        own_stops: tuple[int, ...],
     ) -> tuple[Completion, dict[str, Any]]:
         """The completion of one sampled reply and the assistant message the client gets. A
-        stop string of one id is the engine's stop id (kept in the ids, not in the text); one of
-        several ids is found in the text, and the ids are cut after it (the completion then
-        counts as cut: no later turn continues its ids)."""
+        stop string of one id is an engine stop id (kept in the ids, not in the text); one of
+        several ids is found in the text, and the ids are cut after it. Either way the reply
+        did not end with the model's own end id (`Completion.ended` is False)."""
         ids, logprobs, versions = list(out.token_ids), list(out.logprobs), out.versions
-        ended = out.finish_reason == "stop"
+        finish = out.finish_reason
+        request_stops = set(params.stop_token_ids) - set(own_stops)
+        ended = finish == "stop"
         if ended and ids and ids[-1] in params.stop_token_ids:  # a stop the engine applied
             text = self.tokenizer.decode(ids[:-1], skip_special_tokens=True)
+            ended = ids[-1] not in request_stops
         else:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             cut, stop = _first_stop(text, req.stop)
             if cut is not None:  # a stop string of several ids: cut after them
                 keep = self._tokens_through(ids, cut + len(stop))
                 ids, logprobs, versions = ids[:keep], logprobs[:keep], versions[:keep]
-                text, ended = text[:cut], False
+                text, ended, finish = text[:cut], False, "stop"
         message = reply_message(text)
         context = (tools_key, tuple(req.keys), reply_key(message))
         completion = Completion(
-            prompt_ids, ids, logprobs, versions, text, parent, context, ended, out.finish_reason
+            prompt_ids, ids, logprobs, versions, text, parent, context, ended, finish
         )
         return completion, message
 
@@ -303,13 +396,6 @@ class OpenAIEndpoint:
         return high
 
 
-def _json(raw: bytes) -> Any:
-    try:
-        return json.loads(raw)
-    except (ValueError, RecursionError) as e:
-        raise bad(f"the body is not valid JSON: {e}") from e
-
-
 def _first_stop(text: str, stops: list[str]) -> tuple[int | None, str]:
     """(where the first stop string starts in `text`, which one), or (None, "")."""
     found = sorted((text.find(s), s) for s in stops if s in text)
@@ -321,7 +407,7 @@ def _continuation(c: Completion, req: ChatRequest, tools_key: str) -> list[dict[
     when it does not continue `c`."""
     tools, before, reply = c.context
     k = len(before)
-    if not c.ended or tools != tools_key or len(req.keys) <= k + 1:
+    if tools != tools_key or len(req.keys) <= k + 1:
         return None
     if tuple(req.keys[:k]) != before or req.keys[k] != reply:
         return None

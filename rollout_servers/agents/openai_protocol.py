@@ -3,8 +3,13 @@ functions: no engine, no socket; `openai_endpoint.py` serves them).
 
 Read: messages (system, developer, user, assistant with optional `tool_calls`, tool), `tools`
 (OpenAI function schemas, checked by `rollout_servers.agents.tools.check_tool_schema`), model,
-n, temperature, top_p, max_tokens (or max_completion_tokens) and stop. Every other field is ignored. A request
-that cannot be read is a `RequestError` (4xx, the OpenAI error shape), never a server error.
+n, temperature, top_p, max_tokens (or max_completion_tokens) and stop. No field is dropped
+without a word: a field that would change what is sampled or what the reply holds (`stream`,
+`logprobs`, `tool_choice`, penalties, `logit_bias`, ...) is accepted only at the value that
+changes nothing (`DEFAULTS`), a few that cannot change either are ignored (`IGNORED`), and any
+other field is refused. A request that cannot be read (malformed JSON, NaN, a number out of
+range or too large to convert, a lone surrogate in any string) is a `RequestError` (4xx, the
+OpenAI error shape), never a server error.
 
 Written: the assistant message of a sampled reply, its Hermes/Qwen `<tool_call>` blocks parsed
 the way the tool agent parses them (`tool_agent.parse_tool_calls`) into OpenAI `tool_calls`.
@@ -13,6 +18,7 @@ the way the tool agent parses them (`tool_agent.parse_tool_calls`) into OpenAI `
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +29,30 @@ from rollout_servers.agents.tools import check_tool_schema
 MAX_MESSAGES = 4096
 MAX_N = 16
 MAX_STOPS = 4
+MAX_STOP_CHARS = 256
+READ = frozenset(
+    ("model", "messages", "tools", "n", "temperature", "top_p", "max_tokens", "stop")
+    + ("max_completion_tokens",)
+)
+IGNORED = frozenset(("user", "metadata", "store", "seed", "service_tier"))
+"""Fields that change neither the sampled distribution nor the reply's shape, ignored (`seed`:
+the engine draws from its own generator, at the same temperature)."""
+DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "stream": (False,),  # one JSON reply; server-sent events are not served
+    "stream_options": (),
+    "logprobs": (False,),  # the behaviour log-probs go to the learner, not to the agent
+    "top_logprobs": (0,),
+    "tool_choice": ("auto",),  # the model decides; nothing forces or forbids a call
+    "parallel_tool_calls": (True,),
+    "presence_penalty": (0,),  # a penalty or bias would sample from another distribution
+    "frequency_penalty": (0,),  # than the one the learner recomputes
+    "logit_bias": ({},),
+    "response_format": ({"type": "text"},),
+}
+"""Fields accepted only unset (null) or at these values, which change nothing; any other value
+is refused (`unsupported_value`): honouring it would need sampling or a reply shape the
+endpoint does not record (streaming, forced or forbidden tool calls, penalties) or would hand
+the agent what it does not need (log-probs)."""
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 MessageKey = tuple[str, str, tuple[tuple[str, str], ...]]
@@ -59,10 +89,49 @@ def bad(message: str, code: str | None = None) -> RequestError:
     return RequestError(400, message, code=code)
 
 
+def parse_json(raw: bytes) -> Any:
+    """The decoded body, or 400: malformed JSON, NaN or Infinity, a number too long to read,
+    nesting too deep, or a string anywhere that is not valid Unicode (a lone surrogate)."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except (ValueError, RecursionError) as e:
+        raise bad(f"the body is not valid JSON: {_short(e)}") from e
+    _check_strings(body)
+    return body
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _check_strings(body: Any) -> None:
+    """400 when any string (keys too) holds a lone surrogate, which no tokenizer can encode."""
+    stack = [body]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            stack.extend(value)
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+        elif isinstance(value, str) and not value.isascii():
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as e:
+                raise bad(f"a string holds a lone surrogate: {_short(value)}") from e
+
+
+def _short(value: Any) -> str:
+    """A repr short enough for an error message, whatever the value's size."""
+    text = repr(value) if not isinstance(value, int) or abs(value) < 10**40 else "a huge integer"
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
 def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
     """The request in `body` (decoded JSON), or RequestError: 404 for another model, else 400."""
     if not isinstance(body, dict):
         raise bad("the request body must be a JSON object")
+    _check_fields(body)
     if body.get("model") != model_name:
         raise RequestError(
             404,
@@ -86,15 +155,51 @@ def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
     )
 
 
+def _check_fields(body: dict[str, Any]) -> None:
+    """400 for a field the endpoint would otherwise drop without a word (module docstring)."""
+    for name, value in body.items():
+        if name in READ or name in IGNORED or value is None:
+            continue
+        if name not in DEFAULTS:
+            raise bad(
+                f"the field {_short(name)} is not supported by this endpoint",
+                code="unsupported_parameter",
+            )
+        if not any(_same(value, ok) for ok in DEFAULTS[name]):
+            raise bad(
+                f"{name}={_short(value)} is not supported: this endpoint samples and records "
+                f"replies one way only (docs/agents.md); leave {name} unset",
+                code="unsupported_value",
+            )
+
+
+def _same(value: Any, ok: Any) -> bool:
+    """`value == ok`, with booleans and numbers kept apart (False is not 0 here)."""
+    return (
+        type(value) is type(ok)
+        and value == ok
+        or (_is_number(value) and _is_number(ok) and value == ok)
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def _number(body, name, kind, low, high, low_open=False):
+    """The field as `kind`, or 400: not a number (booleans included), NaN, a float where an
+    integer is wanted, or out of range. Compared before any conversion, so an integer of 400
+    digits is out of range, not an OverflowError."""
     value = body.get(name)
     if value is None:
         return None
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-    if ok and kind is int:
-        ok = float(value).is_integer()
+    ok = _is_number(value)
+    if ok and isinstance(value, float):
+        ok = math.isfinite(value) and (kind is float or value.is_integer())
     if not ok or not (low < value if low_open else low <= value) or value > high:
-        raise bad(f"{name} must be a number in {'(' if low_open else '['}{low}, {high}]: {value!r}")
+        bounds = f"{'(' if low_open else '['}{low}, {high}]"
+        kind_name = "an integer" if kind is int else "a number"
+        raise bad(f"{name} must be {kind_name} in {bounds}: {_short(value)}")
     return kind(value)
 
 
@@ -102,8 +207,8 @@ def _stops(stop: Any) -> list[str]:
     stops = [stop] if isinstance(stop, str) else stop or []
     if not isinstance(stops, list) or len(stops) > MAX_STOPS:
         raise bad(f"stop must be a string or a list of at most {MAX_STOPS} strings")
-    if not all(isinstance(s, str) and s for s in stops):
-        raise bad("each stop sequence must be a non-empty string")
+    if not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise bad(f"each stop sequence must be a string of 1 to {MAX_STOP_CHARS} characters")
     return stops
 
 
@@ -115,8 +220,8 @@ def _tools(tools: Any) -> list[dict[str, Any]] | None:
     for schema in tools:
         try:
             check_tool_schema(schema)
-        except (ValueError, AttributeError, TypeError) as e:
-            raise bad(f"bad tool schema: {e}", code="invalid_tool_schema") from e
+        except (ValueError, AttributeError, TypeError, RecursionError) as e:
+            raise bad(f"bad tool schema: {_short(e)}", code="invalid_tool_schema") from e
     return tools or None
 
 

@@ -55,7 +55,8 @@ async def test_the_hf_engine_behind_the_endpoint_records_its_own_ids_and_logprob
     first = await engine.generate(render_ids(tokenizer, question), greedy)
     row = dataclasses.replace(prompt(), extra_info={"stop": tokenizer.decode(first.token_ids[:1])})
     config = OpenAIConfig(enabled=True, agent=f"{__name__}:greedy_turns")
-    loop = OpenAIAgentLoop(engine, tokenizer, PARAMS, config)
+    run_params = dataclasses.replace(greedy, max_new_tokens=200)  # the run samples greedily
+    loop = OpenAIAgentLoop(engine, tokenizer, run_params, config)
     try:
         result = await loop.run(row)
         assert result.metrics["openai_completions"] == 2 and result.metrics["openai_drift"] == 0
