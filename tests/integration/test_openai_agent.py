@@ -81,6 +81,65 @@ async def test_the_hf_engine_behind_the_endpoint_records_its_own_ids_and_logprob
         await engine.close()
 
 
+RUN_TEMPERATURE = 0.7
+REFUSED: list[tuple[float, str]] = []
+
+
+async def other_temperatures(client: openai.AsyncOpenAI, row: dict[str, Any]) -> list[Any]:
+    """Two turns, each first asked at a temperature the run does not sample at (1.0, then
+    0, greedy: log-probs of the T = 1 softmax); when refused, asked again at the run's."""
+    messages: list[Any] = list(row["messages"])
+    for asked, fallback in ((1.0, None), (0.0, RUN_TEMPERATURE)):
+        try:
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, temperature=asked, max_tokens=8
+            )
+        except openai.BadRequestError as e:
+            REFUSED.append((asked, e.body["code"]))
+            reply = await client.chat.completions.create(
+                model="policy", messages=messages, temperature=fallback, max_tokens=8
+            )
+        messages += [reply.choices[0].message.model_dump(exclude_none=True)]
+        messages += [{"role": "tool", "content": "42"}]
+    return messages[:-1]
+
+
+async def test_every_trained_logprob_is_taken_at_the_runs_temperature(model_path):
+    """The run samples at 0.7 and the learner recomputes there: a request asking for another
+    temperature used to be sampled at it, its behaviour log-probs of another softmax (wrong
+    importance ratios). Now it is refused (400), and every trained token's behaviour log-prob
+    equals the learner's recomputation at the run's temperature (a full-sequence forward)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from rollout_servers.engines.hf import HFEngine
+
+    tokenizer = build_tokenizer()
+    engine = HFEngine(str(model_path), seed=0)
+    config = OpenAIConfig(enabled=True, agent=f"{__name__}:other_temperatures")
+    run_params = SamplingParams(temperature=RUN_TEMPERATURE, max_new_tokens=200)
+    loop = OpenAIAgentLoop(engine, tokenizer, run_params, config)
+    REFUSED.clear()
+    try:
+        result = await loop.run(prompt())
+    finally:
+        await loop.close()
+        await engine.close()
+    model = AutoModelForCausalLM.from_pretrained(model_path, torch_dtype=torch.float32)
+    full = result.prompt_ids + result.response_ids
+    with torch.no_grad():
+        logits = model(torch.tensor([full])).logits[0, :-1].float() / RUN_TEMPERATURE
+    learner = logits.log_softmax(-1).gather(1, torch.tensor(full[1:])[:, None])[:, 0]
+    p = len(result.prompt_ids)
+    sampled = [i for i, v in enumerate(result.versions) if v >= 0]
+    assert len(sampled) > 2
+    worst = max(abs(result.logprobs[i] - float(learner[p + i - 1])) for i in sampled)
+    assert worst < 1e-4, f"behaviour and learner log-probs differ by up to {worst:.4f}"
+    assert REFUSED == [(1.0, "unsupported_value"), (0.0, "unsupported_value")]
+    assert result.metrics["openai_completions"] == 2 and result.metrics["openai_drift"] == 0
+    assert [i for i, m in enumerate(result.loss_mask) if m] == sampled  # all of them trained
+
+
 async def test_the_server_takes_an_episodes_own_reward_instead_of_scoring(tmp_path):
     class Loop:
         async def run(self, prompt, params=None) -> AgentResult:
