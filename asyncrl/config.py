@@ -113,9 +113,19 @@ class TrainerConfig(_Section):
     """Save the final weights in Hugging Face format under run_dir/final."""
     save_every: int = Field(0, ge=0)
     """Checkpoint (learner weights and optimizer, the replay's state) every this many steps
-    (0: never); see `asyncrl.checkpoints`."""
-    keep_checkpoints: int = Field(0, ge=0)
-    """Keep the newest this many checkpoints, deleting older ones (0: all; see tools/chaos.py)."""
+    (0: never; an interrupt writes one all the same: checkpoint_on_interrupt); see
+    `asyncrl.checkpoints`."""
+    keep_checkpoints: int = Field(3, ge=0)
+    """Keep the newest this many complete checkpoints, deleting older ones as each new one is
+    written (0: all, as tools/chaos.py's audit needs; a checkpoint weighs about three times the
+    model's weights: weights and two optimizer moments)."""
+    checkpoint_on_interrupt: bool = True
+    """Ctrl-C or SIGTERM to the launcher: the learner ends its step and writes a checkpoint of
+    it before the fleets stop, whatever save_every says, unless it has taken no step since its
+    newest checkpoint (or the start); `asyncrl launch --resume RUN_DIR` goes on from it."""
+    interrupt_timeout_s: float = Field(300.0, gt=0)
+    """How long the launcher waits for that checkpoint (the step in progress, then the write)
+    before it stops every process anyway; a second Ctrl-C stops them at once."""
     resume_from: str | None = None
     """A complete checkpoint directory (run_dir/checkpoints/step_N) to continue training from.
     On the command line a run directory continues that run in place, with its own config

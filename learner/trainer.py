@@ -243,7 +243,7 @@ class Learner:
 
     def run(self) -> None:
         """Validate first if asked, resume if asked, then train to trainer.total_steps (or a
-        stop request), saving checkpoints and the final weights as asked."""
+        stop request), saving checkpoints and, unless stopped early, the final weights."""
         tc = self.cfg.trainer
         if self.cfg.learner.weight_checksum and tc.resume_from is None:
             # the base model's checksum, version 0 (a resumed run recorded it already)
@@ -256,17 +256,32 @@ class Learner:
             self.broadcast_weights(start)  # servers loaded the base model: bring them to `start`
             log.info("resumed from %s at version %d", tc.resume_from, start)
         if not tc.val_only:
-            for version in range(start, tc.total_steps):
-                if not self.train_step(version):
-                    log.info("stop requested; leaving the loop at version %d", version)
-                    break
-                if tc.save_every and (version + 1) % tc.save_every == 0:
-                    self.save_checkpoint(version + 1)
-            if tc.save_final:
+            stopped = self.train(start)
+            if tc.save_final and not stopped:  # an interrupted run is not finished
                 out = Path(self.spec.run_dir) / "final"
                 lora = self.cfg.learner.lora
                 save_final_weights(out, self.model, lora, self.spec.model_path, self.rank)
         self.coordinator.shutdown()
+
+    def train(self, start: int) -> bool:
+        """Steps from version `start` to trainer.total_steps, a checkpoint every
+        trainer.save_every; True when a stop request (SIGTERM: the launcher was interrupted)
+        ended them early. Then, with trainer.checkpoint_on_interrupt, the ranks write the
+        checkpoint of the version reached, unless it is that of their newest checkpoint (or
+        the start). All ranks agree on that version: only rank 0 heeds the request, and its
+        empty batch leaves every rank's loop at the same step (`share_batch`), so they enter
+        the checkpoint's collectives together."""
+        tc, saved = self.cfg.trainer, start
+        for version in range(start, tc.total_steps):
+            if not self.train_step(version):
+                log.info("stop requested; leaving the loop at version %d", version)
+                if tc.checkpoint_on_interrupt and version > saved:
+                    self.save_checkpoint(version)
+                return True
+            if tc.save_every and (version + 1) % tc.save_every == 0:
+                self.save_checkpoint(version + 1)
+                saved = version + 1
+        return False
 
     def train_step(self, version: int) -> bool:
         """One step at `version`, its stages timed; False when there was no batch (a stop)."""
@@ -354,6 +369,7 @@ def run_learner(spec: RunSpec, cfg: Config) -> None:
     cfg = with_concrete_dtype(cfg, device)  # learner.dtype=auto -> float32 or bfloat16
     maybe_limit_gpu_memory(spec.own_place(f"learner_{rank}"), device)  # its share, in its log
     learner = setup_learner(cfg, spec, rank, world, device)
+    # the launcher's interrupt (or any SIGTERM): end the step, checkpoint it (`Learner.train`)
     signal.signal(signal.SIGTERM, lambda *_: setattr(learner, "stop_requested", True))
     try:
         learner.run()

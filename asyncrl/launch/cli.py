@@ -41,7 +41,8 @@ def _interrupt(signum, frame) -> None:
 
 
 def _stop_on_signals() -> None:
-    """SIGTERM and SIGINT raise KeyboardInterrupt, which stops the fleets in order. SIGINT is
+    """SIGTERM and SIGINT raise KeyboardInterrupt, which stops the fleets in order (a training
+    run's learner writes its checkpoint first, `asyncrl.launch.interrupt`). SIGINT is
     set explicitly: a launcher started as a background job of a script inherits it ignored
     (the shell does that), and Python then never installs its own handler, so `kill -INT` did
     nothing and the fleets trained on (seen in a local CI run: 20 minutes, until the end)."""
@@ -55,6 +56,7 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     if ns.dry_run:
         sys.stdout.write(config_to_yaml(cfg, comments=True))
         return 0
+    from asyncrl.launch.interrupt import RunInterrupted
     from asyncrl.launch.run import LaunchError, launch
 
     _stop_on_signals()
@@ -65,8 +67,9 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     except LaunchError as e:
         print(f"asyncrl: launch failed: {e}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
-        print("\nasyncrl: interrupted; every process was stopped", file=sys.stderr)
+    except KeyboardInterrupt as stop:  # RunInterrupted once the run dir exists: how to go on
+        said = str(stop) if isinstance(stop, RunInterrupted) else ""
+        print(f"\n{said or 'asyncrl: interrupted; every process was stopped'}", file=sys.stderr)
         return 130
     return 0
 

@@ -69,6 +69,11 @@ class Fleet(Protocol):
         """Stop every member (gracefully, then by force) and release what the run holds."""
         ...
 
+    def stop_learners(self) -> None:
+        """SIGTERM the running learner ranks only (an interrupt: they end their step and
+        checkpoint it, `asyncrl.launch.interrupt`); every other member keeps running."""
+        ...
+
     def retire(self, name: str) -> None:
         """Kill what is left of member `name` at once (SIGKILL: a hung or stopped process
         too) and stop watching it: its end is no failure of the run."""

@@ -178,6 +178,12 @@ class LocalFleet:
         learners = [p for p in self.procs if p.name.startswith("learner_")]
         return all(p.popen.poll() == 0 for p in learners)
 
+    def stop_learners(self) -> None:
+        """SIGTERM the process group of every learner rank still running."""
+        for p in self.procs:
+            if p.name.startswith("learner_") and p.popen.poll() is None:
+                _signal_group(p.popen, signal.SIGTERM)
+
     def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM every process group, then SIGKILL whatever is left after the grace period;
         then remove what the run's dead processes left in /dev/shm (docs/gpus.md)."""

@@ -247,6 +247,13 @@ class RayFleet:
         self._poll()
         return all(m.exit_code == 0 for m in self.members if m.seat.role == "learner")
 
+    def stop_learners(self) -> None:
+        """SIGTERM every learner rank's process that still runs (as `stop_all` does)."""
+        with contextlib.suppress(RayError):
+            self._poll()
+            learners = [m for m in self.members if m.seat.role == "learner" and not m.ended]
+            _signal([m.where for m in learners if m.where is not None], signal.SIGTERM, 10.0)
+
     def stop_all(self, grace_s: float = 10.0) -> None:
         """SIGTERM every running role, wait up to `grace_s`, then kill every actor, remove
         the placement groups and disconnect (stopping a cluster started for the run)."""

@@ -1,5 +1,6 @@
 """`launch` and `serve`: check the run's data, prepare a run, start the fleets with the
-configured backend, watch them, and stop everything at the end, on Ctrl-C, or as soon as any
+configured backend, watch them, and stop everything at the end, on Ctrl-C or SIGTERM (after
+the learner's checkpoint, and then saying how to go on: `interrupt.py`), or as soon as any
 process dies (naming the first to die, why, and the deaths that followed it; with
 trainer.auto_resume a learner or replay death restarts the run from its newest checkpoint,
 `resume.py`). Both backends hand back a `Fleet` (`fleet.py`) and run the same role functions
@@ -19,6 +20,12 @@ from pathlib import Path
 from asyncrl.config import Config
 from asyncrl.data_check import check_agent_names, check_data, check_files, check_rewards
 from asyncrl.launch.fleet import Fleet, LaunchError, prepare_model, prepare_run_dir
+from asyncrl.launch.interrupt import (
+    FleetsInterrupted,
+    RunInterrupted,
+    interrupt_report,
+    save_on_interrupt,
+)
 from asyncrl.launch.local import start_local_fleets
 from asyncrl.launch.progress import Progress
 from asyncrl.launch.restarts import watch
@@ -136,7 +143,8 @@ def launch(cfg: Config, command: str = "asyncrl launch") -> Path:
     """Run one training job end to end; returns the run directory. A run resumed from a
     checkpoint of its own run directory continues it in place, its records rewound to the
     checkpoint (`resume_in_place`). With trainer.auto_resume, a learner or replay death
-    restarts the run from its newest checkpoint (`resume.py`)."""
+    restarts the run from its newest checkpoint (`resume.py`). An interrupt ends in
+    RunInterrupted, whose text says how to go on (`interrupt.py`)."""
     started = time.monotonic()
     check_run_data(cfg)
     launch_placement(cfg)  # one that cannot work fails before the model is prepared
@@ -155,9 +163,13 @@ def launch(cfg: Config, command: str = "asyncrl launch") -> Path:
         progress = Progress(
             cfg.trainer.total_steps, cfg.replay.max_staleness, cfg.launch.progress, started
         )
-        run_with_resumes(
-            cfg, run_dir, command, lambda attempt: train(attempt, run_dir, model_path, progress)
-        )
+        try:
+            run_with_resumes(
+                cfg, run_dir, command, lambda attempt: train(attempt, run_dir, model_path, progress)
+            )
+        except KeyboardInterrupt as stop:  # every process is stopped: say where the run stands
+            why = str(stop) if isinstance(stop, FleetsInterrupted) else ""
+            raise RunInterrupted(interrupt_report(cfg, run_dir, why)) from None
     summary = progress.summary(read_jsonl(run_dir / "metrics.jsonl"))
     print(f"asyncrl: done in {time.monotonic() - started:.0f}s. {summary}", flush=True)
     if cfg.trainer.save_final:
@@ -188,7 +200,8 @@ def hold_run_dir(run_dir: Path, held: contextlib.ExitStack) -> None:
 
 def train(cfg: Config, run_dir: Path, model_path: str, progress: Progress) -> None:
     """One attempt: start the fleets, watch them until the learner ranks finish (LaunchError
-    when a member dies first), and stop them either way."""
+    when a member dies first; FleetsInterrupted on an interrupt, once the learner wrote its
+    checkpoint, `save_on_interrupt`), and stop them either way."""
     fleet = start_fleets(cfg, run_dir, model_path)
     print(
         f"asyncrl: started replay, {cfg.rollout.num_servers} rollout server(s), "
@@ -197,5 +210,7 @@ def train(cfg: Config, run_dir: Path, model_path: str, progress: Progress) -> No
     )
     try:
         watch(fleet, progress)
+    except KeyboardInterrupt:  # Ctrl-C, SIGTERM: checkpoint first (`interrupt.py`)
+        raise FleetsInterrupted(save_on_interrupt(fleet, cfg, progress.note)) from None
     finally:
         fleet.stop_all()
