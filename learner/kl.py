@@ -41,10 +41,11 @@ def kl_penalty(logp: torch.Tensor, ref_logp: torch.Tensor, kind: str) -> torch.T
     through logp (used as a loss term) and ref_logp is detached. Why "+": k1 and k3 estimate
     the KL's value without bias, but their expected gradient is not the KL's gradient; k2's is
     (verl PR 2953, `kl_penalty` in verl's core_algos). The gradient of the "+" kinds is k2's
-    unclamped, as in verl. Departures from verl:
-      1. verl's `kl_penalty_forward` does not strip the "+" before choosing the estimator, so
-         its "k3+" raises NotImplementedError; here it computes what verl's docs describe.
-      2. No "k2+" / "mse+" (it would be k2 itself; verl has none either).
+    unclamped, as in verl. verl 0.9.1's `kl_penalty` strips the "+" before it picks the
+    estimator, so its "k3+" is this one exactly (value and gradient; read in the 0.9.1 wheel's
+    verl/trainer/ppo/core_algos.py; its main branch of 2026-01-29 did not strip it and raised
+    NotImplementedError). One departure: verl 0.9.1 also takes "k2+" / "mse+", which are k2
+    itself; here they are refused as unknown, since they would name nothing k2 does not.
     """
     if kind not in KL_KINDS:
         raise ValueError(f"unknown KL kind {kind!r}; valid: {', '.join(KL_KINDS)}")

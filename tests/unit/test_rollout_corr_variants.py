@@ -67,7 +67,7 @@ def test_k3_without_plus_keeps_its_own_gradient():
     # d/dlogp (e^(ref - logp) - (ref - logp) - 1) = 1 - e^(ref - logp)
     torch.testing.assert_close(grad, torch.tensor([1 - math.exp(-0.5), 1 - math.e]))
     with pytest.raises(ValueError, match="k3\\+"):
-        kl_penalty(logp, ref, "k2+")  # k2's own gradient already; verl has none either
+        kl_penalty(logp, ref, "k2+")  # k2 itself (verl 0.9.1 takes it as k2): refused here
 
 
 def test_the_config_takes_plus_kinds_for_the_kl_loss_and_the_reward_not_for_rejection():
