@@ -62,8 +62,22 @@ class Coordinator(Protocol):
 
     def fetch_batch(self, version: int, should_stop: Callable[[], bool]) -> Batch | None:
         """Leader: the replay's next batch of whole groups trainable at `version`, waiting for
-        it; None once `should_stop()` turns true (the run stops). Follower: None, always: its
+        it; None once `should_stop()` turns true (the run stops), or once a restarted rollout
+        server waits to join the weight sync (`joins_waiting`). Follower: None, always: its
         batch comes from rank 0 through the broadcast in `Learner.fetch_batch`."""
+        ...
+
+    def joins_waiting(self) -> bool:
+        """Leader: whether its last `fetch_batch` stopped waiting because a restarted server
+        waits to join the weight sync (`learner.sync_fleet.SyncFleet.joins_waiting`): with one
+        server no batch comes until it has weights, so every rank then gathers the current
+        version for `catch_up`. Follower: False (rank 0's answer is what every rank acts on)."""
+        ...
+
+    def catch_up(self, weights: Weights) -> None:
+        """Leader: join the server epochs waiting and send them `weights`, the version every
+        other member holds already (nothing is logged: no new version). Follower: drain
+        `weights.tensors` (the gathers)."""
         ...
 
     def deliver_weights(self, weights: Weights) -> str | None:
@@ -118,6 +132,15 @@ class Follower:
     def fetch_batch(self, version: int, should_stop: Callable[[], bool]) -> Batch | None:
         """None: the batch arrives through `Learner.fetch_batch`'s broadcast."""
         return None
+
+    def joins_waiting(self) -> bool:
+        """Rank 0 knows; its answer is broadcast."""
+        return False
+
+    def catch_up(self, weights: Weights) -> None:
+        """Take part in the gathers; rank 0 sends."""
+        for _ in weights.tensors:
+            pass
 
     def deliver_weights(self, weights: Weights) -> str | None:
         """Take part in the gathers; rank 0 sends."""

@@ -57,16 +57,37 @@ class Leader:
         self.loggers, self.trace, self.val_rows = loggers, trace, val_rows
         self.samples, self.weight_log = samples, weight_log
         self._fetched: Batch | None = None  # the last batch handed over, until its step's log
+        self._joins_waiting = False  # why the last fetch ended without a batch
 
     def fetch_batch(self, version: int, should_stop: Callable[[], bool]) -> Batch | None:
-        """The replay's next whole groups trainable at `version`, kept for the step's log."""
+        """The replay's next whole groups trainable at `version`, kept for the step's log;
+        None at a stop, or as soon as a restarted server waits to join (`joins_waiting`)."""
+        self._joins_waiting = False
+
+        def stop_or_join() -> bool:
+            if should_stop():
+                return True
+            self._joins_waiting = self.fleet.joins_waiting(version)
+            return self._joins_waiting
+
         self._fetched = self.replay.fetch_batch(
             version,
             self.cfg.data.train_batch_size,
-            should_stop=should_stop,
+            should_stop=stop_or_join,
             give_up_s=self.cfg.trainer.batch_wait_timeout_s,
         )
         return self._fetched
+
+    def joins_waiting(self) -> bool:
+        return self._fetched is None and self._joins_waiting
+
+    def catch_up(self, weights: Weights) -> None:
+        """Join the waiting servers and bring them to `weights.version` (`SyncFleet.catch_up`)."""
+        tensors = sent_tensors(weights.specs, weights.tensors)
+        joined = self.fleet.catch_up(weights.specs, tensors, weights.version, weights.probe)
+        log.info(
+            "weight sync: version %d sent to the servers that joined: %s", weights.version, joined
+        )
 
     def deliver_weights(self, weights: Weights) -> str | None:
         """Send to every member of the weight sync; log which members have the version and

@@ -16,6 +16,16 @@ still loading their model); later joins wait up to `launch.server_timeout_s`. A 
 receives that version in full (every version is the full weights), so a restarted server is
 brought to the current weights, then gets every later version.
 
+A server may also restart while the learner waits for a batch, and with one server (the
+default) no batch comes until it has weights: the restarted epoch takes no lease before its
+first version (`rollout_servers.server`), and the replay would grant none to its stale weights
+anyway. So while it waits, learner rank 0 asks `joins_waiting` (about once a second): an epoch
+the replay lists and has not been tried, whose `ready` is set, stops the wait, and every rank
+gathers the current version for `catch_up`, which joins it and sends that version to it alone
+(the other members hold it already). An epoch listed for the join bound without its `ready`
+is answered `abandon` there (it fails; the launcher restarts it or, its restarts used up,
+drops it and, with no server left, ends the run naming it and why: `asyncrl.launch.restarts`).
+
 A member whose collective fails (its process died: noticed at once) or does not complete
 within `launch.startup_timeout_s` is dropped for good. A hung or SIGSTOPped server is dropped
 much sooner: while a wait on it lasts, the broadcast asks the replay every second how long it
@@ -45,14 +55,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from asyncrl.auth import RoleKey, key_from_env
 from asyncrl.binds import bind_collectives_to, setup_store
 from asyncrl.config import Config
 from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.metrics import JsonlWriter
 from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
+from asyncrl.sealed_store import SealedStore
 from asyncrl.shm_segments import shm_free_bytes, sweep_dead_segments
-from asyncrl.sync_group import SyncGroup, answer, read_place, sync_prefix
+from asyncrl.sync_group import SyncGroup, answer, learner_member_store, read_place
 from asyncrl.weight_sync import ParamSpec, WeightBroadcaster
 from asyncrl.weight_transport import choose_transport, place_of
 
@@ -83,6 +95,8 @@ class SyncFleet:
         give_up_s: float = float("inf"),
         declare_dead: Callable[[int, int, str], None] | None = None,
         transport: str = "auto",
+        *,
+        learner_key: RoleKey,
     ):
         """`server_epochs`: server id -> epoch of each server alive now (the replay's view).
         `timeout_s`: a later join waits this long; `first_join_s`: the first version's join;
@@ -91,13 +105,17 @@ class SyncFleet:
         member silent for `give_up_s` is given up. `declare_dead(server, epoch, reason)`: told
         of every member dropped. `transport`: `launch.weight_transport` (each member's is
         chosen at its join from where it is and where this process is:
-        `asyncrl.weight_transport.choose_transport`)."""
+        `asyncrl.weight_transport.choose_transport`). `learner_key`: the learner's role key,
+        from which each member's sync key is derived: every entry of a join is sealed with it
+        (`asyncrl.sealed_store`; a process without the run's keys can neither read nor forge
+        one)."""
         self.host, self.num_servers, self.device = host, num_servers, device
         self.server_epochs, self.events = server_epochs, events
         self.health, self.give_up_s, self.declare_dead = health, give_up_s, declare_dead
         self.timeout_s, self.first_join_s = timeout_s, first_join_s
         self.op_timeout_s = op_timeout_s or timeout_s
         self.transport, self.place = transport, place_of(device)
+        self.learner_key = learner_key
         sweep_dead_segments()  # what a SIGKILLed learner before this one left in /dev/shm
         self._version_bytes = 0  # of the version being sent (whether /dev/shm can hold one)
         self._promised_shm = 0  # bytes of /dev/shm slots promised at joins, not yet made
@@ -111,6 +129,8 @@ class SyncFleet:
             self.broadcaster.give_up = self._silent_members
         self._tried: dict[int, int] = {}  # server id -> newest epoch asked to join
         self._first = True
+        self._listed_at: dict[tuple[int, int], float] = {}  # epochs waited for, since when
+        self._next_look = 0.0  # when `joins_waiting` asks the replay again
 
     @property
     def members(self) -> dict[int, int]:
@@ -129,7 +149,58 @@ class SyncFleet:
         self._version_bytes = self.broadcaster.plan(specs).slot_bytes
         self._promised_shm = 0  # every slot made so far is in /dev/shm's free space already
         self.maybe_join(version)
-        failed = self.broadcaster.broadcast(specs, tensors, version, probe)
+        self._drop(self.broadcaster.broadcast(specs, tensors, version, probe), version)
+        return self.members
+
+    def joins_waiting(self, version: int) -> bool:
+        """Whether a server epoch waits to join now: listed by the replay, newer than the one
+        held or tried for its server, its `ready` set (module docstring); asked while the
+        learner waits for a batch at `version`, at most every `EPOCHS_POLL_S` (False between).
+        Before the first version only restarted epochs count (the first broadcast joins every
+        epoch 0). An epoch listed for `timeout_s` without its `ready` is abandoned here."""
+        now = time.monotonic()
+        if now < self._next_look:
+            return False
+        self._next_look = now + EPOCHS_POLL_S
+        try:
+            listed = self.server_epochs()
+        except Exception as e:  # no news: the batch wait goes on, and asks again
+            log.warning("weight sync: could not ask the replay which servers are alive: %s", e)
+            return False
+        waiting = False
+        for server, epoch in listed.items():
+            if epoch <= self._tried.get(server, -1) or (self._first and epoch == 0):
+                continue
+            if self._member_store(server, epoch).check(["ready"]):
+                waiting = True
+                continue
+            since = self._listed_at.setdefault((server, epoch), now)
+            if now - since >= self.timeout_s:
+                self._replace(server, epoch, version)
+                self._abandon(server, epoch, version, f"not ready within {self.timeout_s:g} s")
+        return waiting
+
+    def catch_up(
+        self,
+        specs: list[ParamSpec],
+        tensors: Iterator[torch.Tensor],
+        version: int,
+        probe: DeliveryProbe | None = None,
+    ) -> dict[int, int]:
+        """Join the server epochs waiting (`joins_waiting`) and send `version`, the one every
+        other member holds already, to them alone; returns the members that joined and have it
+        (server id -> epoch). `tensors` is drained whole whatever happens (a collective)."""
+        self._version_bytes = self.broadcaster.plan(specs).slot_bytes
+        self._promised_shm = 0
+        before = set(self.broadcaster.members)
+        self.maybe_join(version)
+        new = [key for key in self.broadcaster.members if key not in before]
+        failed = self.broadcaster.broadcast(specs, tensors, version, probe, only=new)
+        self._drop(failed, version)
+        return {server: epoch for server, epoch in new if (server, epoch) not in failed}
+
+    def _drop(self, failed: dict[tuple[int, int], BaseException], version: int) -> None:
+        """Record every member that failed a version, and have the replay declare it dead."""
         for (server, epoch), error in failed.items():
             reason = _reason(error, self.op_timeout_s)
             self._event("dropped", server, epoch, version, reason)
@@ -138,7 +209,6 @@ class SyncFleet:
                     self.declare_dead(server, epoch, f"dropped from the weight sync: {reason}")
                 except Exception as e:  # the replay's own silence rule still applies
                     log.warning("could not declare server %d epoch %d dead: %s", server, epoch, e)
-        return self.members
 
     def _silent_members(self) -> dict[tuple[int, int], str]:
         """The members to stop waiting for, with why: silent for `give_up_s`, declared dead or
@@ -174,7 +244,7 @@ class SyncFleet:
         asked = time.monotonic()
         while waiting:
             for server, epoch in list(waiting.items()):
-                store = dist.PrefixStore(sync_prefix(server, epoch), self.store)
+                store = self._member_store(server, epoch)
                 if store.check(["ready"]):
                     del waiting[server]
                     self._join(server, epoch, store, version)
@@ -203,13 +273,18 @@ class SyncFleet:
         if first:
             listed = {server: 0 for server in range(self.num_servers)} | listed
         wanted = {s: e for s, e in listed.items() if e > self._tried.get(s, -1)}
-        self._tried.update(wanted)
-        for server, epoch in list(self.broadcaster.members):
-            if server in wanted:
-                self.broadcaster.members.pop((server, epoch)).abort()
-                reason = f"epoch {wanted[server]} replaces it"
-                self._event("dropped", server, epoch, version, reason)
+        for server, epoch in wanted.items():
+            self._replace(server, epoch, version)
         return wanted
+
+    def _replace(self, server: int, epoch: int, version: int) -> None:
+        """`epoch` is the newest of `server` tried from now on; a member of an older epoch of
+        it is dropped."""
+        self._tried[server] = epoch
+        self._listed_at = {k: t for k, t in self._listed_at.items() if k[0] != server}
+        for member in [m for m in self.broadcaster.members if m[0] == server]:
+            self.broadcaster.members.pop(member).abort()
+            self._event("dropped", server, member[1], version, f"epoch {epoch} replaces it")
 
     def _join(self, server: int, epoch: int, store: dist.Store, version: int) -> None:
         """Choose the member's transport from its place and answer; a place that cannot be
@@ -240,10 +315,13 @@ class SyncFleet:
         self.broadcaster.members[(server, epoch)] = group
         self._event("joined", server, epoch, version, f"over {transport}: {why}", transport)
 
+    def _member_store(self, server: int, epoch: int) -> SealedStore:
+        """Server epoch (server, epoch)'s entries of the store, sealed with its sync key."""
+        return learner_member_store(self.store, self.learner_key, server, epoch, self.timeout_s)
+
     def _abandon(self, server: int, epoch: int, version: int, reason: str) -> None:
         """Answer abandon, so that the server fails at once should it come later."""
-        store = dist.PrefixStore(sync_prefix(server, epoch), self.store)
-        answer(store, False, "gloo", reason)
+        answer(self._member_store(server, epoch), False, "gloo", reason)
         self._event("not_joined", server, epoch, version, reason)
 
     def _event(
@@ -300,6 +378,7 @@ def setup_sync_fleet(cfg: Config, spec: RunSpec, device: torch.device, replay) -
         give_up_s=min(cfg.launch.sync_give_up_s, cfg.launch.server_timeout_s),
         declare_dead=replay.declare_dead,
         transport=cfg.launch.weight_transport,
+        learner_key=key_from_env("learner"),
     )
 
 

@@ -111,8 +111,14 @@ class Learner:
     def fetch_batch(self, version: int) -> TrainBatch | None:
         """Whole groups trainable at `version` on every rank: rank 0's coordinator waits for
         them at the replay, and they are broadcast to all; None on every rank once rank 0's
-        has none (a stop was requested)."""
-        msg = self.coordinator.fetch_batch(version, should_stop=lambda: self.stop_requested)
+        has none (a stop was requested). While it waits, a restarted rollout server that waits
+        to join the weight sync is brought to `version` (`catch_up`): with one server, no batch
+        would come before it has weights."""
+        while True:
+            msg = self.coordinator.fetch_batch(version, should_stop=lambda: self.stop_requested)
+            if not self._rank0_says(msg is None and self.coordinator.joins_waiting()):
+                break
+            self.coordinator.catch_up(self._weights_to_send(version))
         batch = from_message(msg, self.pad_id) if msg is not None else None
         return share_batch(batch, self.rank, self.world, self.device)
 
@@ -203,10 +209,23 @@ class Learner:
     def broadcast_weights(self, version: int) -> str | None:
         """Gather full weights (all ranks) and deliver them to every member of the weight sync
         (rank 0's coordinator); returns their checksum when learner.weight_checksum asks."""
+        return self.coordinator.deliver_weights(self._weights_to_send(version))
+
+    def _weights_to_send(self, version: int) -> Weights:
+        """The weights of `version` with their delivery probe, when asked for (all ranks: a
+        forward, then the gathers as the coordinator drains them)."""
         lc, probe = self.cfg.learner, None
-        if wants_probe(self.cfg):  # all ranks: a forward
+        if wants_probe(self.cfg):
             probe = delivery_probe(self.model, lc, self.cfg.rollout.dtype, self.device)
-        return self.coordinator.deliver_weights(self.weights(version, probe))
+        return self.weights(version, probe)
+
+    def _rank0_says(self, flag: bool) -> bool:
+        """Rank 0's `flag` on every rank (a broadcast when there are other ranks)."""
+        if self.world == 1:
+            return flag
+        shared = torch.tensor([int(flag)], device=self.device)
+        dist.broadcast(shared, 0)
+        return bool(shared.item())
 
     def weights(self, version: int, probe: DeliveryProbe | None = None) -> Weights:
         """The weights a version carries (a collective to drain: every rank, in step)."""

@@ -39,6 +39,7 @@ import numpy as np
 import torch
 
 from asyncrl.advantages import ESTIMATORS
+from asyncrl.auth import sync_key_from_env
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.metrics import JsonlWriter, peak_rss_mb
 from asyncrl.protocol import PromptItem, Trajectory
@@ -98,6 +99,9 @@ class RolloutServer:
         )
         self._wake = asyncio.Event()
         self._receiver_error: BaseException | None = None
+        self._has_weights = self.epoch == 0 or spec.sync_port == 0
+        """Whether it may lease: a restarted epoch only once the learner's version reached it
+        (`_may_lease`)."""
         run_dir = Path(spec.run_dir)
         self._weight_log = (
             JsonlWriter(run_dir / f"weights_server_{server_id}.jsonl")
@@ -130,6 +134,7 @@ class RolloutServer:
                 torch.device(engine_device(self.cfg.rollout.device)),
                 server_id=self.server_id,
                 epoch=self.epoch,
+                key=sync_key_from_env(),
             )
             for applied in self.engine.follow_learner(target):
                 self.sync_times.append(applied.apply_s)
@@ -141,6 +146,7 @@ class RolloutServer:
                     version=applied.version,
                 )
                 self._log_weights(applied.version)
+                self._has_weights = True
                 loop.call_soon_threadsafe(self._wake.set)
             log.info("learner closed the weight-sync group")
         except BaseException as e:  # surfaced by the main loop, which re-raises it
@@ -294,7 +300,8 @@ class RolloutServer:
             self._raise_if_stalled(len(groups))
             free = capacity - len(groups)
             # ask again at once when the engine moved on: admission control judges by version
-            if free > 0 and (not leases or asked_at_version != self.engine.version):
+            fresh = not leases or asked_at_version != self.engine.version
+            if free > 0 and fresh and self._may_lease(started):
                 asked_at_version = self.engine.version
                 leases.add(
                     self._spawn(
@@ -352,6 +359,26 @@ class RolloutServer:
             if t.done():
                 t.result()
                 raise RuntimeError(f"background task {t.get_name()} ended unexpectedly")
+
+    def _may_lease(self, started: float) -> bool:
+        """Whether to ask for leases: a restarted epoch starts from the initial weights, which
+        no lease should sample (the replay refuses them as stale, or with a loose bound would
+        train on them), so it waits for its first version: the learner joins it at its next
+        broadcast, or at once while it waits for a batch (`learner.sync_fleet`). RuntimeError
+        once it has waited `launch.startup_timeout_s` since this epoch's start: the launcher
+        restarts it, or drops it with its restarts used up and, with no server left, ends the
+        run naming it and this reason, instead of waiting on it for good."""
+        if self._has_weights:
+            return True
+        waited = time.monotonic() - started
+        if waited > self.cfg.launch.startup_timeout_s:
+            raise RuntimeError(
+                f"server {self.server_id} epoch {self.epoch} received no weights from the "
+                f"learner within launch.startup_timeout_s={self.cfg.launch.startup_timeout_s:g}"
+                " s of its start (learner_0's log and sync_members.jsonl say whether it "
+                "joined the weight sync): stopping"
+            )
+        return False
 
     def _raise_if_stalled(self, groups_in_flight: int) -> None:
         """Stop when groups are in flight and no sample was done for `stall_timeout_s`: an engine

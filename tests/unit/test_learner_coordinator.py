@@ -22,20 +22,33 @@ from learner.leader import step_record
 from learner.trainer import Learner
 
 VOCAB = 50
+JOIN = "a restarted server waits to join"
 
 
 class FakeCoordinator:
     """Hands over the batches it is given and records what the learner sends out."""
 
-    def __init__(self, batches: list[Batch]) -> None:
+    def __init__(self, batches: list[Batch | str]) -> None:
+        """`batches`: what each fetch hands over in turn; JOIN: no batch, a server waits to
+        join the weight sync."""
         self.batches = batches
         self.calls: list[tuple] = []  # (method, version) in call order
         self.delivered: dict[int, dict[str, torch.Tensor]] = {}
         self.logged: list[tuple[int, dict[str, float], StepOutcome | None]] = []
+        self._join = False
 
     def fetch_batch(self, version: int, should_stop: Callable[[], bool]) -> Batch | None:
         self.calls.append(("fetch_batch", version))
-        return self.batches.pop(0) if self.batches and not should_stop() else None
+        got = self.batches.pop(0) if self.batches and not should_stop() else None
+        self._join = got == JOIN
+        return got if isinstance(got, Batch) else None
+
+    def joins_waiting(self) -> bool:
+        return self._join
+
+    def catch_up(self, weights: Weights) -> None:
+        self.calls.append(("catch_up", weights.version))
+        self.delivered[weights.version] = {n: t.clone() for n, t in weights.tensors}
 
     def deliver_weights(self, weights: Weights) -> str | None:
         self.calls.append(("deliver_weights", weights.version))
@@ -164,6 +177,30 @@ def test_a_step_fetches_updates_delivers_publishes_and_logs_through_the_coordina
     assert record["response_len_mean"] == pytest.approx(11 / 4)
 
 
+def test_a_server_waiting_to_join_gets_the_current_weights_and_the_wait_goes_on(one_rank):
+    """Issue 40: with one rollout server, a restarted one must get the current version while
+    the learner waits for a batch, or no batch ever comes."""
+    fake = FakeCoordinator([JOIN, JOIN, _batch_message()])
+    learner = _learner(one_rank, fake)
+    before = _params(learner)
+
+    assert learner.train_step(3)
+
+    assert fake.calls == [
+        ("fetch_batch", 3),
+        ("catch_up", 3),
+        ("fetch_batch", 3),
+        ("catch_up", 3),
+        ("fetch_batch", 3),
+        ("deliver_weights", 4),
+        ("publish_version", 4),
+        ("log", 4),
+    ]
+    # what the joiners got is the version the learner holds, before the step's update
+    assert all(torch.equal(fake.delivered[3][n], before[n]) for n in before)
+    assert any(not torch.equal(fake.delivered[4][n], before[n]) for n in before)
+
+
 def test_no_batch_ends_the_loop_with_nothing_sent(one_rank):
     fake = FakeCoordinator([])
     learner = _learner(one_rank, fake, "trainer.total_steps=5")
@@ -211,6 +248,10 @@ def test_a_follower_takes_part_in_the_gathers_and_talks_to_nobody():
 
     follower = Follower()
     assert follower.fetch_batch(0, lambda: False) is None
+    assert not follower.joins_waiting()
+    follower.catch_up(Weights(0, [], tensors()))
+    assert drained == ["a", "b"]
+    drained.clear()
     assert follower.deliver_weights(Weights(1, [], tensors())) is None
     assert drained == ["a", "b"]
     assert follower.validate(1) == {}
