@@ -169,6 +169,37 @@ def test_a_killed_member_is_dropped_and_its_restart_joins_at_the_current_version
     assert "epoch 2 replaces it" in reasons
 
 
+def test_a_restart_while_the_learner_waits_for_a_batch_is_caught_up_alone(fleet):
+    """Issue 40: with no batch coming (one server, the default, made none since it died), the
+    learner waits at version 2, and no broadcast would join a restart. Asked while it waits,
+    `joins_waiting` says so once server 1's epoch 1 has set ready, and `catch_up` sends version 2
+    to it alone: server 0, which holds it, gets nothing again; the next version reaches both. A
+    restart listed but never ready is abandoned by `joins_waiting` after the join bound."""
+    for server in (0, 1):
+        fleet.start(server, 0)
+    assert fleet.send(1)[0] == {0: 0, 1: 0}
+    fleet.procs[(1, 0)].kill()
+    fleet.procs[(1, 0)].wait(timeout=30)
+    assert fleet.send(2)[0] == {0: 0}
+    assert not fleet.fleet.joins_waiting(2)
+    fleet.start(1, 1)
+    wait_for(lambda: fleet.fleet.joins_waiting(2), timeout_s=10)
+    assert fleet.fleet.catch_up(SPECS, iter(version_tensors(2)), 2) == {1: 1}
+    fleet.wait_received(1, 1, [2])
+    assert fleet.send(3)[0] == {0: 0, 1: 1}
+    fleet.wait_received(0, 0, [1, 2, 3])  # version 2 once
+    fleet.wait_received(1, 1, [2, 3])
+
+    fleet.procs[(1, 1)].kill()
+    fleet.listed[1] = 2  # listed (it heartbeats) but its receiver never sets ready
+    start = time.monotonic()
+    abandoned = ("not_joined", 1, 2, 3)
+    wait_for(lambda: not fleet.fleet.joins_waiting(3) and abandoned in fleet.events(), 30)
+    assert TIMEOUT_S <= time.monotonic() - start < TIMEOUT_S + 5
+    fleet.fleet.shutdown()
+    assert ("joined", 1, 1, 2) in fleet.events() and ("dropped", 1, 1, 3) in fleet.events()
+
+
 def test_a_member_killed_in_the_middle_of_a_version_costs_the_others_nothing(fleet):
     """Over the shared-memory transport (the default between processes of one host), server 1
     is SIGKILLed after claiming version 2, while the learner writes its slot: server 0 still
