@@ -7,6 +7,9 @@ With `kills` (marked slow: about 3 minutes here) the servers are SIGKILLed too, 
 the replay are killed once each, and the same audit must pass: the launcher restarts a dead
 rollout server (`launch.max_restarts`) and resumes the run from its checkpoint after a learner
 or replay death (`trainer.auto_resume`).
+
+On the default config (one rollout server, the user-path rule of tests/README.md) its only
+server is SIGKILLed and SIGSTOPped in turn, and every kill must heal.
 """
 
 from __future__ import annotations
@@ -64,3 +67,32 @@ def test_chaos_run_passes_its_audit(tmp_path, kills):
     if kills:
         kinds = {(f["kind"], f["target"].split("_")[0]) for f in faults}
         assert {("sigkill", "server"), ("sigkill", "learner"), ("sigkill", "replay")} <= kinds
+
+
+@pytest.mark.long
+def test_chaos_on_the_default_config_heals_every_kill_of_its_one_server(
+    tmp_path, default_model_cache
+):
+    """The user-path rule (tests/README.md): the default config as shipped, one rollout server,
+    chaos run from a working directory of the test's own (`runs/chaos-{time}` under it), the
+    server SIGKILLed and SIGSTOPped in turn. Every kill must heal: the restart rejoins the
+    weight sync while the learner waits for a batch no other server could make (issue 40: it
+    waited an hour), so training goes on after each kill and the audit passes."""
+    cmd = [
+        *(sys.executable, str(ROOT / "tools" / "chaos.py"), "--minutes", "1"),
+        *("--every", "12", "--stop-s", "3", "--settle-s", "60", "--kinds", "kill,stop"),
+        *("--no-learner-kill", "--no-replay-kill"),
+        *(f"trainer.cache_dir={default_model_cache}", "launch.progress=none"),
+    ]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=540)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+    (run_dir,) = (tmp_path / "runs").glob("chaos-*")
+    audit = json.loads((run_dir / "audit.json").read_text())
+    assert audit["ok"] and all(c["ok"] for c in audit["checks"])
+    kills = [f for f in read_jsonl(run_dir / "chaos.jsonl") if f["kind"] == "sigkill"]
+    assert len(kills) == 2 and {f["target"] for f in kills} == {"server_0"}
+    restarts = [r for r in read_jsonl(run_dir / "restarts.jsonl") if r["event"] == "restart"]
+    assert len(restarts) == len(kills)
+    steps = read_jsonl(run_dir / "metrics.jsonl")
+    assert any(r["time"] > kills[-1]["time"] + 1 for r in steps), "no step after the last kill"
