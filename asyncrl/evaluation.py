@@ -90,11 +90,14 @@ def run_eval_job(
     timeout_s: float,
     poll_s: float = 0.2,
     progress: Callable[[int, int], None] | None = None,
+    submit: bool = True,
 ) -> dict[str, float]:
     """Submit a job through the replay, wait until every sample is scored, summarize it. A
     prompt no server could sample (given up by the replay, `replay.max_group_failures`) is left
-    out of the scores, even the samples it had, and counted (`num_failed_prompts`)."""
-    client.submit_eval(job_id, prompts)
+    out of the scores, even the samples it had, and counted (`num_failed_prompts`). Without
+    `submit`, wait for a job submitted before (a wait that `progress` broke off by raising)."""
+    if submit:
+        client.submit_eval(job_id, prompts)
     deadline = time.monotonic() + timeout_s
     while True:
         res = client.poll_eval(job_id)

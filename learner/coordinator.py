@@ -68,10 +68,11 @@ class Coordinator(Protocol):
         ...
 
     def joins_waiting(self) -> bool:
-        """Leader: whether its last `fetch_batch` stopped waiting because a restarted server
-        waits to join the weight sync (`learner.sync_fleet.SyncFleet.joins_waiting`): with one
-        server no batch comes until it has weights, so every rank then gathers the current
-        version for `catch_up`. Follower: False (rank 0's answer is what every rank acts on)."""
+        """Leader: whether its last `fetch_batch` or `validate` stopped waiting because a
+        restarted server waits to join the weight sync (`learner.sync_fleet`): with one server
+        no batch (nor validation score) comes until it has weights, so every rank then gathers
+        the current version for `catch_up`. Follower: False (rank 0's answer is what every
+        rank acts on)."""
         ...
 
     def catch_up(self, weights: Weights) -> None:
@@ -99,8 +100,9 @@ class Coordinator(Protocol):
 
     def validate(self, version: int) -> dict[str, float]:
         """Leader: run the validation set through the rollout servers as an evaluation job and
-        return its scores as `val/<name>`. Follower: {} at once (it waits at the next
-        collective)."""
+        return its scores as `val/<name>`; {} once a restarted server waits to join the weight
+        sync (`joins_waiting`), after which a call for the same version waits for the same job.
+        Follower: {} at once (rank 0's `joins_waiting` decides what comes next)."""
         ...
 
     def log(self, version: int, metrics: dict[str, float], step: StepOutcome | None = None) -> None:

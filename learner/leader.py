@@ -24,7 +24,7 @@ from asyncrl.config import Config
 from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
 from asyncrl.loggers import MetricsLogger, setup_loggers
 from asyncrl.metrics import JsonlWriter, peak_rss_mb, write_json_atomic
-from asyncrl.protocol import Batch
+from asyncrl.protocol import Batch, PromptItem
 from asyncrl.replay_client import ReplayClient
 from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
@@ -57,12 +57,15 @@ class Leader:
         self.loggers, self.trace, self.val_rows = loggers, trace, val_rows
         self.samples, self.weight_log = samples, weight_log
         self._fetched: Batch | None = None  # the last batch handed over, until its step's log
-        self._joins_waiting = False  # why the last fetch ended without a batch
+        self._joins_waiting = False  # why the last fetch or validation ended early
+        # the validation waited for: (version, job id, prompts, deadline)
+        self._validation: tuple[int, str, list[PromptItem], float] | None = None
 
     def fetch_batch(self, version: int, should_stop: Callable[[], bool]) -> Batch | None:
         """The replay's next whole groups trainable at `version`, kept for the step's log;
         None at a stop, or as soon as a restarted server waits to join (`joins_waiting`)."""
         self._joins_waiting = False
+        self._fetched = None
 
         def stop_or_join() -> bool:
             if should_stop():
@@ -79,7 +82,7 @@ class Leader:
         return self._fetched
 
     def joins_waiting(self) -> bool:
-        return self._fetched is None and self._joins_waiting
+        return self._joins_waiting
 
     def catch_up(self, weights: Weights) -> None:
         """Join the waiting servers and bring them to `weights.version` (`SyncFleet.catch_up`)."""
@@ -120,10 +123,32 @@ class Leader:
 
     def validate(self, version: int) -> dict[str, float]:
         """The validation set as an evaluation job (leased before any training prompt, never
-        trained on), waiting for every score."""
-        dc, job = self.cfg.data, f"val-{version}-{time.time_ns()}"
-        prompts = eval_prompts(self.val_rows, dc.val_n, dc.val_temperature, job)
-        summary = run_eval_job(self.replay, prompts, job, self.cfg.trainer.val_timeout_s)
+        trained on), waiting for every score; {} as soon as a restarted server waits to join
+        (`joins_waiting`: with one server its prompts wait for it, and it for its weights),
+        and the next call waits for the same job, within what is left of its timeout."""
+        self._joins_waiting = False
+        if self._validation is None or self._validation[0] != version:
+            dc, job = self.cfg.data, f"val-{version}-{time.time_ns()}"
+            prompts = eval_prompts(self.val_rows, dc.val_n, dc.val_temperature, job)
+            deadline = time.monotonic() + self.cfg.trainer.val_timeout_s
+            self._validation, submit = (version, job, prompts, deadline), True
+        else:
+            _, job, prompts, deadline = self._validation
+            submit = False
+
+        def break_off_for_joins(done: int, expected: int) -> None:
+            if self.fleet.joins_waiting(version):
+                raise _JoinsWaiting
+
+        left = max(deadline - time.monotonic(), 0.0)
+        try:
+            summary = run_eval_job(
+                self.replay, prompts, job, left, progress=break_off_for_joins, submit=submit
+            )
+        except _JoinsWaiting:
+            self._joins_waiting = True
+            return {}
+        self._validation = None
         log.info("validation at version %d: mean score %.4f", version, summary["mean_score"])
         return {f"val/{k}": v for k, v in summary.items()}
 
@@ -163,6 +188,10 @@ class Leader:
 
     def close(self) -> None:
         write_json_atomic(self.run_dir / "stats" / "learner.json", {"peak_rss_mb": peak_rss_mb()})
+
+
+class _JoinsWaiting(Exception):
+    """Breaks off a validation's wait: a restarted server waits to join the weight sync."""
 
 
 def step_record(

@@ -233,10 +233,18 @@ class Learner:
 
     def maybe_validate(self, version: int) -> dict[str, float]:
         """Validation scores (rank 0's coordinator runs the job) every trainer.val_every
-        versions and at the last; {} otherwise, and on the other ranks."""
+        versions and at the last; {} otherwise, and on the other ranks. A restarted server
+        that waits to join meanwhile is brought to `version` (`catch_up`), since with one
+        server the job's prompts wait for it."""
         tc = self.cfg.trainer
         due = tc.val_every and (version % tc.val_every == 0 or version == tc.total_steps)
-        return self.coordinator.validate(version) if due else {}
+        if not due:
+            return {}
+        while True:  # a restarted server waiting to join is caught up, as in `fetch_batch`
+            scores = self.coordinator.validate(version)
+            if not self._rank0_says(self.coordinator.joins_waiting()):
+                return scores
+            self.coordinator.catch_up(self._weights_to_send(version))
 
     # ---- loop ---------------------------------------------------------------------------
     def save_checkpoint(self, version: int) -> None:
@@ -251,6 +259,7 @@ class Learner:
             self.coordinator,
             {"kl_coef": self.kl_ctrl.value},
             self.cfg.trainer.keep_checkpoints,
+            self.cfg.trainer.resume_from,
         )
 
     def load_checkpoint(self, path: Path) -> int:

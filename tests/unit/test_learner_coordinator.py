@@ -36,6 +36,7 @@ class FakeCoordinator:
         self.delivered: dict[int, dict[str, torch.Tensor]] = {}
         self.logged: list[tuple[int, dict[str, float], StepOutcome | None]] = []
         self._join = False
+        self.validation_joins = 0
 
     def fetch_batch(self, version: int, should_stop: Callable[[], bool]) -> Batch | None:
         self.calls.append(("fetch_batch", version))
@@ -66,6 +67,10 @@ class FakeCoordinator:
 
     def validate(self, version: int) -> dict[str, float]:
         self.calls.append(("validate", version))
+        self._join = self.validation_joins > 0  # so many calls end early for a join first
+        if self._join:
+            self.validation_joins -= 1
+            return {}
         return {"val/mean_score": 0.5}
 
     def log(self, version: int, metrics: dict[str, float], step: StepOutcome | None = None) -> None:
@@ -199,6 +204,17 @@ def test_a_server_waiting_to_join_gets_the_current_weights_and_the_wait_goes_on(
     # what the joiners got is the version the learner holds, before the step's update
     assert all(torch.equal(fake.delivered[3][n], before[n]) for n in before)
     assert any(not torch.equal(fake.delivered[4][n], before[n]) for n in before)
+
+
+def test_a_server_waiting_to_join_during_validation_is_caught_up_and_validation_goes_on(
+    one_rank,
+):
+    fake = FakeCoordinator([_batch_message()])
+    fake.validation_joins = 1
+    learner = _learner(one_rank, fake, "trainer.val_every=1")
+    assert learner.train_step(0)
+    assert fake.calls[-4:] == [("validate", 1), ("catch_up", 1), ("validate", 1), ("log", 1)]
+    assert fake.logged[-1][1]["val/mean_score"] == 0.5
 
 
 def test_no_batch_ends_the_loop_with_nothing_sent(one_rank):
