@@ -3,7 +3,9 @@
     asyncrl launch [CONFIG] [section.key=value ...] [--dry-run]   train
     asyncrl launch --resume RUN_DIR [section.key=value ...]      continue a run in place
     asyncrl serve  [CONFIG] [section.key=value ...]               rollout fleet only
-    asyncrl eval --data FILE [--address ADDR --run-dir DIR] [CONFIG] [overrides]   evaluate
+    asyncrl eval --data FILE [CONFIG] [section.key=value ...]     evaluate a model (own fleet)
+    asyncrl eval --data FILE --run-dir RUN [section.key=value ...]  a run's weights (own fleet)
+    asyncrl eval --data FILE --address ADDR --run-dir DIR         ... on servers already up
     asyncrl data gsm8k --input DIR --output DIR                   GSM8K -> verl parquet
     asyncrl data arith --output DIR                               embedded task -> parquet
     asyncrl data inspect FILE [--tokenizer PATH]                  look at a parquet file
@@ -145,16 +147,25 @@ def cmd_serve(ns: argparse.Namespace) -> int:
 
 
 def cmd_eval(ns: argparse.Namespace) -> int:
-    """Send a dataset through running servers (--address) or a fleet started for it."""
+    """Send a dataset through running servers (--address) or a fleet started for it. That fleet
+    serves --run-dir's own weights when given a run (its final weights, else its latest
+    checkpoint's: `asyncrl.launch.eval_weights`), else the config's model."""
     from asyncrl.data_check import DataError
     from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
+    from asyncrl.launch.eval_weights import delete_export, run_eval_config, serving
     from asyncrl.launch.fleet import client_key
     from asyncrl.launch.run import LaunchError, check_eval_data, serve
     from asyncrl.metrics import write_json_atomic
     from asyncrl.replay_client import ReplayClient
 
     _move_config_args_out_of_data(ns)
-    cfg = _config(ns.args)
+    # unguessable: a job belongs to its first sender, so another client must not take its id
+    job = f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(4)}"
+    weights = None
+    if ns.run_dir and not ns.address:  # RUN's weights, with RUN's config
+        cfg, weights = run_eval_config(ns.run_dir, *_split_config_and_overrides(ns.args), job)
+    else:
+        cfg = _config(ns.args)
     if ns.output is None and ns.address and not ns.run_dir:
         raise ConfigError(
             "asyncrl eval --address without --run-dir: say where the results go with --output FILE"
@@ -163,8 +174,6 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     temperature = cfg.data.val_temperature if ns.temperature is None else ns.temperature
     check_eval_data(ns.data, cfg)
     rows = load_eval_rows(ns.data, cfg.data)
-    # unguessable: a job belongs to its first sender, so another client must not take its id
-    job = f"eval-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}-{secrets.token_hex(4)}"
     try:
         prompts = eval_prompts(rows, n, temperature, job)
     except ValueError as e:  # a bad row after the first (rows counted across the files)
@@ -174,8 +183,10 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     try:
         if ns.address:
             address, auth = ns.address, _eval_key(ns)
-            run_dir = Path(ns.run_dir) if ns.run_dir else None
         else:
+            if weights is not None:
+                print(f"asyncrl: evaluating {weights.describe()}", flush=True)
+                cfg = serving(cfg, weights)
             fleet, run_dir = serve(cfg, command="asyncrl eval " + shlex.join(ns.args))
             address, auth = fleet.spec.replay_address, client_key(fleet.spec)
         print(
@@ -198,12 +209,20 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     finally:
         if fleet is not None:
             fleet.stop_all()
+        if weights is not None:
+            delete_export(cfg)  # a copy of a checkpoint's weights, if one was made
     print()
     for key, value in summary.items():
         print(f"  {key:40s} {value:.4f}")
-    out = Path(ns.output) if ns.output else Path(run_dir or ".") / "eval" / f"{job}.json"
+    if ns.output:
+        out = Path(ns.output)
+    else:  # in --run-dir's run, else in the fleet's own run directory
+        out = (Path(ns.run_dir) if ns.run_dir else run_dir) / "eval" / f"{job}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_json_atomic(out, {"data": ns.data, "n": n, "temperature": temperature, **summary})
+    scored = {} if weights is None else {"weights": str(weights.path), "step": weights.step}
+    write_json_atomic(
+        out, {"data": ns.data, "n": n, "temperature": temperature, **scored, **summary}
+    )
     print(f"asyncrl: results written to {out}")
     return 0
 
@@ -337,7 +356,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eval", help="score a dataset with the rollout servers (mean, pass@k)")
     p.add_argument("--data", nargs="+", required=True, help="parquet file(s) in the verl schema")
     p.add_argument("--address", help="replay address of a running `asyncrl serve` / launch")
-    p.add_argument("--run-dir", help="with --address: that run's directory (holds run.secret)")
+    p.add_argument(
+        "--run-dir",
+        help="with --address: that run's directory (holds run.secret); without: a run whose "
+        "weights to score (its final ones, else its latest checkpoint's), with its config",
+    )
     p.add_argument("--secret-file", help="with --address: the run's run.secret file")
     p.add_argument("--n", type=int, default=0, help="samples per prompt (default data.val_n)")
     p.add_argument("--temperature", type=float, help="default data.val_temperature")

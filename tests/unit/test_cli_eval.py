@@ -1,12 +1,23 @@
 """`asyncrl eval`'s arguments: `--data` takes several files, yet the overrides and a config
-typed after it reach the config, in order, and a run with nowhere to write is refused at once."""
+typed after it reach the config, in order, and a run with nowhere to write is refused at once.
+`--run-dir RUN` without `--address` scores RUN's weights: its final ones, else its latest
+checkpoint's (exported as a Hugging Face directory), else a clear refusal; the whole path, a
+real run through the CLI included, is in tests/integration/test_eval_run_dir.py."""
 
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
-from asyncrl.config import ConfigError
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from asyncrl.checkpoints import PARTS
+from asyncrl.config import ConfigError, config_to_yaml, load_config
 from asyncrl.launch.cli import _move_config_args_out_of_data, build_parser, main
+from asyncrl.launch.eval_weights import export_checkpoint, run_weights
+from asyncrl.launch.fleet import prepare_model
+from learner.checkpoint import save_sharded
 
 
 def _parsed(*argv: str):
@@ -43,3 +54,81 @@ def test_an_address_without_a_run_dir_needs_an_output(tmp_path, capsys, monkeypa
     code = main(["eval", "--data", str(data), "--address", "tcp://127.0.0.1:1"])
     assert code == 2
     assert "--output" in capsys.readouterr().err
+
+
+# ---- --run-dir without --address: the run's own weights (issue 40, finding 4) ----------------
+
+
+def _run_dir(tmp_path: Path, *parts: str) -> Path:
+    """A run directory as a launch leaves it (config.yaml of the embedded default, its model
+    not warm-started), holding `parts`: "final" and/or checkpoints "step_N"."""
+    run = tmp_path / "runs" / "20261129-000000"
+    cfg = load_config(None, ["trainer.warmstart_steps=0", f"trainer.cache_dir={tmp_path / 'c'}"])
+    run.mkdir(parents=True)
+    (run / "config.yaml").write_text(config_to_yaml(cfg))
+    for part in parts:
+        if part == "final":
+            (run / "final").mkdir()
+            (run / "final" / "config.json").write_text("{}")
+            continue
+        for name in PARTS:
+            (run / "checkpoints" / part / name).parent.mkdir(parents=True, exist_ok=True)
+            (run / "checkpoints" / part / name).write_text("x")
+    return run
+
+
+def test_a_finished_run_is_scored_on_its_final_weights(tmp_path):
+    run = _run_dir(tmp_path, "step_10", "final")
+    weights = run_weights(run)
+    assert (weights.path, weights.step) == (run / "final", None)
+    assert "final weights" in weights.describe()
+
+
+def test_a_run_without_final_weights_is_scored_on_its_latest_checkpoint(tmp_path):
+    run = _run_dir(tmp_path, "step_10", "step_20")
+    (run / "checkpoints" / "step_30.partial").mkdir()  # never finished: not a checkpoint
+    weights = run_weights(run)
+    assert (weights.path, weights.step) == (run / "checkpoints" / "step_20", 20)
+    assert "latest checkpoint, step 20" in weights.describe()
+
+
+def test_a_run_without_weights_is_refused_naming_what_it_lacks(tmp_path, capsys):
+    """Before, the eval started a fleet on the model the run started from and scored it as if
+    it were the run's (0.55 for a run whose weights scored 0.87)."""
+    run = _run_dir(tmp_path)
+    data = tmp_path / "x.parquet"
+    assert main(["eval", "--data", str(data), "--run-dir", str(run)]) == 2
+    err = capsys.readouterr().err
+    assert "has no weights to evaluate" in err and "save_every" in err
+    assert not (run / "eval").exists()
+
+
+@pytest.mark.parametrize(
+    "given", ["configs/gsm8k.yaml", "trainer.model_path=m", "trainer.run_dir=r"]
+)
+def test_a_run_dir_decides_the_config_the_model_and_where_results_go(tmp_path, capsys, given):
+    run = _run_dir(tmp_path, "final")
+    assert main(["eval", "--data", str(tmp_path / "x.parquet"), given, "--run-dir", str(run)]) == 2
+    assert "--run-dir" in capsys.readouterr().err
+
+
+def test_a_checkpoint_is_exported_as_the_runs_model_with_the_trained_weights(tmp_path):
+    """The learner's checkpoint (its sharded model and optimizer state, written as the learner
+    writes it) becomes a Hugging Face directory that loads the trained weights, every tensor
+    equal, the tokenizer beside them."""
+    cfg = load_config(None, ["trainer.warmstart_steps=0", f"trainer.cache_dir={tmp_path / 'c'}"])
+    base = prepare_model(cfg, log=lambda _: None)
+    trained = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in trained.parameters():
+            p.add_(torch.randn_like(p))
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_7"
+    save_sharded(checkpoint, trained, torch.optim.AdamW(trained.parameters()))
+    out = export_checkpoint(checkpoint, cfg, tmp_path / "exported")
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    want = trained.state_dict()
+    assert exported.keys() == want.keys()
+    for name, t in want.items():
+        torch.testing.assert_close(exported[name], t, rtol=0, atol=0, msg=name)
+    assert (out / "tokenizer_config.json").is_file()
