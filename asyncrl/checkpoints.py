@@ -2,9 +2,11 @@
 replay) and its readers (config validation, the learner and the replay on resume, and a
 launcher looking for the newest checkpoint).
 
-`run_dir/checkpoints/step_<v>/` holds, all taken at learner version v:
+`run_dir/checkpoints/step_<v>/` (written every `trainer.save_every` steps, and when the launcher
+is interrupted: `asyncrl.launch.interrupt`) holds, all taken at learner version v:
 - `dcp/`: every learner rank's shards (`learner.checkpoint`); `dcp/.metadata` is written last;
-- `replay.msgpack`: the replay's whole state (`replay.checkpoint`);
+- `replay.msgpack`: the replay's whole state (`replay.checkpoint`), which the learner asks
+  for by its path relative to the run directory (`replay.access.AccessRules.checkpoint_path`);
 - `trainer.json`: the version and the trainer's own state.
 
 Atomicity: the parts are written into `step_<v>.partial/`, and learner rank 0 renames it to
@@ -15,8 +17,9 @@ resumed from. `check_complete` still checks every part, so a directory someone a
 damaged by hand is refused with the name of what is missing.
 
 Pruning (`trainer.keep_checkpoints=K`): once a checkpoint is published, `prune` deletes all but
-the newest K complete ones. Each is first renamed out of the `step_<v>` pattern, then removed,
-so one half-deleted by a crash is never taken for a checkpoint.
+the newest K complete ones and the one the run resumed from (its `trainer.resume_from`). Each
+is first renamed out of the `step_<v>` pattern, then removed, so one half-deleted by a crash is
+never taken for a checkpoint.
 """
 
 from __future__ import annotations
@@ -95,11 +98,15 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
     return found[-1] if found else None
 
 
-def prune(run_dir: str | Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` (>= 1) complete checkpoints; returns those deleted."""
+def prune(run_dir: str | Path, keep: int, spare: str | Path | None = None) -> list[Path]:
+    """Delete all but the newest `keep` (>= 1) complete checkpoints, and never `spare` (the
+    checkpoint the run resumed from: its config.yaml names it as trainer.resume_from, and every
+    process that loads that config, a restarted server's included, checks it is complete);
+    returns those deleted."""
     if keep < 1:
         raise ValueError(f"prune keeps at least one checkpoint, got keep={keep}")
-    old = complete_checkpoints(run_dir)[:-keep]
+    kept = None if spare is None else Path(spare).resolve()
+    old = [p for p in complete_checkpoints(run_dir)[:-keep] if p.resolve() != kept]
     for path in old:
         doomed = path.with_name(path.name + ".deleting")  # no longer a checkpoint's name
         path.rename(doomed)

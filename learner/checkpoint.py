@@ -64,11 +64,13 @@ def save_checkpoint(
     replay: ReplayState,
     trainer_state: dict[str, Any],
     keep: int = 0,
+    spare: str | None = None,
 ) -> Path:
     """All ranks: write the checkpoint of `version` (a collective). `modules`: (model,
     optimizer, critic, critic optimizer), the critic's None without one; `replay` and
     `trainer_state` (written as trainer.json, with the version) are rank 0's; `keep` > 0: rank
-    0 then deletes all but the newest `keep` checkpoints. Returns the checkpoint's directory."""
+    0 then deletes all but the newest `keep` checkpoints, never `spare` (the checkpoint the
+    run resumed from, `asyncrl.checkpoints.prune`). Returns the checkpoint's directory."""
     partial = partial_dir(run_dir, version)
     if rank == 0 and partial.exists():  # left by an attempt that died before its rename
         shutil.rmtree(partial)
@@ -81,7 +83,7 @@ def save_checkpoint(
         final = publish(partial)
         log.info("checkpoint at version %d written to %s", version, final)
         if keep > 0:
-            for path in prune(run_dir, keep):
+            for path in prune(run_dir, keep, spare):
                 log.info("deleted checkpoint %s (trainer.keep_checkpoints=%d)", path.name, keep)
     return checkpoint_dir(run_dir, version)
 

@@ -249,8 +249,8 @@ def test_a_checkpoint_missing_a_part_is_refused_naming_the_file(tmp_path):
 
 def test_keep_checkpoints_deletes_all_but_the_newest_complete_ones(tmp_path):
     """`trainer.keep_checkpoints=2`: after each save only the two newest complete checkpoints
-    stay; a `.partial` one (being written) and an incomplete one are not counted or touched, and
-    the newest stays resumable."""
+    stay; a `.partial` one (being written) and an incomplete one are not counted or touched, the
+    newest stays resumable, and the one the run resumed from is never deleted."""
     from asyncrl.checkpoints import complete_checkpoints, prune
 
     for version in (2, 4):
@@ -268,6 +268,9 @@ def test_keep_checkpoints_deletes_all_but_the_newest_complete_ones(tmp_path):
     shutil.copytree(checkpoint_dir(tmp_path, 6), half_deleted)
     assert latest_checkpoint(tmp_path) == checkpoint_dir(tmp_path, 6)
     assert load_checkpoint(latest_checkpoint(tmp_path), _modules())["version"] == 6
+    # the checkpoint the run resumed from stays, whatever keep says: its config.yaml names it
+    # (trainer.resume_from), and loading that config checks it is complete
+    assert prune(tmp_path, 1, spare=checkpoint_dir(tmp_path, 4)) == []
     assert prune(tmp_path, 1) == [checkpoint_dir(tmp_path, 4)]
     with pytest.raises(ValueError, match="keep=0"):
         prune(tmp_path, 0)
