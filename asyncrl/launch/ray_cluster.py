@@ -34,7 +34,8 @@ Stopping (at the end, on Ctrl-C, on a failure): SIGTERM to each running actor's 
 zero-CPU task pinned to its node), so roles stop as they do locally and write their stats;
 after a grace period `ray.kill` for every actor (no interpreter teardown, see
 `asyncrl.launch.worker.exit_now`); the placement groups are removed; a local cluster started
-for the run is shut down.
+for the run is shut down. An interrupt first SIGTERMs the learner ranks alone
+(`RayFleet.stop_learners`) and waits for their checkpoint (`asyncrl.launch.interrupt`).
 """
 
 from __future__ import annotations

@@ -8,12 +8,14 @@ recorded once (`asyncrl.launch.interrupt`)."""
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shlex
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -27,17 +29,30 @@ pytestmark = [pytest.mark.integration, pytest.mark.long]
 RESUME = re.compile(r"^  (asyncrl launch --resume .+)$", re.MULTILINE)
 
 
-def _asyncrl(cwd: Path, *args: str) -> subprocess.Popen:
-    """`asyncrl ARGS...` as a user types it in `cwd`, its output captured."""
+STARTUP_S = 600
+"""How long a launch may take to record its first steps (the default's warm-start included, on
+two loaded cores)."""
+
+
+@contextlib.contextmanager
+def _asyncrl(cwd: Path, *args: str) -> Iterator[subprocess.Popen]:
+    """`asyncrl ARGS...` as a user types it in `cwd`, its output captured; killed if the test
+    leaves it running (its fleet dies with it)."""
     argv = [sys.executable, "-m", "asyncrl.launch.cli", *args]
-    return subprocess.Popen(
+    proc = subprocess.Popen(
         argv, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
+    try:
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
 
 
 def _interrupt_at(launcher: subprocess.Popen, metrics: Path, step: int, sig: int) -> str:
     """Send `sig` to the launcher once `metrics` records `step`; its stderr, once it ended."""
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + STARTUP_S
     while not metrics.is_file() or max(steps(metrics), default=0) < step:
         assert launcher.poll() is None, launcher.communicate()
         assert time.monotonic() < deadline, f"the run did not reach step {step}"
@@ -48,10 +63,11 @@ def _interrupt_at(launcher: subprocess.Popen, metrics: Path, step: int, sig: int
     return err
 
 
-def _the_run_dir(cwd: Path) -> Path:
+def _the_run_dir(launcher: subprocess.Popen, cwd: Path) -> Path:
     """The one run directory `runs/{time}` a launch in `cwd` made, relative to `cwd`."""
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + STARTUP_S
     while not (found := list((cwd / "runs").glob("*/metrics.jsonl"))):
+        assert launcher.poll() is None, launcher.communicate()
         assert time.monotonic() < deadline, "no run directory with metrics.jsonl under runs/"
         time.sleep(0.1)
     (metrics,) = found
@@ -61,8 +77,8 @@ def _the_run_dir(cwd: Path) -> Path:
 def _resume_as_told(cwd: Path, err: str) -> str:
     """Run the command the interrupted launcher printed, as printed; its stdout."""
     (command,) = RESUME.findall(err)
-    resumed = _asyncrl(cwd, *shlex.split(command)[1:])
-    out, err = resumed.communicate(timeout=300)
+    with _asyncrl(cwd, *shlex.split(command)[1:]) as resumed:
+        out, err = resumed.communicate(timeout=STARTUP_S)
     assert resumed.returncode == 0, err
     return out
 
@@ -77,15 +93,15 @@ def test_ctrl_c_on_the_default_run_checkpoints_and_the_printed_resume_finishes_i
     Ctrl-C printed only `interrupted; every process was stopped`."""
     cwd = tmp_path / "work"
     cwd.mkdir()
-    launcher = _asyncrl(
+    with _asyncrl(
         cwd,
         "launch",
         "trainer.save_every=10",
         "trainer.total_steps=40",
         f"trainer.cache_dir={default_model_cache}",  # the warm-start, once per session
-    )
-    run_dir = _the_run_dir(cwd)
-    err = _interrupt_at(launcher, cwd / run_dir / "metrics.jsonl", 25, signal.SIGINT)
+    ) as launcher:
+        run_dir = _the_run_dir(launcher, cwd)
+        err = _interrupt_at(launcher, cwd / run_dir / "metrics.jsonl", 25, signal.SIGINT)
     reached = max(steps(cwd / run_dir / "metrics.jsonl"))
     assert f"It goes on from its checkpoint at step {reached}:" in err, err
     assert RESUME.findall(err) == [f"asyncrl launch --resume {run_dir}"]
@@ -109,7 +125,7 @@ def test_sigterm_checkpoints_two_learner_ranks_and_no_trajectory_is_trained_twic
     reached, together; the resume trains on to the end, each step once and no trajectory
     twice (the replay's state went into the checkpoint at the same version)."""
     run_dir = tmp_path / "run"
-    launcher = _asyncrl(
+    with _asyncrl(
         tmp_path,
         "launch",
         f"trainer.run_dir={run_dir}",
@@ -120,8 +136,8 @@ def test_sigterm_checkpoints_two_learner_ranks_and_no_trajectory_is_trained_twic
         "data.train_batch_size=4",
         "rollout.n=4",
         "trainer.log_samples=true",
-    )
-    err = _interrupt_at(launcher, run_dir / "metrics.jsonl", 3, signal.SIGTERM)
+    ) as launcher:
+        err = _interrupt_at(launcher, run_dir / "metrics.jsonl", 3, signal.SIGTERM)
     reached = max(steps(run_dir / "metrics.jsonl"))
     assert reached < 10, "the run ended before the signal: nothing was interrupted"
     (saved,) = complete_checkpoints(run_dir)
@@ -141,16 +157,16 @@ def test_sigterm_checkpoints_two_learner_ranks_and_no_trajectory_is_trained_twic
 def test_ctrl_c_before_any_step_says_there_is_nothing_to_resume(tmp_path, default_model_cache):
     """An interrupt before the learner's first step leaves nothing to go on from: the
     launcher says so, and prints no resume command."""
-    launcher = _asyncrl(
+    with _asyncrl(
         tmp_path, "launch", f"trainer.cache_dir={default_model_cache}", "trainer.total_steps=40"
-    )
-    deadline = time.monotonic() + 300
-    while not list((tmp_path / "runs").glob("*/launch.json")):
-        assert launcher.poll() is None, launcher.communicate()
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    launcher.send_signal(signal.SIGINT)
-    _, err = launcher.communicate(timeout=120)
+    ) as launcher:
+        deadline = time.monotonic() + STARTUP_S
+        while not list((tmp_path / "runs").glob("*/launch.json")):
+            assert launcher.poll() is None, launcher.communicate()
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        launcher.send_signal(signal.SIGINT)
+        _, err = launcher.communicate(timeout=120)
     assert launcher.returncode == 130, err
     assert "Nothing to resume from: the learner had taken no step" in err
     assert RESUME.findall(err) == []
