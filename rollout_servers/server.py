@@ -99,9 +99,7 @@ class RolloutServer:
         )
         self._wake = asyncio.Event()
         self._receiver_error: BaseException | None = None
-        self._has_weights = self.epoch == 0 or spec.sync_port == 0
-        """Whether it may lease: a restarted epoch only once the learner's version reached it
-        (`_may_lease`)."""
+        self._has_weights = self.epoch == 0 or spec.sync_port == 0  # may lease (`_may_lease`)
         run_dir = Path(spec.run_dir)
         self._weight_log = (
             JsonlWriter(run_dir / f"weights_server_{server_id}.jsonl")
@@ -361,13 +359,10 @@ class RolloutServer:
                 raise RuntimeError(f"background task {t.get_name()} ended unexpectedly")
 
     def _may_lease(self, started: float) -> bool:
-        """Whether to ask for leases: a restarted epoch starts from the initial weights, which
-        no lease should sample (the replay refuses them as stale, or with a loose bound would
-        train on them), so it waits for its first version: the learner joins it at its next
-        broadcast, or at once while it waits for a batch (`learner.sync_fleet`). RuntimeError
-        once it has waited `launch.startup_timeout_s` since this epoch's start: the launcher
-        restarts it, or drops it with its restarts used up and, with no server left, ends the
-        run naming it and this reason, instead of waiting on it for good."""
+        """Whether to ask for leases: a restarted epoch has the initial weights, which no lease
+        should sample, until its first version (`learner.sync_fleet`: the learner joins it at
+        once). After `launch.startup_timeout_s` without one, RuntimeError: the launcher
+        restarts it, or drops it and, with no server left, fails the run naming why."""
         if self._has_weights:
             return True
         waited = time.monotonic() - started
