@@ -18,6 +18,7 @@ from asyncrl.launch.cli import _move_config_args_out_of_data, build_parser, main
 from asyncrl.launch.eval_weights import export_checkpoint, run_weights
 from asyncrl.launch.fleet import prepare_model
 from learner.checkpoint import save_sharded
+from learner.lora import add_adapters, lora_layers
 
 
 def _parsed(*argv: str):
@@ -132,3 +133,39 @@ def test_a_checkpoint_is_exported_as_the_runs_model_with_the_trained_weights(tmp
     for name, t in want.items():
         torch.testing.assert_close(exported[name], t, rtol=0, atol=0, msg=name)
     assert (out / "tokenizer_config.json").is_file()
+
+
+def test_a_lora_checkpoint_is_exported_with_its_adapters_merged(tmp_path):
+    """A LoRA run's checkpoint holds the frozen base and the adapters; its export is the merged
+    model, W0 + alpha / rank x B A on each adapted layer (computed here from the parts), every
+    other weight the base's, as the run's RUN/final would be."""
+    cfg = load_config(
+        None,
+        [
+            "trainer.warmstart_steps=0",
+            f"trainer.cache_dir={tmp_path / 'c'}",
+            "learner.lora.rank=4",
+            "learner.lora.alpha=8",
+        ],
+    )
+    base = prepare_model(cfg, log=lambda _: None)
+    adapted = add_adapters(AutoModelForCausalLM.from_pretrained(base), cfg.learner.lora)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_" in name:
+                p.copy_(torch.randn_like(p) * 0.3)  # B starts at zero: no change without this
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_3"
+    trainable = [p for p in adapted.parameters() if p.requires_grad]
+    save_sharded(checkpoint, adapted, torch.optim.AdamW(trainable))
+    out = export_checkpoint(checkpoint, cfg, tmp_path / "exported")
+    exported = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).state_dict()
+    plain = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).state_dict()
+    layers = dict(lora_layers(adapted))
+    assert layers
+    for name, want in plain.items():
+        layer = layers.get(name.removesuffix(".weight"))
+        if layer is not None:
+            a, b = layer.lora_A["default"].weight, layer.lora_B["default"].weight
+            want = want + (8 / 4) * b.detach() @ a.detach()
+        torch.testing.assert_close(exported[name], want, msg=name)
