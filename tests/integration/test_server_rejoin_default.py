@@ -8,7 +8,8 @@ must join it while it waits for a batch (`learner.sync_fleet.SyncFleet.joins_wai
 that fix the learner waited `trainer.batch_wait_timeout_s` (an hour) for a batch no one would
 make. The run must end at its last step, each step once, and soon after the kill. The same with
 two servers (the config the other restart tests use), where the other server kept the learner
-stepping all along and the restarted one must still be joined and handed the current version.
+stepping all along and the restarted one must still be joined and handed the current version;
+and with a validation every other step, whose job waits for the one server as a batch does.
 """
 
 from __future__ import annotations
@@ -66,12 +67,16 @@ def _kill_server_after(launcher: subprocess.Popen, cwd: Path, step: int) -> tupl
     pytest.fail(f"step {step} was not logged within 420 s")
 
 
-@pytest.mark.parametrize("servers", [1, 2], ids=["default_one_server", "two_servers"])
+@pytest.mark.parametrize(
+    ("servers", "extra"),
+    [(1, []), (1, ["trainer.val_every=2"]), (2, ["rollout.num_servers=2"])],
+    # validating every other step, the restart mostly comes while a validation waits for it
+    ids=["default_one_server", "one_server_validating", "two_servers"],
+)
 def test_a_killed_server_rejoins_and_the_run_ends_at_its_last_step(
-    tmp_path, monkeypatch, default_model_cache, servers
+    tmp_path, monkeypatch, default_model_cache, servers, extra
 ):
     monkeypatch.chdir(tmp_path)  # a user's own directory: runs/{time} goes there
-    extra = [] if servers == 1 else [f"rollout.num_servers={servers}"]
     cache = f"trainer.cache_dir={default_model_cache}"  # the default's model, built once
     total = TOTAL_STEPS[servers]
     launcher = start_launch(f"trainer.total_steps={total}", cache, *extra)
