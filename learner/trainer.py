@@ -232,15 +232,17 @@ class Learner:
         return Weights(version, self.specs, sync_tensors(self.model), probe)
 
     def maybe_validate(self, version: int) -> dict[str, float]:
-        """Validation scores (rank 0's coordinator runs the job) every trainer.val_every
-        versions and at the last; {} otherwise, and on the other ranks. A restarted server
-        that waits to join meanwhile is brought to `version` (`catch_up`), since with one
-        server the job's prompts wait for it."""
+        """Validation scores (`validate`) every trainer.val_every versions and at the last;
+        {} otherwise."""
         tc = self.cfg.trainer
         due = tc.val_every and (version % tc.val_every == 0 or version == tc.total_steps)
-        if not due:
-            return {}
-        while True:  # a restarted server waiting to join is caught up, as in `fetch_batch`
+        return self.validate(version) if due else {}
+
+    def validate(self, version: int) -> dict[str, float]:
+        """Validation scores (rank 0's coordinator runs the job; {} on the other ranks). A
+        restarted server that waits to join meanwhile is brought to `version` (`catch_up`),
+        as in `fetch_batch`: with one server the job's prompts wait for it."""
+        while True:
             scores = self.coordinator.validate(version)
             if not self._rank0_says(self.coordinator.joins_waiting()):
                 return scores
@@ -277,7 +279,7 @@ class Learner:
             # the base model's checksum, version 0 (a resumed run recorded it already)
             self.coordinator.record_weights(self.weights(0))
         if tc.val_before_train or tc.val_only:
-            self.coordinator.log(0, self.coordinator.validate(0))
+            self.coordinator.log(0, self.validate(0))
         start = 0
         if tc.resume_from is not None:
             start = self.load_checkpoint(Path(tc.resume_from))
