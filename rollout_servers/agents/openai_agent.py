@@ -9,7 +9,10 @@ key, and the row (a plain dict, below):
 - a plain `def fn(client: openai.OpenAI, row)` runs in a thread, so a blocking agent cannot
   stall the loop. A thread cannot be cancelled: one that overruns `timeout_s` runs on until it
   returns, but its episode is closed, so its later requests are refused (401).
-Clients are made with `max_retries=0`: a 4xx of the endpoint is a fact about the request.
+Clients are made with `max_retries=0`: a 4xx of the endpoint is a fact about the request. Their
+timeouts (connect included) are the episode's `timeout_s`: the endpoint shares the server's event
+loop with every episode, and a loop busy for a few seconds (hundreds of episodes on a loaded
+CPU) would otherwise fail connects at the client's default 5 s, and with them the episodes.
 It also gets `rollout.openai.agent_kwargs` as keyword arguments. It returns the final
 messages (the server's reward function then scores the trajectory's last reply, as for every
 loop), a float (that is the reward), or a dict with `messages` or `reward` and optionally
@@ -164,18 +167,19 @@ class OpenAIAgentLoop:
     async def _call_agent(self, base_url: str, key: str, row: dict[str, Any]) -> Any:
         import openai
 
+        timeout = self.config.timeout_s  # every phase, connect included (module docstring)
         if inspect.iscoroutinefunction(self.agent):
-            http = openai.DefaultAsyncHttpxClient(trust_env=False)
+            http = openai.DefaultAsyncHttpxClient(trust_env=False, timeout=timeout)
             client = openai.AsyncOpenAI(
-                base_url=base_url, api_key=key, max_retries=0, http_client=http
+                base_url=base_url, api_key=key, max_retries=0, http_client=http, timeout=timeout
             )
             async with client:
                 return await self.agent(client, row, **self.config.agent_kwargs)
 
         def in_thread() -> Any:
-            http = openai.DefaultHttpxClient(trust_env=False)
+            http = openai.DefaultHttpxClient(trust_env=False, timeout=timeout)
             with openai.OpenAI(
-                base_url=base_url, api_key=key, max_retries=0, http_client=http
+                base_url=base_url, api_key=key, max_retries=0, http_client=http, timeout=timeout
             ) as client:
                 return self.agent(client, row, **self.config.agent_kwargs)
 

@@ -14,9 +14,10 @@ the server keeps serving.
 Bounded work on the event loop. The loop also carries the server's heartbeats, so a request may
 not hold it for long (`launch.server_timeout_s` declares a silent server dead): decoding the
 body, validating it, rendering and tokenizing its prompt run in the endpoint's own threads
-(`PREPARE_THREADS`; not the loop's default executor, where sync agents wait on this endpoint),
-and messages holding more characters than the model's context could take at the tokenizer's
-longest token are refused before any tokenization (`max_prompt_chars`).
+(`PREPARE_THREADS`; not the loop's default executor, where sync agents wait on this endpoint)
+unless the body is small (`INLINE_BYTES`, a few milliseconds of tokenizing at most), and
+messages holding more characters than the model's context could take at the tokenizer's longest
+token are refused before any tokenization (`max_prompt_chars`).
 
 One temperature. The learner recomputes every trained token's log-prob at the episode's
 temperature (`rollout.temperature`), so a request asking for another `temperature` or `top_p`
@@ -56,10 +57,12 @@ from rollout_servers.agents.openai_protocol import (
     MessageKey,
     RequestError,
     bad,
+    first_stop,
     parse_chat_request,
     parse_json,
     reply_key,
     reply_message,
+    tokens_through,
 )
 from rollout_servers.agents.tool_agent import _A, _U, TurnRenderer, render_ids
 from rollout_servers.engines.base import Engine, GenerationOutput, SamplingParams
@@ -68,6 +71,7 @@ log = logging.getLogger("asyncrl.openai_endpoint")
 
 MAX_RENDERERS = 64  # tool sets whose TurnRenderer is kept (a client could send endless ones)
 PREPARE_THREADS = 2  # threads that decode, validate and tokenize requests off the event loop
+INLINE_BYTES = 16 * 2**10  # bodies this small are prepared on the loop (a thread costs more)
 UNKNOWN_CONTEXT = 1 << 17  # tokens assumed for the character bound of an engine that has none
 
 
@@ -115,7 +119,7 @@ class OpenAIEndpoint:
         self.episodes: dict[str, Episode] = {}
         self.counters: Counter[str] = Counter()
         self._renderers: dict[str, TurnRenderer] = {}
-        self._lock = threading.Lock()  # the renderers and the end id, shared by the threads
+        self._lock = threading.Lock()  # the renderers, shared by the loop and the threads
         self._end_id: list[int | None] = []  # [the template's end-of-turn id] once looked up
         self._pool = ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="openai-prepare")
         self.max_token_chars = max(map(len, tokenizer.get_vocab()), default=1)
@@ -219,9 +223,12 @@ class OpenAIEndpoint:
     # ---- one request -----------------------------------------------------------------------
     async def _complete(self, episode: Episode, raw: bytes) -> dict[str, Any]:
         earlier = list(episode.completions)
-        req, tools_key, parent, prompt_ids = await asyncio.get_running_loop().run_in_executor(
-            self._pool, self._prepare, raw, earlier
-        )
+        if len(raw) <= INLINE_BYTES:
+            req, tools_key, parent, prompt_ids = self._prepare(raw, earlier)
+        else:
+            req, tools_key, parent, prompt_ids = await asyncio.get_running_loop().run_in_executor(
+                self._pool, self._prepare, raw, earlier
+            )
         if parent is None and earlier:
             episode.drift += 1
         params = self._params(episode, req, len(prompt_ids))
@@ -294,23 +301,26 @@ class OpenAIEndpoint:
             raise bad(f"the chat template cannot render these messages: {e}") from e
 
     def _renderer(self, tools: list[dict[str, Any]] | None, tools_key: str) -> TurnRenderer:
+        """The tool set's renderer; built outside the lock, which the loop may wait on."""
         with self._lock:
-            if tools_key not in self._renderers:
+            renderer = self._renderers.get(tools_key)
+        if renderer is None:
+            renderer = TurnRenderer(self.tokenizer, tools)
+            with self._lock:
                 if len(self._renderers) >= MAX_RENDERERS:
                     self._renderers.pop(next(iter(self._renderers)))
-                self._renderers[tools_key] = TurnRenderer(self.tokenizer, tools)
-            return self._renderers[tools_key]
+                self._renderers[tools_key] = renderer
+        return renderer
 
     def _template_end_id(self) -> int | None:
         """The id that closes an assistant message in the chat template (its last special id:
         `<|im_end|>`, `<|eot_id|>`, `</s>`), or None when it renders none: then a cut reply
-        cannot be continued (a request after it is drift)."""
-        with self._lock:
-            if not self._end_id:
-                ids = render_ids(self.tokenizer, [_U, _A], add_generation_prompt=False)
-                special = set(self.tokenizer.all_special_ids)
-                self._end_id.append(next((t for t in reversed(ids) if t in special), None))
-            return self._end_id[0]
+        cannot be continued (a request after it is drift). Two threads may both look it up."""
+        if not self._end_id:
+            ids = render_ids(self.tokenizer, [_U, _A], add_generation_prompt=False)
+            special = set(self.tokenizer.all_special_ids)
+            self._end_id[:] = [next((t for t in reversed(ids) if t in special), None)]
+        return self._end_id[0]
 
     def _params(self, episode: Episode, req: ChatRequest, prompt_len: int) -> SamplingParams:
         """The episode's sampling parameters with the request's stops and response budget,
@@ -371,9 +381,9 @@ class OpenAIEndpoint:
             ended = ids[-1] not in request_stops
         else:
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
-            cut, stop = _first_stop(text, req.stop)
+            cut, stop = first_stop(text, req.stop)
             if cut is not None:  # a stop string of several ids: cut after them
-                keep = self._tokens_through(ids, cut + len(stop))
+                keep = tokens_through(self.tokenizer, ids, cut + len(stop))
                 ids, logprobs, versions = ids[:keep], logprobs[:keep], versions[:keep]
                 text, ended, finish = text[:cut], False, "stop"
         message = reply_message(text)
@@ -382,24 +392,6 @@ class OpenAIEndpoint:
             prompt_ids, ids, logprobs, versions, text, parent, context, ended, finish
         )
         return completion, message
-
-    def _tokens_through(self, ids: list[int], chars: int) -> int:
-        """The fewest leading ids whose text holds `chars` characters (a binary search: the
-        text of a prefix grows with it)."""
-        low, high = 1, len(ids)
-        while low < high:
-            mid = (low + high) // 2
-            if len(self.tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= chars:
-                high = mid
-            else:
-                low = mid + 1
-        return high
-
-
-def _first_stop(text: str, stops: list[str]) -> tuple[int | None, str]:
-    """(where the first stop string starts in `text`, which one), or (None, "")."""
-    found = sorted((text.find(s), s) for s in stops if s in text)
-    return found[0] if found else (None, "")
 
 
 def _continuation(c: Completion, req: ChatRequest, tools_key: str) -> list[dict[str, Any]] | None:

@@ -302,3 +302,22 @@ def reply_message(text: str) -> dict[str, Any]:
 def reply_key(message: dict[str, Any]) -> MessageKey:
     """`message_key` of a reply as the client will send it back."""
     return message_key(_template_message(message, 0))
+
+
+def first_stop(text: str, stops: list[str]) -> tuple[int | None, str]:
+    """(where the first stop string starts in `text`, which one), or (None, "")."""
+    found = sorted((text.find(s), s) for s in stops if s in text)
+    return found[0] if found else (None, "")
+
+
+def tokens_through(tokenizer: Any, ids: list[int], chars: int) -> int:
+    """The fewest leading ids whose text holds `chars` characters (a binary search: the text
+    of a prefix grows with it)."""
+    low, high = 1, len(ids)
+    while low < high:
+        mid = (low + high) // 2
+        if len(tokenizer.decode(ids[:mid], skip_special_tokens=True)) >= chars:
+            high = mid
+        else:
+            low = mid + 1
+    return high
