@@ -188,7 +188,8 @@ class LaunchConfig(_Section):
     """Torch intra-op threads per compute process; 0 splits the cores between them."""
     startup_timeout_s: float = Field(300.0, gt=0)
     """A fleet that is not up by then fails the launch; a rollout server (each restart too)
-    that has sent no heartbeat by then after its start is killed and restarted."""
+    that has sent no heartbeat by then after its start is killed and restarted, and a restarted
+    one that has received no weights from the learner by then stops (and is restarted)."""
     progress: Literal["auto", "line", "none"] = "auto"
     """Live progress display: `auto` (a refreshing line on a terminal), `line`, `none`."""
     heartbeat_s: float = Field(2.0, gt=0)
