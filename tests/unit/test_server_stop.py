@@ -10,6 +10,7 @@ import asyncio
 import time
 from concurrent.futures import CancelledError
 
+from asyncrl.auth import SYNC_KEY_ENV
 from asyncrl.config import load_config
 from asyncrl.metrics import read_jsonl
 from asyncrl.run_spec import RunSpec
@@ -55,7 +56,8 @@ class _Client:
         return 0
 
 
-def _stop_while_applying(tmp_path, apply_s: float) -> tuple[list[dict], float]:
+def _stop_while_applying(tmp_path, monkeypatch, apply_s: float) -> tuple[list[dict], float]:
+    monkeypatch.setenv(SYNC_KEY_ENV, "00" * 32)  # the launcher hands each server epoch its key
     cfg = load_config(None, ["learner.weight_checksum=true"])
     spec = RunSpec(str(tmp_path), "unused", "tcp://127.0.0.1:1", "127.0.0.1", 1, 0, 1)
 
@@ -73,12 +75,12 @@ def _stop_while_applying(tmp_path, apply_s: float) -> tuple[list[dict], float]:
     return read_jsonl(tmp_path / "weights_server_0.jsonl"), took
 
 
-def test_a_stop_waits_for_the_version_being_applied_and_logs_it(tmp_path):
-    rows, _ = _stop_while_applying(tmp_path, apply_s=1.0)
+def test_a_stop_waits_for_the_version_being_applied_and_logs_it(tmp_path, monkeypatch):
+    rows, _ = _stop_while_applying(tmp_path, monkeypatch, apply_s=1.0)
     assert [(r["version"], r["checksum"]) for r in rows] == [(0, "v0"), (1, "v1")]
 
 
-def test_the_wait_at_stop_is_bounded(tmp_path):
-    rows, took = _stop_while_applying(tmp_path, apply_s=RECEIVER_FINISH_S + 30)
+def test_the_wait_at_stop_is_bounded(tmp_path, monkeypatch):
+    rows, took = _stop_while_applying(tmp_path, monkeypatch, apply_s=RECEIVER_FINISH_S + 30)
     assert [r["version"] for r in rows] == [0]
     assert took < RECEIVER_FINISH_S + 10
