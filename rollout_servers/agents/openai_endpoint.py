@@ -3,9 +3,10 @@ completion token-exactly (docs/agents.md).
 
 `OpenAIEndpoint` is an aiohttp web server on the rollout server's own event loop, bound to
 `rollout.openai.host`:`port` (loopback unless `launch.allow_remote`). It serves
-`POST /v1/chat/completions` and `GET /v1/models`. Each episode (one call of a user's agent) is
-opened with a fresh random key; a request's `Authorization: Bearer KEY` selects the episode, and
-a key unknown or already closed is 401. Requests a client gets wrong are 4xx in the OpenAI
+`POST /v1/chat/completions` (`stream=true` as server-sent events, `openai_stream.py`) and
+`GET /v1/models`. Each episode (one call of a user's agent) is opened with a fresh random key;
+a request's `Authorization: Bearer KEY` selects the episode, and a key unknown or already
+closed is 401. Requests a client gets wrong are 4xx in the OpenAI
 error shape (`openai_protocol.RequestError`): malformed JSON 400, unknown model 404, a bad tool
 schema 400, a prompt that leaves no room in the context 400, a field the endpoint does not honour
 400, over the episode's request budget or concurrency 429. None of them reaches the engine, and
@@ -64,6 +65,7 @@ from rollout_servers.agents.openai_protocol import (
     reply_message,
     tokens_through,
 )
+from rollout_servers.agents.openai_stream import stream_reply
 from rollout_servers.agents.tool_agent import _A, _U, TurnRenderer, render_ids
 from rollout_servers.engines.base import Engine, GenerationOutput, SamplingParams
 
@@ -172,14 +174,17 @@ class OpenAIEndpoint:
         model = {"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "asyncrl"}
         return web.json_response({"object": "list", "data": [model]})
 
-    async def _chat(self, request: web.Request) -> web.Response:
+    async def _chat(self, request: web.Request) -> web.StreamResponse:
         self.counters["requests"] += 1
         try:
             episode = self._episode_of(request)
             raw = await self._read_body(request)  # before any answer: else the client resets
             self._admit(episode)
             try:
-                return web.json_response(await self._complete(episode, raw))
+                req, reply = await self._complete(episode, raw)
+                if req.stream:
+                    return await stream_reply(request, reply, req.include_usage)
+                return web.json_response(reply)
             finally:
                 episode.in_flight -= 1
         except RequestError as e:
@@ -221,7 +226,8 @@ class OpenAIEndpoint:
             raise RequestError(413, "the request body is too large") from e
 
     # ---- one request -----------------------------------------------------------------------
-    async def _complete(self, episode: Episode, raw: bytes) -> dict[str, Any]:
+    async def _complete(self, episode: Episode, raw: bytes) -> tuple[ChatRequest, dict[str, Any]]:
+        """(the request, its `chat.completion` reply), its completions recorded."""
         earlier = list(episode.completions)
         if len(raw) <= INLINE_BYTES:
             req, tools_key, parent, prompt_ids = self._prepare(raw, earlier)
@@ -246,7 +252,7 @@ class OpenAIEndpoint:
                 finish = "tool_calls"  # a reply cut at the token limit stays "length"
             choices.append({"index": i, "message": message, "finish_reason": finish})
         sampled = sum(len(o.token_ids) for o in outs)
-        return {
+        return req, {
             "id": f"chatcmpl-{secrets.token_hex(12)}",
             "object": "chat.completion",
             "created": 0,

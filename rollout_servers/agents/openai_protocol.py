@@ -3,13 +3,14 @@ functions: no engine, no socket; `openai_endpoint.py` serves them).
 
 Read: messages (system, developer, user, assistant with optional `tool_calls`, tool), `tools`
 (OpenAI function schemas, checked by `rollout_servers.agents.tools.check_tool_schema`), model,
-n, temperature, top_p, max_tokens (or max_completion_tokens) and stop. No field is dropped
-without a word: a field that would change what is sampled or what the reply holds (`stream`,
-`logprobs`, `tool_choice`, penalties, `logit_bias`, ...) is accepted only at the value that
-changes nothing (`DEFAULTS`), a few that cannot change either are ignored (`IGNORED`), and any
-other field is refused. A request that cannot be read (malformed JSON, NaN, a number out of
-range or too large to convert, a lone surrogate in any string) is a `RequestError` (4xx, the
-OpenAI error shape), never a server error.
+n, temperature, top_p, max_tokens (or max_completion_tokens), stop, and stream with
+`stream_options.include_usage` (`openai_stream.py`). No field is dropped without a word: a
+field that would change what is sampled or what the reply holds (`logprobs`, `tool_choice`,
+penalties, `logit_bias`, ...) is accepted only at the value that changes nothing (`DEFAULTS`),
+a few that cannot change either are ignored (`IGNORED`), and any other field is refused. A
+request that cannot be read (malformed JSON, NaN, a number out of range or too large to
+convert, a lone surrogate in any string) is a `RequestError` (4xx, the OpenAI error shape),
+never a server error.
 
 Written: the assistant message of a sampled reply, its Hermes/Qwen `<tool_call>` blocks parsed
 the way the tool agent parses them (`tool_agent.parse_tool_calls`) into OpenAI `tool_calls`.
@@ -32,14 +33,12 @@ MAX_STOPS = 4
 MAX_STOP_CHARS = 256
 READ = frozenset(
     ("model", "messages", "tools", "n", "temperature", "top_p", "max_tokens", "stop")
-    + ("max_completion_tokens",)
+    + ("max_completion_tokens", "stream", "stream_options")
 )
 IGNORED = frozenset(("user", "metadata", "store", "seed", "service_tier"))
 """Fields that change neither the sampled distribution nor the reply's shape, ignored (`seed`:
 the engine draws from its own generator, at the same temperature)."""
 DEFAULTS: dict[str, tuple[Any, ...]] = {
-    "stream": (False,),  # one JSON reply; server-sent events are not served
-    "stream_options": (),
     "logprobs": (False,),  # the behaviour log-probs go to the learner, not to the agent
     "top_logprobs": (0,),
     "tool_choice": ("auto",),  # the model decides; nothing forces or forbids a call
@@ -51,8 +50,8 @@ DEFAULTS: dict[str, tuple[Any, ...]] = {
 }
 """Fields accepted only unset (null) or at these values, which change nothing; any other value
 is refused (`unsupported_value`): honouring it would need sampling or a reply shape the
-endpoint does not record (streaming, forced or forbidden tool calls, penalties) or would hand
-the agent what it does not need (log-probs)."""
+endpoint does not record (forced or forbidden tool calls, penalties, a JSON mode) or would
+hand the agent what it does not need (log-probs)."""
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 MessageKey = tuple[str, str, tuple[tuple[str, str], ...]]
@@ -83,6 +82,10 @@ class ChatRequest:
     top_p: float | None
     max_tokens: int | None
     stop: list[str]
+    stream: bool = False
+    """Answer with server-sent events (`openai_stream.py`)."""
+    include_usage: bool = False
+    """`stream_options.include_usage`: the stream ends with a usage chunk."""
 
 
 def bad(message: str, code: str | None = None) -> RequestError:
@@ -152,6 +155,8 @@ def parse_chat_request(body: Any, model_name: str) -> ChatRequest:
         max_tokens=_number(body, "max_tokens", int, 1, 1 << 20)
         or _number(body, "max_completion_tokens", int, 1, 1 << 20),
         stop=_stops(body.get("stop")),
+        stream=_flag(body, "stream"),
+        include_usage=_stream_options(body),
     )
 
 
@@ -201,6 +206,25 @@ def _number(body, name, kind, low, high, low_open=False):
         kind_name = "an integer" if kind is int else "a number"
         raise bad(f"{name} must be {kind_name} in {bounds}: {_short(value)}")
     return kind(value)
+
+
+def _flag(body: dict[str, Any], name: str) -> bool:
+    value = body.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise bad(f"{name} must be true or false: {_short(value)}")
+    return bool(value)
+
+
+def _stream_options(body: dict[str, Any]) -> bool:
+    """`stream_options.include_usage`; the options only go with `stream: true`."""
+    options = body.get("stream_options")
+    if options is None:
+        return False
+    if not _flag(body, "stream"):
+        raise bad("stream_options is only allowed with stream: true")
+    if not isinstance(options, dict) or set(options) - {"include_usage"}:
+        raise bad("stream_options may only hold include_usage", code="unsupported_parameter")
+    return _flag(options, "include_usage")
 
 
 def _stops(stop: Any) -> list[str]:

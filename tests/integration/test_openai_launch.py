@@ -76,10 +76,10 @@ STATE = {}
 
 async def run(client, row):
     """The server's first episode: a 16 MB message, 200 requests at temperatures the run does
-    not sample at (8 at a time, the episode's concurrency), then stream=True, with a ticker
-    timing the server's event loop meanwhile; its findings go to hostile_report.json. Every
-    other episode waits for it, so the server lives on its heartbeats alone meanwhile (no
-    sample reaches the replay); then each answers once."""
+    not sample at (8 at a time, the episode's concurrency), then stream=True, whose streamed
+    reply is the episode's answer, with a ticker timing the server's event loop meanwhile; its
+    findings go to hostile_report.json. Every other episode waits for it, so the server lives
+    on its heartbeats alone meanwhile (no sample reaches the replay); then each answers once."""
     if "done" not in STATE:
         STATE["done"] = asyncio.Event()
         lag = [0.0]
@@ -106,12 +106,16 @@ async def run(client, row):
             temperatures += await asyncio.gather(
                 *(status(row["messages"], temperature=t) for t in (0.7, 0.0) * 4)
             )
-        stream = await status(row["messages"], stream=True)
+        stream = await client.chat.completions.create(
+            model="policy", messages=row["messages"], max_tokens=6, stream=True
+        )
+        text = "".join([c.choices[0].delta.content or "" async for c in stream if c.choices])
         ticker.cancel()
-        report = {"huge": huge, "temperatures": temperatures, "stream": stream, "lag_s": lag[0],
+        report = {"huge": huge, "temperatures": temperatures, "streamed": text, "lag_s": lag[0],
                   "took_s": time.monotonic() - start}
         pathlib.Path(__file__).with_name("hostile_report.json").write_text(json.dumps(report))
         STATE["done"].set()
+        return row["messages"] + [{"role": "assistant", "content": text}]
     await STATE["done"].wait()
     reply = await client.chat.completions.create(
         model="policy", messages=row["messages"], max_tokens=6
@@ -122,10 +126,10 @@ async def run(client, row):
 
 def test_hostile_agent_requests_on_the_default_path(tmp_path, default_model_cache):
     """The 16 MB message used to hold the server's loop past the liveness bound (the server
-    was declared dead and restarted) and the other temperatures were sampled and trained. Now
-    the message, every other temperature and stream=True are refused, the loop never waits
-    as long as one heartbeat interval, and the run ends its steps without a restart or an
-    agent failure."""
+    was declared dead and restarted), the other temperatures were sampled and trained, and
+    stream=True got an empty stream. Now the message and every other temperature are
+    refused, the stream carries the reply (trained: no drift), the loop never waits as long as
+    one heartbeat interval, and the run ends its steps without a restart or an agent failure."""
     (tmp_path / "hostile_agent.py").write_text(HOSTILE)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     argv = [sys.executable, "-m", "asyncrl.launch.cli", "launch"]
@@ -144,7 +148,7 @@ def test_hostile_agent_requests_on_the_default_path(tmp_path, default_model_cach
     assert done.returncode == 0, done.stderr[-3000:]
     (run_dir,) = (tmp_path / "runs").iterdir()  # the default relative run directory
     report = json.loads((tmp_path / "hostile_report.json").read_text())
-    assert report["huge"] == 400 and report["stream"] == 400
+    assert report["huge"] == 400 and report["streamed"]
     assert report["temperatures"] == [400] * 200
     cfg = load_config(None, [])
     assert report["lag_s"] < cfg.launch.heartbeat_s < cfg.launch.server_timeout_s, report
@@ -154,5 +158,6 @@ def test_hostile_agent_requests_on_the_default_path(tmp_path, default_model_cach
     steps = [r for r in read_jsonl(run_dir / "metrics.jsonl") if "reward_mean" in r]
     assert [r["step"] for r in steps] == list(range(1, STEPS + 1))
     stats = json.loads((run_dir / "stats" / "server_0.json").read_text())
-    assert stats["openai_status_400"] >= 202 and "openai_status_500" not in stats
+    assert stats["openai_status_400"] == 201 and "openai_status_500" not in stats
     assert stats["openai_agent_errors"] == stats["openai_agent_timeouts"] == 0
+    assert stats["openai_drift"] == 0
