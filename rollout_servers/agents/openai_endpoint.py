@@ -293,7 +293,7 @@ class OpenAIEndpoint:
             end = self._template_end_id()
             for c in reversed(earlier):
                 rest = _continuation(c, req, tools_key)
-                if rest is None or not (c.ended or end is not None):
+                if rest is None or (not c.ended and end is None):
                     continue
                 renderer = self._renderer(req.tools, tools_key)
                 if c.ended:
@@ -304,7 +304,7 @@ class OpenAIEndpoint:
                 return c, c.prompt_ids + c.token_ids + turn
             return None, render_ids(self.tokenizer, req.messages, req.tools)
         except (TemplateError, ValueError, TypeError, KeyError, RecursionError) as e:
-            raise bad(f"the chat template cannot render these messages: {e}") from e
+            raise bad(f"the chat template cannot render these messages: {str(e)[:300]}") from e
 
     def _renderer(self, tools: list[dict[str, Any]] | None, tools_key: str) -> TurnRenderer:
         """The tool set's renderer; built outside the lock, which the loop may wait on."""
@@ -321,9 +321,13 @@ class OpenAIEndpoint:
     def _template_end_id(self) -> int | None:
         """The id that closes an assistant message in the chat template (its last special id:
         `<|im_end|>`, `<|eot_id|>`, `</s>`), or None when it renders none: then a cut reply
-        cannot be continued (a request after it is drift). Two threads may both look it up."""
+        cannot be continued (a request after it is drift), as when the template cannot render
+        a user and an assistant message alone. Two threads may both look it up."""
         if not self._end_id:
-            ids = render_ids(self.tokenizer, [_U, _A], add_generation_prompt=False)
+            try:
+                ids = render_ids(self.tokenizer, [_U, _A], add_generation_prompt=False)
+            except (TemplateError, ValueError, TypeError, KeyError):
+                ids = []
             special = set(self.tokenizer.all_special_ids)
             self._end_id[:] = [next((t for t in reversed(ids) if t in special), None)]
         return self._end_id[0]
