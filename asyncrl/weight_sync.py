@@ -219,14 +219,12 @@ class WeightBroadcaster(Generic[K]):
         probe: DeliveryProbe | None = None,
         only: Iterable[K] | None = None,
     ) -> dict[K, BaseException]:
-        """Send one version to every member; returns the members that failed (aborted and
-        removed from `members`) with their errors. `tensors` yields the full tensors in `specs`
-        order (it may gather them lazily: one bucket's full tensors are alive at a time; it is
-        consumed whole even with no member left); a floating-point tensor is cast to its spec's
-        dtype as it is packed (the engine's dtype, one pass). `probe`: the delivery probe
-        (module docstring), sent after the weights. `only`: send to these members alone (a
-        restarted server brought to the version the others hold already); the others, and
-        their slots, are left as they are."""
+        """Send one version to every member (`only`: to these alone, a restart brought to the
+        version the others hold); returns the members that failed (aborted and removed from
+        `members`) with their errors. `tensors` yields the full tensors in `specs` order (it
+        may gather them lazily: one bucket's full tensors are alive at a time; it is consumed
+        whole even with no member left); a floating-point tensor is cast to its spec's dtype as
+        it is packed (the engine's dtype, one pass). `probe`: the delivery probe, last."""
         self._abandoned = [(g, w) for g, w in self._abandoned if not all_ended(w)]
         self.close_slots(keep=self.members)
         chosen = self.members if only is None else {k: self.members[k] for k in only}
