@@ -325,8 +325,10 @@ def no_checkpoint_message(run_dir: Path, trainer: dict[str, Any]) -> str:
     head = f"cannot resume {run_dir}: it has no complete checkpoint under {run_dir / 'checkpoints'}"
     if not every:
         return (
-            f"{head}; its config.yaml has trainer.save_every=0, so it never wrote one (run it "
-            "again with trainer.save_every=N to checkpoint every N steps)"
+            f"{head}; its config.yaml has trainer.save_every=0 and no interrupt wrote one (Ctrl-C "
+            "and SIGTERM do once a step is taken, unless trainer.checkpoint_on_interrupt=false; "
+            "a crash or a kill does not): run it again with trainer.save_every=N to checkpoint "
+            "every N steps"
         )
     steps = [r["step"] for r in read_jsonl(run_dir / "metrics.jsonl") if "reward_mean" in r]
     partial = sorted(p.name for p in (run_dir / "checkpoints").glob("step_*.partial"))

@@ -83,6 +83,17 @@ def test_the_wait_is_bounded_by_interrupt_timeout_s():
     )
 
 
+def test_a_second_interrupt_ends_the_wait_at_once():
+    class Impatient(_Fleet):
+        def wait(self, timeout_s: float) -> bool:
+            raise KeyboardInterrupt  # Ctrl-C again, while the launcher waits
+
+    fleet = Impatient()
+    why = save_on_interrupt(fleet, _cfg(), lambda _: None)
+    assert why == "a second interrupt stopped every process at once"
+    assert fleet.stopped == ["learners"]
+
+
 def test_without_checkpoint_on_interrupt_the_learner_is_not_asked():
     fleet = _Fleet(learner_done_after=0)
     why = save_on_interrupt(fleet, _cfg("trainer.checkpoint_on_interrupt=false"), print)

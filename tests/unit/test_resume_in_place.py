@@ -107,8 +107,9 @@ def test_a_run_without_checkpoints_says_what_save_every_gave(tmp_path):
         resume_config(never, [])
     assert str(raised.value) == (
         f"cannot resume {never}: it has no complete checkpoint under {never / 'checkpoints'}; "
-        "its config.yaml has trainer.save_every=0, so it never wrote one (run it again with "
-        "trainer.save_every=N to checkpoint every N steps)"
+        "its config.yaml has trainer.save_every=0 and no interrupt wrote one (Ctrl-C and "
+        "SIGTERM do once a step is taken, unless trainer.checkpoint_on_interrupt=false; a crash "
+        "or a kill does not): run it again with trainer.save_every=N to checkpoint every N steps"
     )
     early = _run(tmp_path / "b", "trainer.save_every=4", last_step=1)
     _checkpoint(early, 4, partial=True)
