@@ -52,6 +52,8 @@ def save_on_interrupt(fleet: Fleet, cfg: Config, say: Callable[[str], None] = pr
     tc = cfg.trainer
     if not tc.checkpoint_on_interrupt:
         return "trainer.checkpoint_on_interrupt=false"
+    if tc.val_only:  # it validates and stops: no step, nothing to wait for
+        return "trainer.val_only=true takes no step"
     deadline = time.monotonic() + tc.interrupt_timeout_s
     try:
         say(

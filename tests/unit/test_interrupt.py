@@ -94,10 +94,17 @@ def test_a_second_interrupt_ends_the_wait_at_once():
     assert fleet.stopped == ["learners"]
 
 
-def test_without_checkpoint_on_interrupt_the_learner_is_not_asked():
+@pytest.mark.parametrize(
+    ("override", "why"),
+    [
+        ("trainer.checkpoint_on_interrupt=false", "trainer.checkpoint_on_interrupt=false"),
+        ("trainer.val_only=true", "trainer.val_only=true takes no step"),
+    ],
+)
+def test_a_run_with_nothing_to_checkpoint_stops_without_asking(override, why):
     fleet = _Fleet(learner_done_after=0)
-    why = save_on_interrupt(fleet, _cfg("trainer.checkpoint_on_interrupt=false"), print)
-    assert why == "trainer.checkpoint_on_interrupt=false" and fleet.stopped == []
+    assert save_on_interrupt(fleet, _cfg(override), print) == why
+    assert fleet.stopped == []
 
 
 def _run_dir(tmp_path: Path, last_step: int, checkpoints: tuple[int, ...]) -> Path:
