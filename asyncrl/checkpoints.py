@@ -20,10 +20,17 @@ Pruning (`trainer.keep_checkpoints=K`): once a checkpoint is published, `prune` 
 the newest K complete ones and the one the run resumed from (its `trainer.resume_from`). Each
 is first renamed out of the `step_<v>` pattern, then removed, so one half-deleted by a crash is
 never taken for a checkpoint.
+
+The final weights, `run_dir/final/` (`learner.checkpoint.save_final_weights`), are a Hugging
+Face directory that also holds `FINAL_STEP_FILE`, the learner version they were taken at: a
+finished run resumed to go further leaves its old final/ in place until it finishes again, so a
+reader choosing between final/ and the newest checkpoint needs final/'s version
+(`asyncrl.launch.eval_weights.run_weights`).
 """
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 from pathlib import Path
@@ -34,6 +41,9 @@ REPLAY_FILE = "replay.msgpack"
 TRAINER_FILE = "trainer.json"
 PARTS = (SHARDS_DONE, REPLAY_FILE, TRAINER_FILE)
 """What a complete checkpoint directory holds (files, relative to it)."""
+
+FINAL_STEP_FILE = "asyncrl_step.json"
+"""In run_dir/final/: {"step": v}, the learner version of the final weights."""
 
 _STEP = re.compile(r"step_(\d+)")
 
@@ -112,3 +122,17 @@ def prune(run_dir: str | Path, keep: int, spare: str | Path | None = None) -> li
         path.rename(doomed)
         shutil.rmtree(doomed)
     return old
+
+
+def write_final_step(final: str | Path, step: int) -> None:
+    """Record in the final weights' directory the learner version they were taken at."""
+    (Path(final) / FINAL_STEP_FILE).write_text(json.dumps({"step": step}) + "\n")
+
+
+def final_step(final: str | Path) -> int | None:
+    """The learner version recorded in the final weights' directory; None when it records none
+    (final weights written before the version was recorded there)."""
+    path = Path(final) / FINAL_STEP_FILE
+    if not path.is_file():
+        return None
+    return int(json.loads(path.read_text())["step"])

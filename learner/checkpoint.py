@@ -37,6 +37,7 @@ from asyncrl.checkpoints import (
     partial_dir,
     prune,
     publish,
+    write_final_step,
 )
 from asyncrl.learner_config import LoraConfig
 from asyncrl.metrics import write_json_atomic
@@ -89,11 +90,18 @@ def save_checkpoint(
 
 
 def save_final_weights(
-    out: Path, model: torch.nn.Module, lora: LoraConfig, model_path: str, rank: int
+    out: Path,
+    model: torch.nn.Module,
+    lora: LoraConfig,
+    model_path: str,
+    rank: int,
+    step: int | None = None,
 ) -> None:
     """All ranks (the gathers are collectives): rank 0 writes the final weights as an ordinary
     Hugging Face model directory at `out`; with LoRA, the merged model, and the adapter in
-    peft's format under out/adapter."""
+    peft's format under out/adapter. `step`, the learner version of the weights, is recorded
+    beside them (`asyncrl.checkpoints.FINAL_STEP_FILE`) so that an eval can tell an old final/
+    from a newer checkpoint of the same run, resumed since (`asyncrl.checkpoints`)."""
     full = {name: t.cpu().clone() for name, t in iter_full_tensors(model)}
     if rank != 0:
         return
@@ -108,6 +116,8 @@ def save_final_weights(
     AutoTokenizer.from_pretrained(model_path).save_pretrained(out)
     if adapter is not None:
         save_adapter(out / "adapter", adapter, lora, model_path)
+    if step is not None:
+        write_final_step(out, step)
     log.info("final weights written to %s", out)
 
 

@@ -290,7 +290,8 @@ class Learner:
             if tc.save_final and not stopped:  # an interrupted run is not finished
                 out = Path(self.spec.run_dir) / "final"
                 lora = self.cfg.learner.lora
-                save_final_weights(out, self.model, lora, self.spec.model_path, self.rank)
+                step = max(start, tc.total_steps)  # the version train() ended at
+                save_final_weights(out, self.model, lora, self.spec.model_path, self.rank, step)
         self.coordinator.shutdown()
 
     def train(self, start: int) -> bool:

@@ -3,10 +3,18 @@ RUN's, never the model the run started from.
 
 Which weights (`run_weights`):
 1. RUN/final, the Hugging Face directory a finished run writes (`trainer.save_final`), when it
-   holds its config.json;
+   holds its config.json and is at least as new as RUN's newest complete checkpoint;
 2. else RUN's newest complete checkpoint (`asyncrl.checkpoints.latest_checkpoint`): a run
-   still going, interrupted, or run with `trainer.save_final=false`;
-3. else none: ConfigError naming what RUN lacks. Falling back to the run's starting model is
+   still going, interrupted, run with `trainer.save_final=false`, or finished and then resumed
+   to go further (`--resume RUN trainer.total_steps=...`), which leaves the old final/ in place
+   until it finishes again;
+3. else none: ConfigError naming what RUN lacks.
+
+"As new": final/ records its learner version (`asyncrl.checkpoints.final_step`), compared with
+the checkpoint's step. Final weights written before that was recorded are compared by time
+instead: final/config.json's modification time against the checkpoint's trainer.json (final/
+is written after the run's last checkpoint, and a resumed run's checkpoints after it).
+metrics.jsonl cannot date final/: after a resume its last step is the resumed run's. Falling back to the run's starting model is
    what this module exists to prevent (issue 40: such an eval scored the warm-start, 0.55,
    for a run whose own weights scored 0.87).
 
@@ -25,7 +33,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-from asyncrl.checkpoints import SHARDS_DIR, latest_checkpoint
+from asyncrl.checkpoints import SHARDS_DIR, TRAINER_FILE, final_step, latest_checkpoint
 from asyncrl.config import Config, ConfigError, load_config, parse_override
 
 FINAL_DIR = "final"
@@ -42,20 +50,23 @@ class RunWeights:
 
     path: Path  # RUN/final (a Hugging Face directory) or RUN/checkpoints/step_N
     step: int | None  # the checkpoint's learner step; None for the final weights
+    older_final: bool = False  # a checkpoint chosen over RUN/final, which is older
 
     def describe(self) -> str:
         """How the eval names them in its output."""
         if self.step is None:
             return f"the run's final weights ({self.path})"
-        return (
-            f"the run's latest checkpoint, step {self.step} ({self.path}; the run has no "
-            f"{FINAL_DIR}/ weights: not finished, or trainer.save_final=false)"
+        why = (
+            f"its {FINAL_DIR}/ weights are older: it was resumed after it finished"
+            if self.older_final
+            else f"the run has no {FINAL_DIR}/ weights: not finished, or trainer.save_final=false"
         )
+        return f"the run's latest checkpoint, step {self.step} ({self.path}; {why})"
 
 
 def run_weights(run_dir: str | Path) -> RunWeights:
-    """RUN's final weights, else its newest complete checkpoint (module docstring); ConfigError
-    when it has neither."""
+    """RUN's final weights unless its newest complete checkpoint is newer, else that checkpoint
+    (module docstring); ConfigError when it has neither."""
     run_dir = Path(run_dir)
     if not (run_dir / "config.yaml").is_file():
         what = "does not exist" if not run_dir.exists() else "has no config.yaml"
@@ -64,17 +75,32 @@ def run_weights(run_dir: str | Path) -> RunWeights:
             "`asyncrl launch`)"
         )
     final = run_dir / FINAL_DIR
-    if (final / "config.json").is_file():
-        return RunWeights(final, None)
+    has_final = (final / "config.json").is_file()
     checkpoint = latest_checkpoint(run_dir)
-    if checkpoint is not None:
-        return RunWeights(checkpoint, int(checkpoint.name.removeprefix("step_")))
+    if checkpoint is None:
+        if has_final:
+            return RunWeights(final, None)
+    else:
+        step = int(checkpoint.name.removeprefix("step_"))
+        if has_final and _final_is_as_new(final, checkpoint, step):
+            return RunWeights(final, None)
+        return RunWeights(checkpoint, step, older_final=has_final)
     raise ConfigError(
         f"--run-dir {run_dir} has no weights to evaluate: no {final}/config.json (written when "
         f"a run ends, trainer.save_final) and no complete checkpoint under "
         f"{run_dir / 'checkpoints'} (trainer.save_every); to score the model it started from, "
         "drop --run-dir"
     )
+
+
+def _final_is_as_new(final: Path, checkpoint: Path, step: int) -> bool:
+    """Whether RUN/final holds weights at least as new as `checkpoint` (of learner `step`): by
+    its recorded version, else (older runs) by modification time (module docstring)."""
+    recorded = final_step(final)
+    if recorded is not None:
+        return recorded >= step
+    final_time = (final / "config.json").stat().st_mtime
+    return final_time >= (checkpoint / TRAINER_FILE).stat().st_mtime
 
 
 def run_eval_config(

@@ -1,23 +1,25 @@
 """`asyncrl eval`'s arguments: `--data` takes several files, yet the overrides and a config
 typed after it reach the config, in order, and a run with nowhere to write is refused at once.
-`--run-dir RUN` without `--address` scores RUN's weights: its final ones, else its latest
-checkpoint's (exported as a Hugging Face directory), else a clear refusal; the whole path, a
+`--run-dir RUN` without `--address` scores RUN's weights: its final ones, unless its latest
+checkpoint is newer (a finished run resumed to go further), else that checkpoint's (exported as
+a Hugging Face directory), else a clear refusal; the whole path, a
 real run through the CLI included, is in tests/integration/test_eval_run_dir.py."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.checkpoints import PARTS
+from asyncrl.checkpoints import PARTS, TRAINER_FILE, final_step, write_final_step
 from asyncrl.config import ConfigError, config_to_yaml, load_config
 from asyncrl.launch.cli import _move_config_args_out_of_data, build_parser, main
 from asyncrl.launch.eval_weights import export_checkpoint, run_weights
 from asyncrl.launch.fleet import prepare_model
-from learner.checkpoint import save_sharded
+from learner.checkpoint import save_final_weights, save_sharded
 from learner.lora import add_adapters, lora_layers
 
 
@@ -91,6 +93,44 @@ def test_a_run_without_final_weights_is_scored_on_its_latest_checkpoint(tmp_path
     weights = run_weights(run)
     assert (weights.path, weights.step) == (run / "checkpoints" / "step_20", 20)
     assert "latest checkpoint, step 20" in weights.describe()
+
+
+@pytest.mark.parametrize("final_at", [40, 120])
+def test_a_resumed_run_is_scored_on_final_only_when_no_checkpoint_is_newer(tmp_path, final_at):
+    """A run finished at step 40 (final/ written), then resumed with trainer.total_steps=200
+    and interrupted at step 120: final/ is still step 40's, and the eval scored it as "the
+    run's final weights". final/ at step 120 (the resumed run got there and finished) wins."""
+    run = _run_dir(tmp_path, "step_40", "final", "step_120")
+    write_final_step(run / "final", final_at)
+    weights = run_weights(run)
+    if final_at == 40:
+        assert (weights.path, weights.step) == (run / "checkpoints" / "step_120", 120)
+        assert "latest checkpoint, step 120" in weights.describe()
+        assert "resumed after it finished" in weights.describe()
+    else:
+        assert (weights.path, weights.step) == (run / "final", None)
+
+
+@pytest.mark.parametrize("final_newer", [False, True])
+def test_final_weights_recording_no_step_are_dated_by_time(tmp_path, final_newer):
+    """final/ written before its step was recorded: older than the newest checkpoint's
+    trainer.json (a resume wrote it since), the checkpoint is scored; newer, final/."""
+    run = _run_dir(tmp_path, "final", "step_120")
+    checkpoint_time = 1_000_000
+    final_time = checkpoint_time + (10 if final_newer else -10)
+    os.utime(run / "checkpoints" / "step_120" / TRAINER_FILE, (checkpoint_time,) * 2)
+    os.utime(run / "final" / "config.json", (final_time,) * 2)
+    weights = run_weights(run)
+    assert weights.step == (None if final_newer else 120)
+
+
+def test_final_weights_record_their_step(tmp_path):
+    cfg = load_config(None, ["trainer.warmstart_steps=0", f"trainer.cache_dir={tmp_path / 'c'}"])
+    base = prepare_model(cfg, log=lambda _: None)
+    model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
+    out = tmp_path / "final"
+    save_final_weights(out, model, cfg.learner.lora, base, rank=0, step=40)
+    assert final_step(out) == 40 and (out / "config.json").is_file()
 
 
 def test_a_run_without_weights_is_refused_naming_what_it_lacks(tmp_path, capsys):
