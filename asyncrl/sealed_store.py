@@ -24,12 +24,15 @@ two seals of one value differ. What a keyless process can still do, and what fol
 2. Forge or pre-write: a value that does not open is treated as absent. `check` is False,
    `wait` and `get` keep waiting for one that opens, so a forged `answer` (or a pre-written
    abandon) changes nothing, and the genuine write, which overwrites it, is the one taken.
-3. Delete or overwrite after the genuine write: a denial of service (the join then times out
-   and the run reports it, as for a server that never came). A process of the same uid can
-   also kill the run's processes outright; the store guards what a join says, not that it
-   happens.
-Integer counters (`add`) cannot be sealed and are refused: the groups built here never use
-them.
+3. Overwrite a genuine value: it then reads as absent until written again. A joining server
+   writes its `ready` again every `REFRESH_S` while it waits (`asyncrl.sync_group`), so an
+   overwrite costs a join a second, not the join. Deleting or overwriting without pause is a
+   denial of service (the join times out and the run reports it, as for a server that never
+   came); a process of the same uid can also kill the run's processes outright. The store
+   guards what a join says, not that it happens.
+4. Write a huge value: a value over `MAX_VALUE` bytes does not open, and is not hashed.
+Integer counters (`add`) pass through unsealed: they carry no content of a join (a count is
+all a rendezvous may keep in them), and a forged count can only stall it, as a deletion can.
 """
 
 from __future__ import annotations
@@ -45,6 +48,9 @@ import torch.distributed as dist
 _DOMAIN = b"asyncrl-sealed-store-v1\0"
 _NONCE = 16
 _TAG = 32
+MAX_VALUE = 1 << 20
+"""The largest stored value that may open (a place, an answer and a rendezvous entry are a few
+hundred bytes): a larger one is refused before it is hashed."""
 POLL_S = 0.02
 """How often `wait` looks again for a value that opens."""
 
@@ -72,7 +78,7 @@ class SealedStore(dist.Store):
     def open(self, key: str, stored: bytes) -> bytes | None:
         """The value sealed under `key`, or None if `stored` was not sealed by this key for
         this name (forged, garbled, moved from another key)."""
-        if len(stored) < _NONCE + _TAG:
+        if not _NONCE + _TAG <= len(stored) <= MAX_VALUE + _NONCE + _TAG:
             return None
         body, tag = stored[:-_TAG], stored[-_TAG:]
         if not hmac.compare_digest(tag, self._tag(key, body)):
@@ -105,10 +111,11 @@ class SealedStore(dist.Store):
 
     def get(self, key: str) -> bytes:
         """The opened value of `key`, waiting (up to the timeout) for one that opens."""
-        self.wait([key])
-        value = self._opened(key)
-        assert value is not None  # wait returned: it opened
-        return value
+        return self._wait_opened([key], self._timeout)[0]
+
+    def get_within(self, key: str, timeout_s: float) -> bytes:
+        """`get`, waiting at most `timeout_s` (TimeoutError after)."""
+        return self._wait_opened([key], datetime.timedelta(seconds=timeout_s))[0]
 
     def check(self, keys: list[str]) -> bool:
         """Whether every key holds a value that opens (a forged one does not count)."""
@@ -117,19 +124,30 @@ class SealedStore(dist.Store):
     def wait(self, keys: list[str], timeout: datetime.timedelta | None = None) -> None:
         """Block until every key holds a value that opens; raises after the timeout, naming
         the keys still missing or holding values that do not open."""
-        bound = (timeout or self._timeout).total_seconds()
-        deadline = time.monotonic() + bound
-        while not self.check(keys):
+        self._wait_opened(keys, timeout or self._timeout)
+
+    def _wait_opened(self, keys: list[str], timeout: datetime.timedelta) -> list[bytes]:
+        """The opened values of `keys`, each taken as it opened (an overwrite after it does
+        not matter), waiting up to `timeout` for the last."""
+        deadline = time.monotonic() + timeout.total_seconds()
+        opened: dict[str, bytes] = {}
+        while True:
+            for key in keys:
+                if key not in opened and (value := self._opened(key)) is not None:
+                    opened[key] = value
+            if len(opened) == len(keys):
+                return [opened[key] for key in keys]
             if time.monotonic() >= deadline:
-                missing = [k for k in keys if self._opened(k) is None]
+                missing = [k for k in keys if k not in opened]
                 raise TimeoutError(
                     f"store keys {missing} under {self._prefix!r} hold no value sealed with "
-                    f"this member's sync key after {bound:g} s (absent, or forged)"
+                    f"this member's sync key after {timeout.total_seconds():g} s (absent, or "
+                    "forged)"
                 )
             time.sleep(POLL_S)
 
     def add(self, key: str, value: int) -> int:
-        raise RuntimeError(f"a sealed store cannot count ({key!r}): counters are not sealed")
+        return self._inner.add(key, value)
 
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         raise RuntimeError(f"a sealed store cannot compare-and-set ({key!r})")

@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+import time
 from typing import Protocol
 
 import torch
@@ -49,6 +50,9 @@ from asyncrl.weight_transport import (
 )
 
 log = logging.getLogger("asyncrl.weight_sync")
+
+REFRESH_S = 1.0
+"""How often a joining server sets its `ready` again while it waits for the answer."""
 
 
 def sync_prefix(server_id: int, epoch: int) -> str:
@@ -185,9 +189,7 @@ def join_sync_group(
     prefix = sync_prefix(server_id, epoch)
     tcp = dist.TCPStore(host, port, None, False, timeout)
     store = member_store(tcp, server_id, epoch, key, timeout_s)
-    store.set("ready", pack_message(place_of(device)))
-    store.wait(["answer"])
-    answer = unpack_message(store.get("answer"), SyncAnswer)
+    answer = unpack_message(_announce(store, pack_message(place_of(device)), timeout_s), SyncAnswer)
     if not answer.join:
         raise RuntimeError(
             f"the learner abandoned {prefix} before it joined the weight sync "
@@ -195,6 +197,20 @@ def join_sync_group(
         )
     log.info("joined the weight sync as %s over %s (%s)", prefix, answer.transport, answer.reason)
     return SyncGroup(host, port, 1, 2, device, timeout_s, store=store, transport=answer.transport)
+
+
+def _announce(store: SealedStore, place: bytes, timeout_s: float) -> bytes:
+    """Set `ready` to `place` and wait up to `timeout_s` for the learner's `answer` (its sealed
+    bytes), setting `ready` again every `REFRESH_S`: a process without the keys that overwrote
+    it (it then reads as absent) costs the join a second, not the join (`asyncrl.sealed_store`)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        store.set("ready", place)
+        try:
+            return store.get_within("answer", min(REFRESH_S, max(deadline - time.monotonic(), 0)))
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"no answer to the join within {timeout_s:g} s") from None
 
 
 def read_place(store: dist.Store) -> SyncPlace:

@@ -6,9 +6,11 @@ for a server's next epochs, made each of its restarts fail until the launcher dr
 Here a real `SyncFleet` hosts the store, receivers (`sync_peers.py`) join as a rollout server
 does, and the attacker is a process of its own holding only the store's address: it lists and
 reads every entry, pre-writes abandon answers and garbled places for epochs 0-3 of server 0,
-and overwrites what it finds between versions. Every join still goes through and every version
-arrives byte for byte; nothing it read holds a place. (`asyncrl.sealed_store` says what such a
-process can still do: delete entries, a denial of service, as killing the run's processes is.)
+overwrites what it finds between versions, and overwrites a restarted epoch's genuine `ready`
+before the learner reads it (the server sets it again every second while it waits). Every join
+still goes through and every version arrives byte for byte; nothing it read holds a place.
+(`asyncrl.sealed_store` says what such a process can still do: delete or overwrite entries
+without pause, a denial of service, as killing the run's processes is.)
 """
 
 from __future__ import annotations
@@ -36,17 +38,22 @@ ROOT = Path(__file__).resolve().parents[2]
 
 ATTACKER = textwrap.dedent(
     """
-    import datetime, json, sys
+    import datetime, json, sys, time
     import torch.distributed as dist
     from asyncrl.weight_transport import SyncAnswer, pack_message
 
     port, action = int(sys.argv[1]), sys.argv[2]
     store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))
     abandon = pack_message(SyncAnswer(join=False, transport="gloo", reason="forged"))
+    garbage = b"\\x93not a place"
     if action == "prewrite":
         for epoch in range(4):
             store.set(f"server_0/epoch_{epoch}/answer", abandon)
-            store.set(f"server_0/epoch_{epoch}/ready", b"\\x93not a place")
+            store.set(f"server_0/epoch_{epoch}/ready", garbage)
+    if action == "overwrite-pending":  # once the waiting epoch 1 has set its own ready
+        while store.get("server_0/epoch_1/ready") in (garbage, abandon):
+            time.sleep(0.01)
+        store.set("server_0/epoch_1/ready", garbage)
     keys = store.list_keys()
     values = {k: store.get(k).hex() for k in keys}
     if action == "overwrite":  # every key it can see, after the genuine writes
@@ -128,8 +135,9 @@ def test_a_keyless_process_can_neither_read_forge_nor_abandon_a_join(tmp_path):
 
         peers[0].kill()  # the server dies and restarts as epoch 1, whose abandon was planted
         peers[0].wait(timeout=30)
-        listed[0] = 1
         peers.append(start_peer(port, 1, tmp_path / "epoch_1.jsonl"))
+        attack(port, "overwrite-pending")  # its genuine ready, overwritten before the join
+        listed[0] = 1  # the replay lists it: the learner joins it now
         version = 2
         assert fleet.broadcast(SPECS, iter(version_tensors(version)), version) == {0: 1}
         wait_received(tmp_path / "epoch_1.jsonl", [2])

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.auth import role_key, server_role, sync_key
-from asyncrl.sealed_store import SealedStore
+from asyncrl.sealed_store import MAX_VALUE, SealedStore
 from asyncrl.sync_group import answer, learner_member_store, member_store, read_place
 from asyncrl.weight_transport import SyncAnswer, pack_message, place_of, unpack_message
 
@@ -98,9 +98,21 @@ def test_read_place_takes_only_a_sealed_place() -> None:
     assert read_place(view).device == "cpu"
 
 
-def test_counters_are_refused() -> None:
-    with pytest.raises(RuntimeError, match="cannot count"):
-        sealed(dist.HashStore()).add("n", 1)
+def test_counters_pass_through_and_a_huge_value_is_not_hashed() -> None:
+    store = dist.HashStore()
+    view = sealed(store)
+    assert view.add("n", 2) == 2 and view.add("n", 3) == 5  # no content of a join in a count
+    huge = view.seal("ready", b"x" * (MAX_VALUE + 1))
+    assert view.open("ready", huge) is None
+    assert view.open("ready", view.seal("ready", b"x" * MAX_VALUE)) == b"x" * MAX_VALUE
+
+
+def test_get_within_bounds_its_wait() -> None:
+    view = sealed(dist.HashStore())
+    with pytest.raises(TimeoutError, match="after 0.05 s"):
+        view.get_within("answer", 0.05)
+    view.set("answer", b"yes")
+    assert view.get_within("answer", 0.05) == b"yes"
 
 
 def test_sync_keys_are_the_learners_for_servers_only() -> None:
