@@ -16,9 +16,10 @@ Bounded work on the event loop. The loop also carries the server's heartbeats, s
 not hold it for long (`launch.server_timeout_s` declares a silent server dead): decoding the
 body, validating it, rendering and tokenizing its prompt run in the endpoint's own threads
 (`PREPARE_THREADS`; not the loop's default executor, where sync agents wait on this endpoint)
-unless the body is small (`INLINE_BYTES`, a few milliseconds of tokenizing at most), and
-messages holding more characters than the model's context could take at the tokenizer's longest
-token are refused before any tokenization (`max_prompt_chars`).
+unless the body is small (`INLINE_BYTES`, a few milliseconds of tokenizing at most), and a
+prompt whose rendered text (contents, tool-call arguments, tool schemas) holds more characters
+than the model's context could take at the tokenizer's longest token is refused before it is
+tokenized (`max_prompt_chars`; the contents alone are counted before rendering too).
 
 One temperature. The learner recomputes every trained token's log-prob at the episode's
 temperature (`rollout.temperature`), so a request asking for another `temperature` or `top_p`
@@ -58,12 +59,14 @@ from rollout_servers.agents.openai_protocol import (
     MessageKey,
     RequestError,
     bad,
+    bounded_prompt_ids,
     first_stop,
     parse_chat_request,
     parse_json,
     reply_key,
     reply_message,
     tokens_through,
+    too_long,
 )
 from rollout_servers.agents.openai_stream import stream_reply
 from rollout_servers.agents.tool_agent import _A, _U, TurnRenderer, render_ids
@@ -270,16 +273,11 @@ class OpenAIEndpoint:
     ) -> tuple[ChatRequest, str, Completion | None, list[int]]:
         """(the request, its tools key, the completion it continues or None, its prompt ids),
         or RequestError; in a thread of the endpoint's pool, off the event loop (module
-        docstring). Messages too long for the context are refused before any tokenizing."""
+        docstring). A prompt too long for the context is refused before any tokenizing."""
         req = parse_chat_request(parse_json(raw), self.cfg.model_name)
-        chars = sum(len(m["content"]) for m in req.messages)
+        chars = sum(len(m["content"]) for m in req.messages)  # before rendering too
         if chars > self.max_prompt_chars:
-            raise bad(
-                f"the messages hold {chars} characters: more than a context of "
-                f"{self.engine.context_tokens or UNKNOWN_CONTEXT} tokens can take (a token "
-                f"holds at most {self.max_token_chars} characters)",
-                code="context_length_exceeded",
-            )
+            raise too_long(chars, self.max_prompt_chars)
         tools_key = json.dumps(req.tools, sort_keys=True)
         parent, prompt_ids = self._prompt_ids(earlier, req, tools_key)
         return req, tools_key, parent, prompt_ids
@@ -302,7 +300,8 @@ class OpenAIEndpoint:
                     assert end is not None
                     turn = [end, *renderer.turn_ids(rest, end)]
                 return c, c.prompt_ids + c.token_ids + turn
-            return None, render_ids(self.tokenizer, req.messages, req.tools)
+            ids = bounded_prompt_ids(self.tokenizer, req.messages, req.tools, self.max_prompt_chars)
+            return None, ids
         except (TemplateError, ValueError, TypeError, KeyError, RecursionError) as e:
             raise bad(f"the chat template cannot render these messages: {str(e)[:300]}") from e
 

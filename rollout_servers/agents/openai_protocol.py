@@ -328,6 +328,31 @@ def reply_key(message: dict[str, Any]) -> MessageKey:
     return message_key(_template_message(message, 0))
 
 
+def bounded_prompt_ids(
+    tokenizer: Any, messages: list[dict[str, Any]], tools: Any, max_chars: int
+) -> list[int]:
+    """The chat template's ids of the whole request, or 400 (`context_length_exceeded`) when
+    its rendered text holds more than `max_chars` characters: checked on the text before it is
+    tokenized, so tool-call arguments and tool schemas count as much as contents do (a
+    megabyte of them took a prepare thread a minute to tokenize). Tokenized as the template's
+    own `tokenize=True` does: the text without added special tokens."""
+    text = tokenizer.apply_chat_template(
+        messages, tools=tools or None, add_generation_prompt=True, tokenize=False
+    )
+    if len(text) > max_chars:
+        raise too_long(len(text), max_chars)
+    return [int(t) for t in tokenizer.encode(text, add_special_tokens=False)]
+
+
+def too_long(chars: int, max_chars: int) -> RequestError:
+    """400: more characters than the context's tokens could cover at the longest token."""
+    return bad(
+        f"the prompt holds {chars} characters: more than the model's context can take "
+        f"({max_chars}: its tokens times the tokenizer's longest token)",
+        code="context_length_exceeded",
+    )
+
+
 def first_stop(text: str, stops: list[str]) -> tuple[int | None, str]:
     """(where the first stop string starts in `text`, which one), or (None, "")."""
     found = sorted((text.find(s), s) for s in stops if s in text)

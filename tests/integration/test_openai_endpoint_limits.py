@@ -141,6 +141,48 @@ async def test_huge_messages_leave_the_event_loop_free(tokenizer):
         assert lag[0] < MAX_LAG_S, f"the event loop stalled {lag[0]:.2f}s"
 
 
+TOOL_TEMPLATE = (  # the char tokenizer's template, rendering tool schemas and tool calls too
+    "{% if tools %}{{ '<|system|>' + (tools | tojson) + '</s>' }}{% endif %}"
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}"
+    "{% for c in m.tool_calls or [] %}{{ c['function'] | tojson }}{% endfor %}{{ '</s>' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+
+
+async def test_tool_schemas_and_call_arguments_count_toward_the_bound():
+    """A megabyte in a tool's description and one in an assistant call's arguments are
+    rendered into the prompt, but the bound counted contents only (3 characters): the prompt
+    was tokenized in full, holding one of the two prepare threads for seconds (a minute at
+    16 MB). It is refused on its rendered text now, before any tokenizing."""
+    tokenizer = build_tokenizer()
+    tokenizer.chat_template = TOOL_TEMPLATE
+    tool = {"type": "function", "function": {**CALC["function"], "description": "d" * 10**6}}
+    call = {"id": "c1", "type": "function"}
+    call["function"] = {"name": "calculator", "arguments": json.dumps({"e": "1" * 10**6})}
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "5"},
+    ]
+    async with serving(tokenizer) as (endpoint, url, key):
+        auth = {"Authorization": f"Bearer {key}"}
+        async with httpx.AsyncClient(trust_env=False, timeout=120) as http, loop_lag() as lag:
+            for extra in ({"tools": [tool]}, {"messages": messages}):
+                start = time.monotonic()
+                r = await http.post(url, json=body(**extra), headers=auth)
+                took = time.monotonic() - start
+                error = r.json()["error"]
+                assert r.status_code == 400 and error["code"] == "context_length_exceeded"
+                assert "characters" in error["message"], error  # not its token count
+                assert took < 1.0, f"{took:.2f}s: the prompt was tokenized"
+            r = await http.post(url, json=body(tools=[CALC]), headers=auth)
+            assert r.status_code == 200  # a prompt with tools under the bound is served
+        assert lag[0] < MAX_LAG_S, f"the event loop stalled {lag[0]:.2f}s"
+        assert isinstance(endpoint.engine, CallThenAnswerEngine)
+        prompt_ids = endpoint.engine.calls[0][0]
+        assert prompt_ids == render_ids(tokenizer, [{"role": "user", "content": "hi"}], [CALC])
+
+
 SURROGATE = '"\\ud800"'  # a JSON escape that decodes to a lone surrogate
 
 
