@@ -15,6 +15,8 @@ dtypes on the worker side by `asyncrl.dtypes.torch_dtype`, the project's one suc
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from asyncrl.codec import ProtocolError, check, decode, encode, message, struct
@@ -47,10 +49,10 @@ class JoinWeightSync:
     timeout_s: float  # how long to wait for the learner: to join, then for each collective
     server_id: int | None  # the rollout server's id (None: a plain group, tests and benches)
     epoch: int  # which start of that server this is (its group's store prefix names it)
-    sync_key: bytes | None  # its sync key, which seals its join on the store (`SyncTarget.key`)
     specs: list[ParamLayout]  # every tensor of a version, in the order the learner sends them
     notify_address: str  # the server's ZeroMQ PULL socket for the worker's notices (ipc://)
     lora: LoraMerge | None  # versions carry adapters, merged here; None: full weights
+    sync_key: bytes | None = dataclasses.field(repr=False)  # seals its join (`SyncTarget.key`)
 
     def validate(self) -> None:
         check(0 < self.port < 65536, f"port {self.port} out of range")

@@ -31,7 +31,10 @@ from rollout_servers.engines.vllm_lora import MergedVersions
 from rollout_servers.engines.vllm_notices import WeightReceiverClosed
 from rollout_servers.engines.vllm_worker import WeightSyncExtension
 
-TARGET = SyncTarget("127.0.0.1", 29512, 1, 2, torch.device("cpu"), 90.0, server_id=3, epoch=2)
+KEY = bytes(range(32))
+TARGET = SyncTarget(
+    "127.0.0.1", 29512, 1, 2, torch.device("cpu"), 90.0, server_id=3, epoch=2, key=KEY
+)
 ADDRESS = "ipc:///tmp/asyncrl-vllm-x/notices-0123"
 LLAMA_FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
 
@@ -76,6 +79,7 @@ def test_the_join_carries_the_target_and_the_layout_the_worker_had_before(model_
     assert got == join
     assert (got.host, got.port, got.rank, got.world_size) == ("127.0.0.1", 29512, 1, 2)
     assert (got.timeout_s, got.server_id, got.epoch) == (90.0, 3, 2)
+    assert got.sync_key == KEY and KEY.hex() not in repr(got) and str(KEY) not in repr(got)
     assert got.notify_address == ADDRESS and got.lora is None
     assert {s.dtype for s in got.specs} == {"float32"}  # names, not "torch.float32"
     assert param_specs(got) == _specs_as_before(specs) == specs
