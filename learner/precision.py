@@ -16,11 +16,11 @@ from __future__ import annotations
 
 import logging
 import platform
-from pathlib import Path
 
 import torch
 
 from asyncrl.config import Config
+from asyncrl.cpu import cpu_flags
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -33,16 +33,9 @@ ARM_BF16_FEATURE = "bf16"
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool | None:
     """Whether this CPU computes in bf16 natively, from /proc/cpuinfo's text (`cpuinfo` in
     tests); None when that cannot be read (not Linux), which callers treat as "no"."""
-    if cpuinfo is None:
-        try:
-            cpuinfo = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return None
-    words: set[str] = set()
-    for line in cpuinfo.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            words.update(value.split())
+    words = cpu_flags(cpuinfo)
+    if words is None:
+        return None
     return any(f in words for f in X86_BF16_FLAGS) or ARM_BF16_FEATURE in words
 
 

@@ -46,6 +46,7 @@ from typing import Any, Literal
 import torch
 
 from asyncrl.config import SGLangConfig
+from asyncrl.cpu import cpu_flags
 from asyncrl.placement import OWN_GPU_FRACTION
 from asyncrl.sync_group import join_sync_group
 from asyncrl.weight_receiver import ReceivedVersion, WeightReceiver
@@ -88,10 +89,31 @@ def engine_kwargs(
     )
 
 
+SGLANG_CPU_FLAGS = ("avx512f", "avx512_bf16")
+"""What SGLang's CPU kernel package executes: it is built for AVX-512 with bf16 instructions, even
+in kernels an fp32 model runs (rmsnorm, rotary, silu_and_mul). Without avx512f, importing it dies
+with SIGILL; without avx512_bf16, the first forward kills SGLang's scheduler with SIGILL, and
+SGLang then sends SIGQUIT to its own parent: the rollout server, unexplained."""
+
+
+def check_cpu_can_run_sglang(cpuinfo: str | None = None) -> None:
+    """Refuse, naming the missing flags, a CPU that SGLang's CPU kernels would crash on
+    (`cpuinfo`: /proc/cpuinfo's text, in tests; an unreadable one is not refused)."""
+    flags = cpu_flags(cpuinfo)
+    missing = [f for f in SGLANG_CPU_FLAGS if flags is not None and f not in flags]
+    if missing:
+        raise RuntimeError(
+            f"rollout.engine=sglang on this CPU: its flags lack {', '.join(missing)}, which "
+            "SGLang's CPU kernels execute (they would die with SIGILL); use rollout.engine=hf "
+            "or vllm here"
+        )
+
+
 def setup_sglang(kwargs: dict[str, Any]) -> Any:
     """An `sglang.Engine` (on CPU with SGLang's CPU engine, set before sglang is imported).
     Call it on the event loop that will drive it: SGLang binds its tokenizer manager there."""
     if kwargs["device"] == "cpu":
+        check_cpu_can_run_sglang()
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     import sglang
 

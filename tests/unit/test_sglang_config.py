@@ -73,3 +73,16 @@ def test_the_cpu_install_script_without_its_kernel_folder_fails_naming_where_it_
     for place in (str(tmp_path), "../shared/sglang-cpu", "/work/shared/sglang-cpu"):
         assert place in done.stderr
     assert "sglang_kernel_cpu-0.4.6.post1" in done.stderr
+
+
+def test_a_cpu_without_avx512_bf16_is_refused_before_sglang_starts():
+    """CI's AVX-512 machine without bf16 lost the whole test process to SGLang's SIGQUIT; the
+    engine now refuses such a CPU by name instead."""
+    from rollout_servers.engines.sglang import check_cpu_can_run_sglang
+
+    sapphire = "flags\t\t: avx2 avx512f avx512_bf16 amx_bf16\n"
+    check_cpu_can_run_sglang(sapphire)
+    with pytest.raises(RuntimeError, match="lack avx512_bf16"):
+        check_cpu_can_run_sglang("flags\t\t: avx2 avx512f avx512bw\n")
+    with pytest.raises(RuntimeError, match="lack avx512f, avx512_bf16"):
+        check_cpu_can_run_sglang("flags\t\t: avx avx2 fma\n")
