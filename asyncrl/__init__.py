@@ -1,26 +1,30 @@
 """asyncrl: asynchronous RL for language models. This package is the shared core, plus three
 sub-packages around it.
 
-The core (the modules directly in `asyncrl/`) is what every fleet shares; it imports no fleet,
-no launch code and no demo:
-- `config`: the typed configuration tree (`load_config`; the learner's sections live in
-  `learner_config`, the common base in `config_base`, the sandbox's in `sandbox_config`).
-- `protocol` (every message between processes) over `codec` (typed MessagePack frames, validated
-  on decode) and `transport` (ZeroMQ sockets); `replay_client`: the learner's side of the replay.
-- `auth`: the run secret and one key per role, an HMAC on every message; `binds`: torch's
-  stores listening on the run's host only.
-- `weight_sync`: bucketed broadcast of weights from learner rank 0 to the rollout servers;
-  `lora`: the layout of LoRA adapters on that wire, and how an engine merges them.
-- `data`: verl-schema rows (validation, `PromptReader`, `render_prompt_ids`, row -> `PromptItem`)
-  and the `TASKS` registry; `data_check`: a run's datasets checked before any fleet starts;
-  `gsm8k`: GSM8K preparation and its final-answer parser.
-- `checkpoints`: the layout of a checkpoint directory, shared by its writers and readers.
-- `estimators`: the advantage estimators, each declared once in `ESTIMATORS` (torch-free);
-  `advantages`: their tensor math and `compute_advantages`; `policy_losses`: the policy
-  losses, each declared once in `POLICY_LOSSES` (their tensor math in `learner.losses`).
-- `evaluation`: pass@k and the evaluation job the learner and `asyncrl eval` run.
-- `registry`: the one `Registry` class behind every family users extend.
-- `metrics`, `trace`, `loggers`, `run_spec`: what a run writes and where things are.
+The core is what every fleet shares; it imports no fleet, no launch code and no demo. Its
+sub-packages, each importing only those listed before it (tests/unit/test_layout.py):
+- `config/`: the typed configuration tree (`config.load_config`, `config.Config`; a module per
+  section, `config.learner`, `config.rollout`, `config.replay` and so on, over `config.base`).
+- `wire/`: what crosses a process boundary: `wire.protocol` (every message between processes,
+  with `wire.samples`, `wire.reward_protocol` and `wire.bounds`) over `wire.codec` (typed
+  MessagePack frames, validated on decode) and `wire.sockets` (ZeroMQ); `wire.router`: the
+  authenticated endpoint every service runs; `wire.auth`: the run secret and one key per role, an
+  HMAC on every message; `wire.binds`: torch's stores listening on the run's host only;
+  `wire.replay_client`: the blocking client of the replay.
+- `weights/`: `weights.sync`, the bucketed broadcast of weights from learner rank 0 to the rollout
+  servers, over the `weights.transports` it chooses between; `weights.receiver`, the servers'
+  side; `weights.group` and `weights.sealed_store`, the joins; `weights.lora`: the layout of LoRA
+  adapters on that wire.
+- `data/`: verl-schema rows (`asyncrl.data.rows`; `asyncrl.data.prompts`: `PromptReader`,
+  `render_prompt_ids`, the `TASKS` registry) and GSM8K's preparation (`asyncrl.data.gsm8k`).
+- `algorithms/`: `algorithms.estimators`, the advantage estimators, each declared once in
+  `ESTIMATORS` (torch-free); `algorithms.advantages`: their tensor math;
+  `algorithms.policy_losses`: the policy losses, each declared once in `POLICY_LOSSES` (their
+  tensor math in `learner.losses`).
+And a few modules of their own: `checkpoints` (the layout of a checkpoint directory),
+`evaluation` (pass@k and the evaluation job), `registry` (the one `Registry` class behind every
+family users extend), `placement`, `cpu`, `dtypes`, and `metrics`, `trace`, `loggers`,
+`run_spec` (what a run writes and where things are).
 
 Sub-packages:
 - `launch`: the layer above the fleets (CLI, role dispatch, local and Ray launchers, progress).

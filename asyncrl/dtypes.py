@@ -3,7 +3,7 @@
 Configs name dtypes as strings ("float32", "bfloat16", "float16"), and a weight layout sent
 between processes spells them as `str(torch.float32)`, i.e. "torch.float32"; both forms mean
 the same dtype. Config validation never imports this module: it keeps the names as strings, so
-validating a config costs no torch import (`asyncrl.estimators`).
+validating a config costs no torch import (`asyncrl.algorithms.estimators`).
 """
 
 from __future__ import annotations

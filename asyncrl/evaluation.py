@@ -14,10 +14,10 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from asyncrl.config import DataConfig
-from asyncrl.data import setup_task
-from asyncrl.data_rows import row_to_prompt_item
-from asyncrl.protocol import PromptItem
-from asyncrl.replay_client import ReplayClient
+from asyncrl.data.prompts import setup_task
+from asyncrl.data.rows import row_to_prompt_item
+from asyncrl.wire.protocol import PromptItem
+from asyncrl.wire.replay_client import ReplayClient
 
 CORRECT_AT = 1.0 - 1e-6
 """A sample counts as correct for pass@k when its score reaches 1 (full credit)."""

@@ -12,6 +12,6 @@ whose stages every rank runs in step:
   loss aggregation; `kl`: KL terms and controllers (pure tensor functions).
 - `update`: forward passes and the optimizer step over mini- and micro-batches.
 - `checkpoint`: sharded checkpoints with the replay's state, and the final weights.
-The advantage estimators and the policy losses are declared in the core (`asyncrl.estimators`,
-`asyncrl.policy_losses`), because config validation reads their declarations too.
+The advantage estimators and the policy losses are declared in the core (`asyncrl.algorithms.estimators`,
+`asyncrl.algorithms.policy_losses`), because config validation reads their declarations too.
 """

@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from asyncrl.protocol import Batch
+from asyncrl.wire.protocol import Batch
 
 
 @dataclass

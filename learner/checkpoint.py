@@ -39,7 +39,7 @@ from asyncrl.checkpoints import (
     publish,
     write_final_step,
 )
-from asyncrl.learner_config import LoraConfig
+from asyncrl.config.learner import LoraConfig
 from asyncrl.metrics import write_json_atomic
 from learner.fsdp import iter_full_tensors
 from learner.lora import is_adapted, merged_state, save_adapter

@@ -20,10 +20,10 @@ from typing import Protocol
 
 import torch
 
-from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.metrics import StageTimer
-from asyncrl.protocol import Batch
-from asyncrl.weight_sync import ParamSpec
+from asyncrl.weights.probe import DeliveryProbe
+from asyncrl.weights.sync import ParamSpec
+from asyncrl.wire.protocol import Batch
 from learner.batch import TrainBatch
 
 

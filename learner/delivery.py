@@ -1,4 +1,4 @@
-"""The learner's half of the delivery probe (`asyncrl.delivery_probe`): its log-probs of the probe
+"""The learner's half of the delivery probe (`asyncrl.weights.probe`): its log-probs of the probe
 ids under the version it is about to send, and how close the engine's must come."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.config import Config, LearnerConfig
-from asyncrl.delivery_probe import DeliveryProbe, probe_ids
+from asyncrl.weights.probe import DeliveryProbe, probe_ids
 from learner.batch import TrainBatch
 from learner.forward import layout_of, policy_forward
 from learner.fsdp import hf_config

@@ -32,9 +32,9 @@ from transformers import (
     PreTrainedConfig,
 )
 
-from asyncrl.binds import bind_collectives_to, setup_store
 from asyncrl.config import LearnerConfig
-from asyncrl.weight_sync import ParamSpec
+from asyncrl.weights.sync import ParamSpec
+from asyncrl.wire.binds import bind_collectives_to, setup_store
 from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters, is_adapted
 from learner.packing import (
     FLEX_ATTENTION,
@@ -52,7 +52,7 @@ def setup_distributed(device_kind: str, timeout_s: float = 3600.0) -> tuple[int,
     gloo on CPU. Returns (rank, world_size, device).
 
     Its store (hosted by rank 0) and its gloo/NCCL sockets listen on MASTER_ADDR only (the
-    run's `launch.host`, loopback by default; `asyncrl.binds`), not on every interface."""
+    run's `launch.host`, loopback by default; `asyncrl.wire.binds`), not on every interface."""
     use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
     if device_kind == "cuda" and not torch.cuda.is_available():
         raise RuntimeError("learner.device=cuda but CUDA is not available")

@@ -19,16 +19,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from asyncrl.auth import key_from_env
 from asyncrl.config import Config
 from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
 from asyncrl.loggers import MetricsLogger, setup_loggers
 from asyncrl.metrics import JsonlWriter, peak_rss_mb, write_json_atomic
-from asyncrl.protocol import Batch, PromptItem
-from asyncrl.replay_client import ReplayClient
 from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
-from asyncrl.weight_sync import weights_checksum
+from asyncrl.weights.sync import weights_checksum
+from asyncrl.wire.auth import key_from_env
+from asyncrl.wire.protocol import Batch, PromptItem
+from asyncrl.wire.replay_client import ReplayClient
 from learner.coordinator import StepOutcome, Weights
 from learner.sync_fleet import SyncFleet, as_sent, sent_tensors, setup_sync_fleet
 from learner.version_stats import oldest_versions, version_stats

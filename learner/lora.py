@@ -1,4 +1,4 @@
-"""The learner's side of LoRA RL (`learner.lora`, `asyncrl.lora` for the wire): adapters added
+"""The learner's side of LoRA RL (`learner.lora`, `asyncrl.weights.lora` for the wire): adapters added
 with `peft` before FSDP2 wraps the model, the adapters' full tensors for a weight sync, and the
 final output: the merged model and the adapter in peft's format."""
 
@@ -11,9 +11,9 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import DTensor
 
-from asyncrl.learner_config import LoraConfig
-from asyncrl.lora import adapter_targets, merged_weight
-from asyncrl.weight_sync import ParamSpec
+from asyncrl.config.learner import LoraConfig
+from asyncrl.weights.lora import adapter_targets, merged_weight
+from asyncrl.weights.sync import ParamSpec
 
 PREFIX = "base_model.model."  # where peft puts the Hugging Face model
 
@@ -52,7 +52,7 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 
 def adapter_sync_specs(model: torch.nn.Module, dtype: torch.dtype) -> list[ParamSpec]:
-    """The sync layout of an adapted model: `asyncrl.lora.adapter_specs` of its base."""
+    """The sync layout of an adapted model: `asyncrl.weights.lora.adapter_specs` of its base."""
     specs = []
     for name, layer in lora_layers(model):
         for part in ("lora_A", "lora_B"):

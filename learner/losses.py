@@ -1,10 +1,10 @@
 """Policy losses, off-policy corrections, the value loss and loss aggregation (pure tensor
 functions; the KL terms are in `learner.kl`).
 
-The policy losses `algorithm.policy_loss` can name are declared in `asyncrl.policy_losses`; the
+The policy losses `algorithm.policy_loss` can name are declared in `asyncrl.algorithms.policy_losses`; the
 built-ins' functions are `ppo_policy_loss` and `gspo_policy_loss` here.
 
-Conventions (as in `asyncrl.advantages`): tensors are [B, T] over response token positions and
+Conventions (as in `asyncrl.algorithms.advantages`): tensors are [B, T] over response token positions and
 `mask` is 1 on tokens the policy sampled. Losses are minimised: an advantage A > 0 pushes the
 token's log-prob up. Only `logp` (the learner's current log-probs) carries a gradient; old,
 proximal, behaviour and reference log-probs, advantages and importance weights are targets and
@@ -27,9 +27,9 @@ from typing import Literal
 
 import torch
 
-from asyncrl.advantages import masked_mean
-from asyncrl.learner_config import rejection_problem
-from asyncrl.policy_losses import PolicyLossInputs
+from asyncrl.algorithms.advantages import masked_mean
+from asyncrl.algorithms.policy_losses import PolicyLossInputs
+from asyncrl.config.learner import rejection_problem
 
 AGGREGATION_MODES = (
     "token-mean",
@@ -138,7 +138,7 @@ def gspo_token_loss(
 
 
 def ppo_policy_loss(x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """The policy loss `ppo` (`asyncrl.policy_losses`): `ppo_clip_token_loss` with dual clip."""
+    """The policy loss `ppo` (`asyncrl.algorithms.policy_losses`): `ppo_clip_token_loss` with dual clip."""
     return ppo_clip_token_loss(
         x.logp, x.old_logp, x.advantages, x.mask, x.clip_low, x.clip_high, x.clip_c
     )
@@ -221,7 +221,7 @@ def rejection_mask(
     At the sequence level, ratio is the sequence IS ratio exp(sum_t log r_t) and k1/k2/k3 are
     aggregated over the sequence's sampled tokens by `agg`: their mean, sum or max (verl's
     rollout_rs `seq_mean_k*`, `seq_sum_k*`, `seq_max_k*`; the combinations refused are
-    `asyncrl.learner_config.rejection_problem`'s); a sequence is kept or rejected whole. A token or
+    `asyncrl.config.learner.rejection_problem`'s); a sequence is kept or rejected whole. A token or
     sequence is rejected when its value < low or > high (either bound optional; ratio bounds
     must be > 0 and are compared in log space, so a huge sequence ratio cannot overflow).
     Stats: tokens, rejected_tokens, rejected_fraction, sequences (with a sampled token),

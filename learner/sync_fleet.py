@@ -1,7 +1,7 @@
 """Learner rank 0's side of the weight sync: who receives each version.
 
 Every rollout server epoch (a server's n-th start, `ASYNCRL_SERVER_EPOCH`) is a member with a
-2-member group of its own (`asyncrl.weight_sync`), keyed (server id, epoch). Why one group per
+2-member group of its own (`asyncrl.weights.sync`), keyed (server id, epoch). Why one group per
 server and not one group of all: a group re-formed under a new epoch needs every live member to
 stop and rendezvous again, and one hung member blocks a collective for all; separate groups keep
 a death or a hang to its own group. The price: rank 0 sends one copy per server.
@@ -55,18 +55,18 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from asyncrl.auth import RoleKey, key_from_env
-from asyncrl.binds import bind_collectives_to, setup_store
 from asyncrl.config import Config
-from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.metrics import JsonlWriter
-from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
-from asyncrl.sealed_store import SealedStore
-from asyncrl.shm_segments import shm_free_bytes, sweep_dead_segments
-from asyncrl.sync_group import SyncGroup, answer, learner_member_store, read_place
-from asyncrl.weight_sync import ParamSpec, WeightBroadcaster
-from asyncrl.weight_transport import choose_transport, place_of
+from asyncrl.weights.group import SyncGroup, answer, learner_member_store, read_place
+from asyncrl.weights.probe import DeliveryProbe
+from asyncrl.weights.sealed_store import SealedStore
+from asyncrl.weights.shm import shm_free_bytes, sweep_dead_segments
+from asyncrl.weights.sync import ParamSpec, WeightBroadcaster
+from asyncrl.weights.transports import choose_transport, place_of
+from asyncrl.wire.auth import RoleKey, key_from_env
+from asyncrl.wire.binds import bind_collectives_to, setup_store
+from asyncrl.wire.protocol import ServerHealth
 
 log = logging.getLogger("asyncrl.learner")
 
@@ -105,9 +105,9 @@ class SyncFleet:
         member silent for `give_up_s` is given up. `declare_dead(server, epoch, reason)`: told
         of every member dropped. `transport`: `launch.weight_transport` (each member's is
         chosen at its join from where it is and where this process is:
-        `asyncrl.weight_transport.choose_transport`). `learner_key`: the learner's role key,
+        `asyncrl.weights.transports.choose_transport`). `learner_key`: the learner's role key,
         from which each member's sync key is derived: every entry of a join is sealed with it
-        (`asyncrl.sealed_store`; a process without the run's keys can neither read nor forge
+        (`asyncrl.weights.sealed_store`; a process without the run's keys can neither read nor forge
         one)."""
         self.host, self.num_servers, self.device = host, num_servers, device
         self.server_epochs, self.events = server_epochs, events

@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from asyncrl.advantages import ESTIMATORS, compute_advantages, outcome_token_rewards
+from asyncrl.algorithms.advantages import ESTIMATORS, compute_advantages, outcome_token_rewards
 from asyncrl.config import AlgorithmConfig, Config
-from asyncrl.delivery_probe import DeliveryProbe
 from asyncrl.dtypes import torch_dtype
 from asyncrl.metrics import StageTimer
 from asyncrl.placement import maybe_limit_gpu_memory
 from asyncrl.run_spec import RunSpec
+from asyncrl.weights.probe import DeliveryProbe
 from learner.batch import TrainBatch, from_message, share_batch
 from learner.checkpoint import load_checkpoint, save_checkpoint, save_final_weights
 from learner.coordinator import Coordinator, Follower, StepOutcome, Weights

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from asyncrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs
 from asyncrl.config import AlgorithmConfig, LearnerConfig
-from asyncrl.policy_losses import POLICY_LOSSES, PolicyLossInputs
 from learner.batch import TrainBatch
 from learner.forward import layout_of, policy_forward, value_forward
 from learner.fsdp import set_gradient_sync
@@ -240,7 +240,7 @@ class Updater:
         return stats
 
     def _policy_loss(self, logp, idx, inputs: UpdateInputs, m):
-        """The token loss of `algorithm.policy_loss` (`asyncrl.policy_losses`) with the
+        """The token loss of `algorithm.policy_loss` (`asyncrl.algorithms.policy_losses`) with the
         correction `decoupled` asks for, whatever the loss:
 
         - decoupled=false: the ratio is taken against the behaviour log-probs (the engine's), as

@@ -1,13 +1,13 @@
 """Who may ask the replay for what, and where it may write.
 
-Every message reaches the replay preceded by an authentication frame (`asyncrl.auth`): the
+Every message reaches the replay preceded by an authentication frame (`asyncrl.wire.auth`): the
 kind of role whose key signed it decides which message types it may send (`PERMISSIONS`), and
 a server (`server_<i>`) speaks only for itself: the server_id of its leases and samples must be
 i, and a sample only fills a group leased to it (`replay.buffer`). A heartbeat speaks only
-for the epoch whose key signed it (`asyncrl.auth`: the launcher hands each restart its epoch's
+for the epoch whose key signed it (`asyncrl.wire.auth`: the launcher hands each restart its epoch's
 key), so no server can forge a later epoch and lock its slot out. A checkpoint is written
 only inside the run directory, at a path given relative to it. `AccessRules` holds these rules
-for one run (its keyring and run directory; it is the replay's `asyncrl.endpoint.Access`),
+for one run (its keyring and run directory; it is the replay's `asyncrl.wire.router.Access`),
 which the endpoint applies to every message. Per-peer quotas (leases, evaluation jobs) live
 with the state they bound: `LeaseDesk.wanted` and `EvalJobs`.
 """
@@ -18,9 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from asyncrl.auth import Keyring, RoleKey, role_epoch, role_kind, server_index
-from asyncrl.endpoint import Peer
-from asyncrl.protocol import (
+from asyncrl.wire.auth import Keyring, RoleKey, role_epoch, role_kind, server_index
+from asyncrl.wire.protocol import (
     BatchRequest,
     CheckpointRequest,
     DeclareDead,
@@ -34,6 +33,7 @@ from asyncrl.protocol import (
     Trajectory,
     VersionUpdate,
 )
+from asyncrl.wire.router import Peer
 
 PERMISSIONS: dict[str, frozenset[type]] = {
     "learner": frozenset(

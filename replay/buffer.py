@@ -30,7 +30,7 @@ from typing import Literal
 
 import numpy as np
 
-from asyncrl.protocol import (
+from asyncrl.wire.protocol import (
     MAX_ABS_REWARD,
     Batch,
     PromptItem,

@@ -19,7 +19,7 @@ Not kept: evaluation jobs (a resumed learner submits its validation again), flee
 held requests (their senders ask again).
 
 Encoding: a MessagePack map of plain fields; prompts as the frames of a `LeaseGrant` and each
-sample as the frames of its `Trajectory` (`asyncrl.codec`: arrays as raw bytes), so reading a
+sample as the frames of its `Trajectory` (`asyncrl.wire.codec`: arrays as raw bytes), so reading a
 state back runs every check a message from a peer gets. The prompt source's position is JSON
 text inside it (a random generator's state holds integers wider than MessagePack's 64 bits).
 
@@ -41,9 +41,9 @@ from typing import Any
 import msgpack
 
 from asyncrl.checkpoints import IncompleteCheckpoint
-from asyncrl.codec import ProtocolError, check, decode, encode
 from asyncrl.metrics import write_bytes_atomic
-from asyncrl.protocol import LeaseGrant, PromptItem, Trajectory
+from asyncrl.wire.codec import ProtocolError, check, decode, encode
+from asyncrl.wire.protocol import LeaseGrant, PromptItem, Trajectory
 from replay.buffer import SavedGroup
 
 FORMAT = 2  # the layout of the map below; a reader refuses any other but 1, which it upgrades

@@ -3,9 +3,9 @@ summary it logs when it stops."""
 
 from __future__ import annotations
 
-from asyncrl.endpoint import OUTCOMES
+from asyncrl.wire.router import OUTCOMES
 
-__all__ = ["COUNTERS", "OUTCOMES", "summarize"]  # OUTCOMES: the endpoint's (`asyncrl.endpoint`)
+__all__ = ["COUNTERS", "OUTCOMES", "summarize"]  # OUTCOMES: the endpoint's (`asyncrl.wire.router`)
 
 COUNTERS = (
     "received",

@@ -34,8 +34,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from asyncrl.codec import MAX_HEADER_DEPTH, count_nodes
-from asyncrl.protocol import EvalResults, PromptItem, Trajectory
+from asyncrl.wire.codec import MAX_HEADER_DEPTH, count_nodes
+from asyncrl.wire.protocol import EvalResults, PromptItem, Trajectory
 from replay.buffer import AddStatus, MalformedTrajectory
 
 MAX_OPEN_JOBS = 16

@@ -42,7 +42,7 @@ from collections import Counter
 
 import numpy as np
 
-from asyncrl.replay_config import FilterGroupsConfig
+from asyncrl.config.replay import FilterGroupsConfig
 from replay.admission import AdmissionController
 from replay.buffer import Group, GroupBuffer
 

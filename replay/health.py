@@ -35,7 +35,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 
-from asyncrl.protocol import ServerHealth
+from asyncrl.wire.protocol import ServerHealth
 
 HEALTH_COUNTERS = (
     "heartbeats",  # heartbeats taken (refused ones are `rejected_invalid`)

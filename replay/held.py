@@ -26,7 +26,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from asyncrl.protocol import BatchRequest, LeaseGrant, LeaseRequest
+from asyncrl.wire.protocol import BatchRequest, LeaseGrant, LeaseRequest
 from replay.access import Peer
 from replay.batches import BatchDesk
 from replay.buffer import to_batch

@@ -28,8 +28,8 @@ from collections.abc import Iterable
 from pathlib import Path
 
 from asyncrl.config import Config
-from asyncrl.data import row_of_group, row_to_prompt_item
-from asyncrl.protocol import LeaseRequest, PromptItem
+from asyncrl.data.prompts import row_of_group, row_to_prompt_item
+from asyncrl.wire.protocol import LeaseRequest, PromptItem
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer
 from replay.checkpoint import ReplayState

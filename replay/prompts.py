@@ -2,8 +2,8 @@
 
 A `PromptSource` hands out rows in the verl schema (`data_source`, `prompt`, `reward_model`,
 `extra_info`, ...); the replay turns each row into a `PromptItem` with a fresh group id when it
-grants a lease (`asyncrl.data_rows.row_to_prompt_item`). The protocol is one method so that any row
-stream (a registered `Task`, parquet files through `asyncrl.data.PromptReader`) plugs in without
+grants a lease (`asyncrl.data.rows.row_to_prompt_item`). The protocol is one method so that any row
+stream (a registered `Task`, parquet files through `asyncrl.data.prompts.PromptReader`) plugs in without
 the replay knowing where rows live.
 
 Invariant: every group id handed out is unique for the life of the process (row index plus a
@@ -18,12 +18,12 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.config import Config
-from asyncrl.data import PromptReader, Task, new_group_id, row_of_group, setup_task
+from asyncrl.data.prompts import PromptReader, Task, new_group_id, row_of_group, setup_task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
-    from asyncrl.protocol import PromptItem
+    from asyncrl.wire.protocol import PromptItem
 
 
 class PromptSource(Protocol):

@@ -3,7 +3,7 @@
 Components (`replay.components`, built by `setup_replay_components`; `setup_replay_service`
 hands them to a `ReplayService`, whose loop drives them):
 - access rules (`replay.access`): who signed a message, whether its role may send it, where a
-  checkpoint may be written. The service is an `asyncrl.endpoint.Endpoint`, which applies them.
+  checkpoint may be written. The service is an `asyncrl.wire.router.Endpoint`, which applies them.
 - lease desk (`replay.leases`): grants leases, prompts from a `PromptSource` (`replay.prompts`),
   as many as its `AdmissionController` allows (`replay.admission`), evaluation prompts first.
 - buffer (`replay.buffer`): holds each lease's samples until the learner takes its group.
@@ -22,7 +22,7 @@ hands them to a `ReplayService`, whose loop drives them):
 One tick (`poll_once`): handle the messages that arrived, expire leases and silent servers,
 answer the held requests if something changed, then those whose wait is over.
 
-Messages (see `asyncrl.protocol`):
+Messages (see `asyncrl.wire.protocol`):
 - LeaseRequest -> LeaseGrant: admission judges a server by the version its engine holds (the
   request says); a server asks again as soon as its engine moves to a new version, and that
   newer request supersedes its held one. The servers asking (the requester and every server
@@ -45,7 +45,7 @@ Messages (see `asyncrl.protocol`):
   request's version, which must be the learner version it last heard, written to the file asked
   for, which must lie inside the run directory (`replay.checkpoint`).
 Every message is authenticated first and its role must be allowed to send it; each ends in
-exactly one outcome counter, and nothing a peer sends stops the loop (`asyncrl.endpoint`).
+exactly one outcome counter, and nothing a peer sends stops the loop (`asyncrl.wire.router`).
 """
 
 from __future__ import annotations
@@ -60,13 +60,12 @@ from typing import Literal
 
 import zmq
 
-from asyncrl.auth import secret_from_env
 from asyncrl.checkpoints import REPLAY_FILE
-from asyncrl.codec import ProtocolError, short_repr
 from asyncrl.config import Config
-from asyncrl.endpoint import Endpoint
 from asyncrl.metrics import peak_rss_mb, write_json_atomic
-from asyncrl.protocol import (
+from asyncrl.wire.auth import secret_from_env
+from asyncrl.wire.codec import ProtocolError, short_repr
+from asyncrl.wire.protocol import (
     Ack,
     Acks,
     BatchRequest,
@@ -83,6 +82,7 @@ from asyncrl.protocol import (
     Trajectory,
     VersionUpdate,
 )
+from asyncrl.wire.router import Endpoint
 from replay.access import AccessRules, Peer
 from replay.buffer import AddStatus, MalformedTrajectory, check_trajectory
 from replay.checkpoint import ReplayState, read_state, write_state
@@ -385,7 +385,7 @@ def setup_replay_service(
     `run_dir` for checkpoints, `model_path` for the token limits and the prompts' tokenizer,
     `prompts` to override the config's prompt source) and, when `trainer.resume_from` is set,
     resumed from that checkpoint. `secret`: the run secret (default: from the environment,
-    `asyncrl.auth`)."""
+    `asyncrl.wire.auth`)."""
     secret = secret_from_env() if secret is None else secret
     parts = setup_replay_components(cfg, secret, run_dir, model_path, prompts)
     service = ReplayService(cfg, address, parts)
@@ -398,7 +398,7 @@ def run_replay(cfg: Config, address: str, run_dir: str, model_path: str | None =
     """Entry point of the replay process: serve until SIGTERM/SIGINT, then write the final
     counters to `run_dir/stats/replay.json` (atomically) and log a one-line summary.
     `model_path` gives the tokenizer for `data.max_prompt_length`; the run secret comes from
-    the environment (`asyncrl.auth`)."""
+    the environment (`asyncrl.wire.auth`)."""
     service = setup_replay_service(cfg, address, run_dir, model_path)
     stop = threading.Event()
     previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _STOP_SIGNALS}

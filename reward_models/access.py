@@ -2,7 +2,7 @@
 epoch: a restarted server keeps scoring) and clients (benchmarks, `asyncrl eval`). The learner
 may not: it has no use for scores, and a role that needs nothing is refused everything. The
 only message type is `ScoreRequest` (`reward_models.server` accepts no other), so these rules
-are the run's keyring and a rule on the kind of role; `asyncrl.endpoint` applies them.
+are the run's keyring and a rule on the kind of role; `asyncrl.wire.router` applies them.
 """
 
 from __future__ import annotations
@@ -10,14 +10,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from asyncrl.auth import Keyring, RoleKey, role_kind
+from asyncrl.wire.auth import Keyring, RoleKey, role_kind
 
 ASKERS = frozenset({"server", "client"})
 """The kinds of role that may send a `ScoreRequest`."""
 
 
 class RewardModelAccess:
-    """The reward-model server's `asyncrl.endpoint.Access`: one run's keyring (every rollout
+    """The reward-model server's `asyncrl.wire.router.Access`: one run's keyring (every rollout
     server index below `num_servers`, each epoch of one) and the rule above."""
 
     def __init__(self, secret: bytes, num_servers: int) -> None:

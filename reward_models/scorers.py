@@ -27,8 +27,8 @@ from transformers import (
     PreTrainedTokenizerBase,
 )
 
-from asyncrl.protocol_rewards import MAX_SCORE_ERROR_CHARS, ScoreItem
-from asyncrl.reward_config import RewardModelConfig
+from asyncrl.config.reward import RewardModelConfig
+from asyncrl.wire.reward_protocol import MAX_SCORE_ERROR_CHARS, ScoreItem
 
 Scored = tuple[float, str]
 """(score, error): error "" when scored; else the score is 0.0 and the error says why."""

@@ -6,7 +6,7 @@ the requests that arrived together are scored together; score their items in bat
 `reward.model.max_batch` (items of different requests share a batch); reply `Scores` to each
 request, in its items' order, signed with the key of the role that asked.
 
-Every message goes through `asyncrl.endpoint.Endpoint` and ends in exactly one of its outcome
+Every message goes through `asyncrl.wire.router.Endpoint` and ends in exactly one of its outcome
 counters (`OUTCOMES`): a `ScoreRequest` from a `server_<i>` (any epoch) or the `client` is
 `handled`; anything else is rejected and counted, and nothing a peer sends stops the loop
 (`reward_models.access` says who may ask). A message over `MAX_MESSAGE_BYTES` is rejected
@@ -28,14 +28,14 @@ from pathlib import Path
 import torch
 import zmq
 
-from asyncrl.auth import secret_from_env
 from asyncrl.config import Config
-from asyncrl.endpoint import OUTCOMES, Endpoint, Peer
 from asyncrl.metrics import peak_rss_mb, write_json_atomic
 from asyncrl.placement import maybe_limit_gpu_memory
-from asyncrl.protocol import Error
-from asyncrl.protocol_rewards import MAX_SCORE_ERROR_CHARS, ScoreItem, ScoreRequest, Scores
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.auth import secret_from_env
+from asyncrl.wire.protocol import Error
+from asyncrl.wire.reward_protocol import MAX_SCORE_ERROR_CHARS, ScoreItem, ScoreRequest, Scores
+from asyncrl.wire.router import OUTCOMES, Endpoint, Peer
 from reward_models.access import RewardModelAccess
 from reward_models.scorers import Scored, Scorer, resolve_device, setup_scorer
 
@@ -184,7 +184,7 @@ def run_reward_model_server(spec: RunSpec, cfg: Config, index: int) -> None:
     """Entry point of reward-model server `index`: load the model (`reward.model`), serve
     `spec.reward_model_addresses[index]` until SIGTERM/SIGINT, then write the final counters
     to `run_dir/stats/reward_model_<index>.json` (atomically) and log a one-line summary. The
-    run secret comes from the environment (`asyncrl.auth`). On a GPU it holds to its placed
+    run secret comes from the environment (`asyncrl.wire.auth`). On a GPU it holds to its placed
     share of the GPU's memory (`asyncrl.placement`, rule 5), set before the model loads, and
     states it in its log."""
     torch.set_num_threads(spec.threads)

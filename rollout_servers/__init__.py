@@ -8,12 +8,14 @@ Components, wired by `factories.setup_rollout_server` and driven by `server.Roll
 - `agents/`: the `AgentLoop` interface (`base`), `single_turn`, the multi-turn `tool_agent`
   with its `tools` and `interactions` (simulated users), and the `registry` that picks a loop
   per row.
-- `rewards`: reward functions by data_source (`REWARD_FNS`); `reward_computer`: runs them in
-  worker processes (`reward_workers`) beside the loops; `code_reward`: the code reward, a
-  program run against the row's tests in the sandbox and judged by trusted code (`code_formats`
-  reads the datasets' test formats, `code_plan` splits them into sandbox and judge programs,
-  `code_harness` runs in the sandbox, `code_judge` decides, `code_values` carries the values
-  between them); `sandbox/`: isolation for model code.
+- `rewards/`: reward functions by data_source (`rewards.functions`, `REWARD_FNS`);
+  `rewards.computer` runs them in worker processes (`rewards.workers`) beside the loops, with
+  `rewards.overlong`, `rewards.model_client` and `rewards.combination`; `rewards.code.reward`: the
+  code reward, a program run against the row's tests in the sandbox and judged by trusted code
+  (`rewards.code.formats` reads the datasets' test formats, `rewards.code.plan` splits them into
+  sandbox and judge programs, `rewards.code.harness` runs in the sandbox, `rewards.code.judge`
+  decides, `rewards.code.values` carries the values between them).
+- `sandbox/`: isolation for model code.
 - `replay_client`: leases prompts and sends trajectories until the replay acknowledges them.
 - `trajectory_log`: `rollout_metrics.jsonl`, one line per finished trajectory.
 - `server`: the main loop (leases in, groups of samples out, weights applied as they come).

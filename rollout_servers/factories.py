@@ -11,12 +11,12 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.auth import RoleKey, key_from_env
 from asyncrl.config import Config, RolloutConfig
-from asyncrl.learner_config import LoraConfig
+from asyncrl.config.learner import LoraConfig
 from asyncrl.metrics import write_json_atomic
 from asyncrl.placement import OWN_GPU_FRACTION, Placement, maybe_limit_gpu_memory
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.auth import RoleKey, key_from_env
 from rollout_servers.agents.base import AgentLoop
 from rollout_servers.agents.interactions import load_interaction_config
 from rollout_servers.agents.registry import AgentLoopRouter
@@ -24,10 +24,10 @@ from rollout_servers.agents.tools import load_tool_config
 from rollout_servers.engines.base import Engine
 from rollout_servers.engines.hf import HFEngine
 from rollout_servers.replay_client import AsyncReplayClient
-from rollout_servers.reward_combination import CombinedReward
-from rollout_servers.reward_computer import RewardComputer
-from rollout_servers.reward_model_client import RewardModelClient
-from rollout_servers.rewards import REWARD_FNS
+from rollout_servers.rewards.combination import CombinedReward
+from rollout_servers.rewards.computer import RewardComputer
+from rollout_servers.rewards.functions import REWARD_FNS
+from rollout_servers.rewards.model_client import RewardModelClient
 from rollout_servers.sandbox import SharedSandbox
 from rollout_servers.server import RolloutServer, engine_device, sampling_params
 

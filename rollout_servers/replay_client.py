@@ -30,10 +30,10 @@ from collections import Counter, deque
 import zmq
 import zmq.asyncio
 
-from asyncrl.auth import AuthError, RoleKey, server_index
-from asyncrl.codec import ProtocolError
 from asyncrl.config import LaunchConfig
-from asyncrl.protocol import (
+from asyncrl.wire.auth import AuthError, RoleKey, server_index
+from asyncrl.wire.codec import ProtocolError
+from asyncrl.wire.protocol import (
     MAX_TRAJECTORIES_PER_MESSAGE,
     Ack,
     Acks,
@@ -47,7 +47,7 @@ from asyncrl.protocol import (
     Trajectory,
     packable,
 )
-from asyncrl.transport import decode_signed, send_msg, setup_socket
+from asyncrl.wire.sockets import decode_signed, send_msg, setup_socket
 
 log = logging.getLogger("asyncrl.rollout.replay_client")
 

@@ -5,18 +5,18 @@ Components (built by `rollout_servers.factories.setup_rollout_server`, driven by
 - engine (`engines/`, behind `engines/base.py`'s `Engine`): batched sampling shared by every
   agent loop; applies a weight version atomically and tags each sampled token with the version
   that produced it.
-- weight receiver (a thread over `asyncrl.weight_receiver.WeightReceiver`): joins the learner's
+- weight receiver (a thread over `asyncrl.weights.receiver.WeightReceiver`): joins the learner's
   weight sync as this server's epoch (`ASYNCRL_SERVER_EPOCH`, 0 at the first start, one more
   per restart: a restarted server rejoins without stopping the others) and hands each complete
   version to the engine.
 - replay client (`replay_client.py`): asks for prompt leases, sends trajectories and keeps them
   until the replay acknowledges them.
 - agent loops (`agents/`): one per sample, `n` per leased prompt, all concurrent.
-- reward computer (`reward_computer.py`, with the reward functions of `rewards.py`): scores
-  each response right after its loop, off the loop; `overlong.py` adds DAPO's overlong
-  penalty to the score when `reward.overlong_buffer` is on.
-- reward model (with `reward.model.path`): `reward_model_client.py` sends each response to the
-  reward-model fleet and `reward_combination.py` combines its score with the rule reward.
+- reward computer (`rewards/computer.py`, with the reward functions of `rewards/functions.py`):
+  scores each response right after its loop, off the loop; `rewards/overlong.py` adds DAPO's
+  overlong penalty to the score when `reward.overlong_buffer` is on.
+- reward model (with `reward.model.path`): `rewards/model_client.py` sends each response to the
+  reward-model fleet and `rewards/combination.py` combines its score with the rule reward.
 
 The main loop keeps up to `rollout.max_concurrent_groups` leases in flight. It asks for more
 whenever it has room or its engine moved to a new version (so admission control sees the new
@@ -38,19 +38,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from asyncrl.advantages import ESTIMATORS
-from asyncrl.auth import sync_key_from_env
+from asyncrl.algorithms.advantages import ESTIMATORS
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.metrics import JsonlWriter, peak_rss_mb
-from asyncrl.protocol import PromptItem, Trajectory
 from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
+from asyncrl.wire.auth import sync_key_from_env
+from asyncrl.wire.protocol import PromptItem, Trajectory
 from rollout_servers.agents.base import AgentLoop
 from rollout_servers.engines.base import Engine, SamplingParams, SyncTarget
-from rollout_servers.overlong import OverlongShaping
 from rollout_servers.replay_client import AsyncReplayClient
-from rollout_servers.reward_combination import CombinedReward
-from rollout_servers.reward_computer import RewardComputer
+from rollout_servers.rewards.combination import CombinedReward
+from rollout_servers.rewards.computer import RewardComputer
+from rollout_servers.rewards.overlong import OverlongShaping
 from rollout_servers.sandbox import SharedSandbox
 from rollout_servers.trajectory_log import TrajectoryMetricsLog
 

@@ -6,7 +6,7 @@ import json
 import time
 from pathlib import Path
 
-from asyncrl.protocol import PromptItem, Trajectory
+from asyncrl.wire.protocol import PromptItem, Trajectory
 
 
 class TrajectoryMetricsLog:

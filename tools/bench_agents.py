@@ -24,7 +24,7 @@ import random
 from collections import Counter
 from typing import Any
 
-from asyncrl.protocol import PromptItem
+from asyncrl.wire.protocol import PromptItem
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.agents.single_turn import SingleTurnAgentLoop
 from rollout_servers.engines.base import Engine, SamplingParams

@@ -46,8 +46,8 @@ GSM8K = REPO.parent / "shared" / "data" / "gsm8k" / "test.jsonl"
 
 def load_prompts(tokenizer, count: int) -> list[tuple[list[int], dict]]:
     """(prompt ids, row) of the first `count` GSM8K test questions, as training renders them."""
-    from asyncrl.data import render_prompt_ids
-    from asyncrl.gsm8k import gsm8k_row
+    from asyncrl.data.gsm8k import gsm8k_row
+    from asyncrl.data.prompts import render_prompt_ids
 
     rows = []
     with GSM8K.open() as f:
@@ -190,7 +190,7 @@ async def bench_family(family: str, model: str, tokenizer, prompts, params, args
 async def bench_rollout(engine, tokenizer, prompts, params, n: int, rounds: int):
     """The single-turn agent loop and the gsm8k reward around an engine, per sample."""
     from asyncrl.config import Config
-    from asyncrl.protocol import ChatMessage, PromptItem
+    from asyncrl.wire.protocol import ChatMessage, PromptItem
     from rollout_servers.agents.single_turn import SingleTurnAgentLoop
     from rollout_servers.factories import setup_rewards
 
@@ -235,7 +235,7 @@ async def bench_openai(engine, tokenizer, prompts, params, n: int, rounds: int):
     client; tokens are the endpoint's own count of sampled ids (`usage.completion_tokens`)."""
     import openai
 
-    from asyncrl.rollout_config import OpenAIConfig
+    from asyncrl.config.rollout import OpenAIConfig
     from rollout_servers.agents.openai_endpoint import OpenAIEndpoint
 
     requests = len(prompts) * n

@@ -95,7 +95,7 @@ from bench_learner_model import (  # noqa: E402
 )
 from bench_learner_report import report  # noqa: E402
 
-from asyncrl.transport import free_port  # noqa: E402
+from asyncrl.wire.sockets import free_port  # noqa: E402
 
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
 CONFIGS = {
@@ -333,11 +333,11 @@ def summarize(results: dict, work: Path, batch) -> dict:
 
 
 def lora_sync_bytes(model: str, lora: dict) -> dict:
-    """Bytes of one version's sync in float32: the adapters (`asyncrl.lora`) and every weight."""
+    """Bytes of one version's sync in float32: the adapters (`asyncrl.weights.lora`) and every weight."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from asyncrl.learner_config import LoraConfig
-    from asyncrl.lora import adapter_specs
+    from asyncrl.config.learner import LoraConfig
+    from asyncrl.weights.lora import adapter_specs
 
     with torch.device("meta"):
         shapes = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(model))

@@ -27,12 +27,12 @@ import time
 import numpy as np
 import zmq
 
-from asyncrl.auth import MAX_AUTH_FRAME, Keyring
-from asyncrl.codec import BYTES_PER_NODE, ProtocolError, encode
 from asyncrl.config import Config
-from asyncrl.protocol import ChatMessage, EvalSubmit, Heartbeat, PromptItem, StatsRequest
-from asyncrl.replay_client import EVAL_PART_BYTES, eval_parts
-from asyncrl.transport import decode_signed, free_port, tcp_address
+from asyncrl.wire.auth import MAX_AUTH_FRAME, Keyring
+from asyncrl.wire.codec import BYTES_PER_NODE, ProtocolError, encode
+from asyncrl.wire.protocol import ChatMessage, EvalSubmit, Heartbeat, PromptItem, StatsRequest
+from asyncrl.wire.replay_client import EVAL_PART_BYTES, eval_parts
+from asyncrl.wire.sockets import decode_signed, free_port, tcp_address
 
 SECRET = bytes(range(32))
 

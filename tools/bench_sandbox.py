@@ -34,7 +34,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable
 
-from rollout_servers.reward_computer import RewardComputer
+from rollout_servers.rewards.computer import RewardComputer
 from rollout_servers.sandbox import Backend, Sandbox, SandboxConfig, SharedSandbox
 
 BACKENDS: tuple[Backend, ...] = ("bwrap", "unshare", "process")

@@ -81,7 +81,7 @@ def weight_sets(engine, seed: int):
     delivery probe the engine must reproduce after applying it."""
     import torch
 
-    from asyncrl.delivery_probe import DeliveryProbe, probe_ids
+    from asyncrl.weights.probe import DeliveryProbe, probe_ids
 
     base = [(name, t.detach().clone()) for name, t in engine.named_weights()]
     gen = torch.Generator(device=base[0][1].device).manual_seed(seed)

@@ -37,12 +37,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from asyncrl.sync_group import SyncGroup  # noqa: E402
-from asyncrl.transport import free_port  # noqa: E402
-from asyncrl.weight_layout import ParamSpec, plan_buckets, tensor_views  # noqa: E402
-from asyncrl.weight_receiver import WeightReceiver  # noqa: E402
-from asyncrl.weight_sync import WeightBroadcaster, copy_into  # noqa: E402
-from asyncrl.weight_transport import bucket_view, slot_offsets  # noqa: E402
+from asyncrl.weights.group import SyncGroup  # noqa: E402
+from asyncrl.weights.layout import ParamSpec, plan_buckets, tensor_views  # noqa: E402
+from asyncrl.weights.receiver import WeightReceiver  # noqa: E402
+from asyncrl.weights.sync import WeightBroadcaster, copy_into  # noqa: E402
+from asyncrl.weights.transports import bucket_view, slot_offsets  # noqa: E402
+from asyncrl.wire.sockets import free_port  # noqa: E402
 
 BUCKET_BYTES = 64 * 2**20  # learner.bucket_mb's default
 SHAPES = {

@@ -43,13 +43,13 @@ import numpy as np
 import zmq
 import zmq.asyncio
 
-from asyncrl.auth import SECRET_ENV, RoleKey, new_secret, role_key
 from asyncrl.config import config_to_yaml, load_config
 from asyncrl.demo.tasks import ARITH_SOURCE, ArithmeticTask
-from asyncrl.protocol import ChatMessage
-from asyncrl.protocol_rewards import ScoreItem, ScoreRequest, Scores
 from asyncrl.run_spec import RunSpec
-from asyncrl.transport import decode_signed, free_port, send_msg, setup_socket, tcp_address
+from asyncrl.wire.auth import SECRET_ENV, RoleKey, new_secret, role_key
+from asyncrl.wire.protocol import ChatMessage
+from asyncrl.wire.reward_protocol import ScoreItem, ScoreRequest, Scores
+from asyncrl.wire.sockets import decode_signed, free_port, send_msg, setup_socket, tcp_address
 
 REPLY_TIMEOUT_S = 120.0
 """A reply slower than this (the first one includes loading the model) fails the bench."""

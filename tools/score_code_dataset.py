@@ -30,8 +30,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollout_servers.code_judge import judge
-from rollout_servers.code_reward import CodeReward
+from rollout_servers.rewards.code.judge import judge
+from rollout_servers.rewards.code.reward import CodeReward
 from rollout_servers.sandbox import Sandbox, SandboxConfig
 
 _FLIPS: dict[type, type] = {
@@ -184,7 +184,7 @@ async def mbpp(rows: list[dict[str, Any]], scorer: Scorer) -> dict[str, Any]:
 async def limits(concurrency: int) -> dict[str, Any]:
     """The acceptance's limit figures through a real `RewardComputer`: 1 MiB of expected
     output (right, off by one, over the limit) and the judge bound (the worker's peak RSS)."""
-    from rollout_servers.reward_computer import RewardComputer
+    from rollout_servers.rewards.computer import RewardComputer
     from rollout_servers.sandbox import SharedSandbox
 
     shared = SharedSandbox(SandboxConfig(max_concurrent=concurrency))

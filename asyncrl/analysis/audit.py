@@ -6,7 +6,7 @@ replay's state in every complete checkpoint, stats/replay.json, the resume steps
 resumes.jsonl; and it counts the lines of chaos.jsonl, restarts.jsonl and resumes.jsonl.
 
 How a prompt is named: the replay draws rows from its prompt source in order and names the
-lease of draw i `"{i}-{8 hex}"` (`replay.leases`, `asyncrl.data_rows.new_group_id`); a re-issued
+lease of draw i `"{i}-{8 hex}"` (`replay.leases`, `asyncrl.data.rows.new_group_id`); a re-issued
 lease keeps i, and a resumed replay goes on drawing at the checkpoint's `rows_drawn`. Draw i is
 one fixed row of the stream (a task's seeded stream, or the parquet reader's permutation of
 epoch i // rows), so "each row consumed once per epoch" is "each draw index trained at most
@@ -49,7 +49,7 @@ import yaml
 
 from asyncrl.checkpoints import REPLAY_FILE, missing_parts
 from asyncrl.config import ReplayConfig, RolloutConfig
-from asyncrl.data import row_of_group
+from asyncrl.data.prompts import row_of_group
 from asyncrl.metrics import read_jsonl
 
 _STEP_DIR = re.compile(r"step_(\d+)")

@@ -34,7 +34,7 @@ from transformers import (
     PreTrainedTokenizerFast,
 )
 
-from asyncrl.data import render_prompt_ids
+from asyncrl.data.prompts import render_prompt_ids
 from asyncrl.demo.model_cache import (
     P_CORRECT,
     EmbeddedTask,

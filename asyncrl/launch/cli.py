@@ -150,13 +150,13 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     """Send a dataset through running servers (--address) or a fleet started for it. That fleet
     serves --run-dir's own weights when given a run (its final weights, else its latest
     checkpoint's: `asyncrl.launch.eval_weights`), else the config's model."""
-    from asyncrl.data_check import DataError
     from asyncrl.evaluation import eval_prompts, load_eval_rows, run_eval_job
+    from asyncrl.launch.data_check import DataError
     from asyncrl.launch.eval_weights import delete_export, run_eval_config, serving
     from asyncrl.launch.fleet import client_key
     from asyncrl.launch.run import LaunchError, check_eval_data, serve
     from asyncrl.metrics import write_json_atomic
-    from asyncrl.replay_client import ReplayClient
+    from asyncrl.wire.replay_client import ReplayClient
 
     _move_config_args_out_of_data(ns)
     # unguessable: a job belongs to its first sender, so another client must not take its id
@@ -249,7 +249,7 @@ def _is_config_arg(arg: str) -> bool:
 def _eval_key(ns: argparse.Namespace):
     """The client key for a replay started elsewhere: from --secret-file, --run-dir, or
     $ASYNCRL_RUN_SECRET."""
-    from asyncrl.auth import SECRET_ENV, AuthError, key_from_env, read_secret, role_key
+    from asyncrl.wire.auth import SECRET_ENV, AuthError, key_from_env, read_secret, role_key
 
     if ns.secret_file or ns.run_dir:
         try:
@@ -271,7 +271,7 @@ def _eval_progress(done: int, expected: int) -> None:
 def cmd_config(ns: argparse.Namespace) -> int:
     """Every key of the config (or of one section): type, default, bound, docstring."""
     from asyncrl.config import Config
-    from asyncrl.config_docs import describe
+    from asyncrl.config.docs import describe
 
     try:
         sys.stdout.write(describe(Config, ns.section))
@@ -287,7 +287,7 @@ def cmd_plot(ns: argparse.Namespace) -> int:
 
 
 def cmd_data(ns: argparse.Namespace) -> int:
-    from asyncrl import data, gsm8k
+    from asyncrl.data import gsm8k, prompts
 
     if ns.data_command == "gsm8k":
         counts = gsm8k.prepare_gsm8k(ns.input, ns.output)
@@ -296,8 +296,8 @@ def cmd_data(ns: argparse.Namespace) -> int:
     elif ns.data_command == "arith":
         from asyncrl.config import DataConfig
 
-        task = data.setup_task(DataConfig(task="arith"))
-        path = data.write_rows(task.val_rows(), Path(ns.output) / "val.parquet")
+        task = prompts.setup_task(DataConfig(task="arith"))
+        path = prompts.write_rows(task.val_rows(), Path(ns.output) / "val.parquet")
         print(f"asyncrl: wrote the embedded task's questions to {path}")
     else:
         tokenizer = None
@@ -305,7 +305,7 @@ def cmd_data(ns: argparse.Namespace) -> int:
             from transformers import AutoTokenizer
 
             tokenizer = AutoTokenizer.from_pretrained(ns.tokenizer)
-        print(data.inspect_parquet(ns.file, tokenizer=tokenizer, num_rows=ns.rows))
+        print(prompts.inspect_parquet(ns.file, tokenizer=tokenizer, num_rows=ns.rows))
     return 0
 
 

@@ -15,13 +15,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
-from asyncrl.auth import RoleKey, auth_env, new_secret, read_secret, role_key, write_secret
 from asyncrl.config import Config, config_to_yaml
-from asyncrl.data import setup_task
+from asyncrl.data.prompts import setup_task
 from asyncrl.launch.failures import EndedMember, failure_report
-from asyncrl.protocol import ServerHealth
-from asyncrl.replay_client import ReplayClient, ReplayUnavailable
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.auth import RoleKey, auth_env, new_secret, read_secret, role_key, write_secret
+from asyncrl.wire.protocol import ServerHealth
+from asyncrl.wire.replay_client import ReplayClient, ReplayUnavailable
 
 FOLLOWERS_WINDOW_S = 2.0
 """After the first failure is seen, how long the launcher waits for the deaths it causes
@@ -104,7 +104,7 @@ def log_tail(path: Path, lines: int = 15) -> str:
 
 def prepare_run_dir(cfg: Config, command: str) -> Path:
     """Create the run directory and write the resolved config (with the command on top) and a
-    new run secret (`asyncrl.auth`: every process of the run derives its key from it)."""
+    new run secret (`asyncrl.wire.auth`: every process of the run derives its key from it)."""
     run_dir = Path(cfg.trainer.run_dir.replace("{time}", time.strftime("%Y%m%d-%H%M%S")))
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(f"# {command}\n" + config_to_yaml(cfg))
@@ -157,7 +157,7 @@ def threads_per_process(cfg: Config) -> int:
 def process_env(spec: RunSpec, name: str) -> dict[str, str]:
     """What every fleet process has in its environment, whichever backend starts it: its
     thread counts, its name and run (so `ps e` or a test can tell whose process it is), and
-    its key (`asyncrl.auth.auth_env`: the run secret for the replay, a role key for others)."""
+    its key (`asyncrl.wire.auth.auth_env`: the run secret for the replay, a role key for others)."""
     return (
         auth_env(read_secret(spec.run_dir), name)
         | {

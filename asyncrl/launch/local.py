@@ -31,7 +31,6 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from asyncrl.auth import auth_env, read_secret
 from asyncrl.config import Config
 from asyncrl.launch.failures import Ending, death_order, log_written_at
 from asyncrl.launch.fleet import (
@@ -48,10 +47,11 @@ from asyncrl.launch.fleet import (
     wait_for_replay,
 )
 from asyncrl.placement import PlacementPlan, launch_placement, placement_env
-from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
-from asyncrl.shm_segments import sweep_dead_segments
-from asyncrl.transport import free_ports, tcp_address
+from asyncrl.weights.shm import sweep_dead_segments
+from asyncrl.wire.auth import auth_env, read_secret
+from asyncrl.wire.protocol import ServerHealth
+from asyncrl.wire.sockets import free_ports, tcp_address
 
 
 def _die_with_parent() -> None:
@@ -154,7 +154,7 @@ class LocalFleet:
     def start_server(self, index: int, epoch: int) -> None:
         """Server `index` again, as `epoch`, with the command it was first started with."""
         name = f"server_{index}"
-        # that epoch's key: only the launcher can start a later epoch (`asyncrl.auth`)
+        # that epoch's key: only the launcher can start a later epoch (`asyncrl.wire.auth`)
         key = auth_env(read_secret(self.spec.run_dir), name, epoch)
         self._start_again(name, f"restarted as epoch {epoch}", key)
 

@@ -14,13 +14,13 @@ from pathlib import Path
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from asyncrl.auth import RoleKey
 from asyncrl.config import Config
 from asyncrl.launch.fleet import log_tail, replay_answers, replay_health
 from asyncrl.launch.worker import run_process
-from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
-from asyncrl.transport import free_ports
+from asyncrl.wire.auth import RoleKey
+from asyncrl.wire.protocol import ServerHealth
+from asyncrl.wire.sockets import free_ports
 
 
 @dataclass(frozen=True)
@@ -56,7 +56,7 @@ class FleetProcess:
         return Location(ray.util.get_node_ip_address(), context.get_node_id(), os.getpid())
 
     def free_ports(self, host: str, count: int) -> list[int]:
-        """`count` distinct ports free on this node now (`asyncrl.transport.free_ports`)."""
+        """`count` distinct ports free on this node now (`asyncrl.wire.sockets.free_ports`)."""
         return free_ports(host, count)
 
     def run(self, role: str, spec: RunSpec, cfg: Config, index: int, env: dict[str, str]) -> int:

@@ -53,7 +53,6 @@ from ray.exceptions import GetTimeoutError, RayError
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from asyncrl.auth import auth_env, read_secret
 from asyncrl.config import Config
 from asyncrl.launch.failures import Ending, death_order, log_written_at
 from asyncrl.launch.fleet import (
@@ -84,10 +83,11 @@ from asyncrl.launch.ray_placement import (
     spec_for_seat,
 )
 from asyncrl.placement import placement_env
-from asyncrl.protocol import ServerHealth
 from asyncrl.run_spec import RunSpec
-from asyncrl.shm_segments import sweep_dead_segments
-from asyncrl.transport import tcp_address
+from asyncrl.weights.shm import sweep_dead_segments
+from asyncrl.wire.auth import auth_env, read_secret
+from asyncrl.wire.protocol import ServerHealth
+from asyncrl.wire.sockets import tcp_address
 
 
 @dataclass

@@ -22,7 +22,7 @@ from asyncrl.launch.fleet import (
 )
 from asyncrl.launch.progress import Progress
 from asyncrl.metrics import read_jsonl
-from asyncrl.protocol import ServerHealth
+from asyncrl.wire.protocol import ServerHealth
 
 
 def watch(

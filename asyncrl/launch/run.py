@@ -18,7 +18,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from asyncrl.config import Config
-from asyncrl.data_check import check_agent_names, check_data, check_files, check_rewards
+from asyncrl.config.reward import scored_by_the_model_alone
+from asyncrl.launch.data_check import check_agent_names, check_data, check_files, check_rewards
 from asyncrl.launch.fleet import Fleet, LaunchError, prepare_model, prepare_run_dir
 from asyncrl.launch.interrupt import (
     FleetsInterrupted,
@@ -32,7 +33,6 @@ from asyncrl.launch.restarts import watch
 from asyncrl.launch.resume import resume_in_place, run_with_resumes
 from asyncrl.metrics import read_jsonl
 from asyncrl.placement import launch_placement
-from asyncrl.reward_config import scored_by_the_model_alone
 
 
 def start_fleets(cfg: Config, run_dir: Path, model_path: str, with_learner: bool = True) -> Fleet:
@@ -54,7 +54,7 @@ def start_fleets(cfg: Config, run_dir: Path, model_path: str, with_learner: bool
 
 def reward_sources() -> list[str]:
     """The data sources with a registered reward function (built-ins and entry points)."""
-    from rollout_servers.rewards import REWARD_FNS
+    from rollout_servers.rewards.functions import REWARD_FNS
 
     return REWARD_FNS.names()
 
@@ -68,7 +68,7 @@ def agent_loops(cfg: Config) -> list[str]:
 
 def check_run_data(cfg: Config) -> None:
     """The run's datasets, their reward functions and agent loops, checked before anything is
-    created or started (`asyncrl.data_check`); DataError names the key, file and row or column."""
+    created or started (`asyncrl.launch.data_check`); DataError names the key, file and row or column."""
     check_data(cfg, reward_sources())
     check_agent_names("data.train_files", cfg.data.train_files, agent_loops(cfg))
     check_agent_names("data.val_files", cfg.data.val_files, agent_loops(cfg))

@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from asyncrl.protocol import PromptItem
+from asyncrl.wire.protocol import PromptItem
 from rollout_servers.engines.base import SamplingParams
 
 

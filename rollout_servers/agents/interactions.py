@@ -25,7 +25,7 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from asyncrl.gsm8k import gsm8k_final_answer, same_number
+from asyncrl.data.gsm8k import gsm8k_final_answer, same_number
 from asyncrl.registry import Registry
 
 

@@ -43,8 +43,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from asyncrl.protocol import PromptItem
-from asyncrl.rollout_config import OpenAIConfig
+from asyncrl.config.rollout import OpenAIConfig
+from asyncrl.wire.protocol import PromptItem
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.agents.openai_endpoint import Completion, Episode, OpenAIEndpoint
 from rollout_servers.agents.openai_protocol import RequestError, message_key, parse_chat_request

@@ -53,7 +53,7 @@ from typing import Any
 from aiohttp import web
 from jinja2.exceptions import TemplateError
 
-from asyncrl.rollout_config import OpenAIConfig
+from asyncrl.config.rollout import OpenAIConfig
 from rollout_servers.agents.openai_protocol import (
     ChatRequest,
     MessageKey,

@@ -20,9 +20,9 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from asyncrl.protocol import PromptItem
+from asyncrl.config.rollout import ToolAgentConfig
 from asyncrl.registry import Registry
-from asyncrl.rollout_config import ToolAgentConfig
+from asyncrl.wire.protocol import PromptItem
 from rollout_servers.agents.base import AgentLoop, AgentResult
 from rollout_servers.agents.interactions import Interaction
 from rollout_servers.agents.tools import ToolSet

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from asyncrl.data import render_prompt_ids
-from asyncrl.protocol import PromptItem
+from asyncrl.data.prompts import render_prompt_ids
+from asyncrl.wire.protocol import PromptItem
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.engines.base import Engine, SamplingParams
 

@@ -45,8 +45,8 @@ from typing import Any
 
 from jinja2.exceptions import TemplateError
 
-from asyncrl.protocol import PromptItem
-from asyncrl.rollout_config import ToolAgentConfig
+from asyncrl.config.rollout import ToolAgentConfig
+from asyncrl.wire.protocol import PromptItem
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.agents.interactions import Interaction
 from rollout_servers.agents.tools import ToolSet

@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:  # the launcher checks agent-loop names through this module: no torch import
     import torch
 
-    from asyncrl.delivery_probe import DeliveryProbe
-    from asyncrl.weight_transport import Transport
+    from asyncrl.weights.probe import DeliveryProbe
+    from asyncrl.weights.transports import Transport
 
 log = logging.getLogger("asyncrl.rollout")
 
@@ -82,7 +82,7 @@ class GenerationOutput:
 
 @dataclass(frozen=True)
 class SyncTarget:
-    """Where an engine joins the learner's weight sync (`asyncrl.sync_group.join_sync_group`).
+    """Where an engine joins the learner's weight sync (`asyncrl.weights.group.join_sync_group`).
 
     A rollout server names itself (`server_id`, `epoch`) and joins its own group with learner
     rank 0, as rank 1 of 2, on the learner's store at host:port. Without `server_id` (tests and
@@ -104,10 +104,10 @@ class SyncTarget:
     """Which start of this server this is (0 first, one more per restart): a restarted server
     joins under a new prefix, without stopping the others."""
     transport: Transport | None = None
-    """Without `server_id`: the plain group's transport (`asyncrl.weight_transport`; default
+    """Without `server_id`: the plain group's transport (`asyncrl.weights.transports`; default
     nccl on a GPU, gloo on the CPU). With it, the learner chooses at the join."""
     key: bytes | None = field(default=None, repr=False)
-    """With `server_id`: this epoch's sync key (`asyncrl.auth.sync_key`), which seals its
+    """With `server_id`: this epoch's sync key (`asyncrl.wire.auth.sync_key`), which seals its
     join on the learner's store; never printed."""
 
 
@@ -175,13 +175,13 @@ class Engine(ABC):
         Blocking: the server runs it in a thread of its own."""
 
     def weights_checksum(self) -> str | None:
-        """`asyncrl.weight_layout.weights_checksum` of the live weights in the learner's naming,
+        """`asyncrl.weights.layout.weights_checksum` of the live weights in the learner's naming,
         or None where the engine cannot read them back (vLLM repacks them)."""
         return None
 
     def probe_logprobs(self, ids: list[int]) -> torch.Tensor | None:
         """Log-probs [len(ids) - 1] of each of `ids` after the ones before it, under the live
-        weights at temperature 1 (the delivery probe, `asyncrl.delivery_probe`); None where the
+        weights at temperature 1 (the delivery probe, `asyncrl.weights.probe`); None where the
         engine cannot score a given sequence (the probe is then not checked)."""
         return None
 
@@ -198,7 +198,7 @@ def check_delivery(engine: Engine, version: int, probe: DeliveryProbe | None, vo
     learner's (`probe.logprobs`) within `probe.tolerance` on average."""
     if probe is None:
         return
-    from asyncrl.delivery_probe import probe_ids  # (torch: not at import, see above)
+    from asyncrl.weights.probe import probe_ids  # (torch: not at import, see above)
 
     mine = engine.probe_logprobs(probe_ids(vocab))
     if mine is None:

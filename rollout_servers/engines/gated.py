@@ -31,7 +31,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any, Literal, TypeGuard, TypeVar
 
-from asyncrl.delivery_probe import DeliveryProbe
+from asyncrl.weights.probe import DeliveryProbe
 from rollout_servers.engines.base import Engine, GenerationOutput, SamplingParams, check_delivery
 
 T = TypeVar("T")

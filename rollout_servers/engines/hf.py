@@ -28,8 +28,8 @@ from typing import Literal, cast
 import torch
 from transformers import AutoModelForCausalLM, PreTrainedModel
 
+from asyncrl.config.learner import LoraConfig
 from asyncrl.dtypes import torch_dtype
-from asyncrl.learner_config import LoraConfig
 from rollout_servers.engines.base import (
     DeliveryError,
     GenerationOutput,

@@ -11,7 +11,7 @@ applies each version entirely or not at all, the `Engine` invariants of `base.py
   weights and scores the delivery probe before another token is sampled (`_apply`); weights
   that fail the check, or a copy that failed halfway, fail every later request (`_broken`);
 - with LoRA (`learner.lora.rank > 0`) a version carries adapters, merged into a copy of the base
-  weights (`asyncrl.lora.AdapterMerger`).
+  weights (`asyncrl.weights.lora.AdapterMerger`).
 """
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from typing import Literal
 import torch
 from transformers import PreTrainedModel
 
-from asyncrl.delivery_probe import DeliveryProbe
-from asyncrl.learner_config import LoraConfig
-from asyncrl.lora import AdapterMerger, adapter_specs
-from asyncrl.sync_group import join_sync_group
-from asyncrl.weight_receiver import WeightReceiver
-from asyncrl.weight_sync import specs_of, weights_checksum
+from asyncrl.config.learner import LoraConfig
+from asyncrl.weights.group import join_sync_group
+from asyncrl.weights.lora import AdapterMerger, adapter_specs
+from asyncrl.weights.probe import DeliveryProbe
+from asyncrl.weights.receiver import WeightReceiver
+from asyncrl.weights.sync import specs_of, weights_checksum
 from rollout_servers.engines.base import (
     AppliedVersion,
     DeliveryError,
@@ -82,7 +82,7 @@ class HFVersionGate(Engine):
         self._broken: DeliveryError | None = None
         self._version = version
         self._params = dict(model.state_dict())
-        # LoRA (`asyncrl.lora`): versions carry adapters, merged into a copy of the base weights
+        # LoRA (`asyncrl.weights.lora`): versions carry adapters, merged into a copy of the base weights
         self._lora = lora if lora is not None and lora.rank else None
         self._merger = AdapterMerger.of_model(model, self._lora) if self._lora else None
         self._adapters_checksum: str | None = None

@@ -48,8 +48,8 @@ import torch
 from asyncrl.config import SGLangConfig
 from asyncrl.cpu import cpu_flags
 from asyncrl.placement import OWN_GPU_FRACTION
-from asyncrl.sync_group import join_sync_group
-from asyncrl.weight_receiver import ReceivedVersion, WeightReceiver
+from asyncrl.weights.group import join_sync_group
+from asyncrl.weights.receiver import ReceivedVersion, WeightReceiver
 from rollout_servers.engines.base import (
     AppliedVersion,
     SamplingParams,

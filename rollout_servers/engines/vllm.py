@@ -50,13 +50,13 @@ import zmq
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PreTrainedModel
 
 from asyncrl.config import VLLMConfig
-from asyncrl.delivery_probe import DeliveryProbe
+from asyncrl.config.learner import LoraConfig
 from asyncrl.dtypes import torch_dtype
-from asyncrl.learner_config import LoraConfig
-from asyncrl.lora import adapter_specs, adapter_targets
 from asyncrl.placement import OWN_GPU_FRACTION
-from asyncrl.transport import decode_frames
-from asyncrl.weight_sync import ParamSpec, specs_of
+from asyncrl.weights.lora import adapter_specs, adapter_targets
+from asyncrl.weights.probe import DeliveryProbe
+from asyncrl.weights.sync import ParamSpec, specs_of
+from asyncrl.wire.sockets import decode_frames
 from rollout_servers.engines.base import (
     AppliedVersion,
     SamplingParams,

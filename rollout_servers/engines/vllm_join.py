@@ -19,9 +19,9 @@ import dataclasses
 
 import torch
 
-from asyncrl.codec import ProtocolError, check, decode, encode, message, struct
 from asyncrl.dtypes import torch_dtype
-from asyncrl.weight_sync import ParamSpec
+from asyncrl.weights.sync import ParamSpec
+from asyncrl.wire.codec import ProtocolError, check, decode, encode, message, struct
 from rollout_servers.engines.base import SyncTarget
 
 
@@ -35,7 +35,7 @@ class ParamLayout:
 @struct
 class LoraMerge:
     model_path: str  # the checkpoint whose base weights the adapters are merged into
-    targets: list[str]  # the adapted linear layers, in module order (`asyncrl.lora`)
+    targets: list[str]  # the adapted linear layers, in module order (`asyncrl.weights.lora`)
     scale: float  # alpha / rank: merged weight = W0 + scale x B @ A
     dtype: str  # the engine's dtype by name ("bfloat16"): each merged weight is rounded to it
 

@@ -6,7 +6,7 @@ q/k/v into `qkv_proj` and gate/up into `gate_up_proj`), and its layerwise reload
 fused layer only once all of its checkpoint tensors have arrived: a version that loaded `q_proj`
 alone would leave k and v unset. So a version loads, for every fused layer that an adapted layer
 belongs to, all of that layer's checkpoint tensors: the merged weights W0 + alpha/r x B @ A of
-the adapted ones (`asyncrl.lora.AdapterMerger`), the base of the others (biases included), all
+the adapted ones (`asyncrl.weights.lora.AdapterMerger`), the base of the others (biases included), all
 kept from the checkpoint, in its precision, when the engine starts; each is rounded once to the
 engine's dtype.
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from asyncrl.lora import AdapterMerger
+from asyncrl.weights.lora import AdapterMerger
 
 
 def checkpoint_files(model_path: str | Path) -> list[Path]:

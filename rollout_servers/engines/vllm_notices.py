@@ -3,13 +3,13 @@
 The weight receiver runs inside vLLM's worker process (`vllm_worker`) and tells the server
 (`vllm`) what happened to each version; the server applies a staged version through vLLM's
 `collective_rpc`. These messages never reach the replay, so they live here rather than in
-`asyncrl.protocol`, with the same codec (MessagePack, validated on decode). The other way, the
+`asyncrl.wire.protocol`, with the same codec (MessagePack, validated on decode). The other way, the
 server's one message to the worker is its join (`vllm_join.JoinWeightSync`).
 """
 
 from __future__ import annotations
 
-from asyncrl.codec import message
+from asyncrl.wire.codec import message
 
 
 @message("weights_staged")

@@ -2,7 +2,7 @@
 
 vLLM mixes `WeightSyncExtension` into its worker class (`worker_extension_cls`); the rollout
 server calls its methods with `collective_rpc`. Weights never travel through that RPC: the
-worker itself joins the learner's weight-sync group (`asyncrl.weight_sync`, gloo on CPU, NCCL
+worker itself joins the learner's weight-sync group (`asyncrl.weights.sync`, gloo on CPU, NCCL
 on CUDA) as the server's rank, so a broadcast lands directly in the process that holds the model.
 What it joins is one typed message from the server (`vllm_join.JoinWeightSync`).
 
@@ -35,9 +35,9 @@ from typing import Any
 import torch
 import zmq
 
-from asyncrl.sync_group import join_sync_group
-from asyncrl.transport import send_msg
-from asyncrl.weight_receiver import ReceivedVersion, WeightReceiver
+from asyncrl.weights.group import join_sync_group
+from asyncrl.weights.receiver import ReceivedVersion, WeightReceiver
+from asyncrl.wire.sockets import send_msg
 from rollout_servers.engines.vllm_join import (
     JoinWeightSync,
     param_specs,

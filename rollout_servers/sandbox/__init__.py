@@ -3,7 +3,7 @@
 Modules: `runner` (`Sandbox`: slots, one run from spawn to reaped), `backends` (which backend,
 checked once with a probe run, and one run's command line), `shared` (`SharedSandbox`, a
 server's one instance), `config` (`SandboxResult`; the limits are
-`asyncrl.sandbox_config.SandboxConfig`), `prelude` (the trusted code that starts every run
+`asyncrl.config.sandbox.SandboxConfig`), `prelude` (the trusted code that starts every run
 inside the sandbox), `host` (command lines, directories, uids and the sweeping of leftover
 processes), `cgroup` (whole-run limits), `seccomp` (the system-call filter), `output` (bounded
 capture and the status of a run).

@@ -1,13 +1,13 @@
 """What a run returns (`SandboxResult`), how a backend starts the interpreter (`_Plan`), and the
 sandbox's constants. The limits (`SandboxConfig`) are the config tree's `rollout.sandbox`
-section (`asyncrl.sandbox_config`)."""
+section (`asyncrl.config.sandbox`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Literal
 
-from asyncrl.sandbox_config import Backend, SandboxConfig
+from asyncrl.config.sandbox import Backend, SandboxConfig
 
 Status = Literal["ok", "error", "timeout", "oom", "killed"]
 

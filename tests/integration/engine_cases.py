@@ -26,15 +26,15 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerBase
 
 from asyncrl.config import load_config
-from asyncrl.data import render_prompt_ids
+from asyncrl.config.learner import LearnerConfig, LoraConfig
+from asyncrl.data.gsm8k import gsm8k_row
+from asyncrl.data.prompts import render_prompt_ids
 from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
-from asyncrl.gsm8k import gsm8k_row
 from asyncrl.launch.run import launch
-from asyncrl.learner_config import LearnerConfig, LoraConfig
 from asyncrl.metrics import read_jsonl
-from asyncrl.sync_group import SyncGroup
-from asyncrl.transport import free_port
-from asyncrl.weight_sync import WeightBroadcaster, specs_of
+from asyncrl.weights.group import SyncGroup
+from asyncrl.weights.sync import WeightBroadcaster, specs_of
+from asyncrl.wire.sockets import free_port
 from learner.delivery import delivery_probe
 from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters
 from rollout_servers.engines.base import DeliveryError, GenerationOutput, SamplingParams, SyncTarget

@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from sync_peers import member_key
 
-from asyncrl.learner_config import LoraConfig
+from asyncrl.config.learner import LoraConfig
 from rollout_servers.engines.base import SyncTarget
 from rollout_servers.engines.hf import HFEngine
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import zmq
 
-from asyncrl.auth import Keyring, role_key
-from asyncrl.codec import decode, encode
 from asyncrl.config import Config
-from asyncrl.protocol import LeaseRequest, Trajectories, Trajectory
-from asyncrl.transport import decode_signed, free_port, tcp_address
+from asyncrl.wire.auth import Keyring, role_key
+from asyncrl.wire.codec import decode, encode
+from asyncrl.wire.protocol import LeaseRequest, Trajectories, Trajectory
+from asyncrl.wire.sockets import decode_signed, free_port, tcp_address
 from replay.service import setup_replay_service
 
 SECRET = bytes(range(32))  # the test run's secret

@@ -19,11 +19,11 @@ from pathlib import Path
 
 import torch
 
-import asyncrl.weight_receiver as weight_receiver
-from asyncrl.auth import role_key, server_role, sync_key
-from asyncrl.sync_group import join_sync_group
-from asyncrl.weight_receiver import WeightReceiver
-from asyncrl.weight_sync import ParamSpec, weights_checksum
+import asyncrl.weights.receiver as weight_receiver
+from asyncrl.weights.group import join_sync_group
+from asyncrl.weights.receiver import WeightReceiver
+from asyncrl.weights.sync import ParamSpec, weights_checksum
+from asyncrl.wire.auth import role_key, server_role, sync_key
 
 SPECS = [
     ParamSpec("embed", (64, 8), torch.float32),  # a bucket of its own: sent uncopied
@@ -38,7 +38,7 @@ derived (`member_key`), as the launcher derives a server's."""
 
 
 def member_key(server_id: int, epoch: int) -> bytes:
-    """The sync key a peer joins with (`asyncrl.auth.sync_key`)."""
+    """The sync key a peer joins with (`asyncrl.wire.auth.sync_key`)."""
     return sync_key(LEARNER_KEY, server_role(server_id, epoch))
 
 

@@ -26,8 +26,8 @@ import psutil
 import pytest
 import torch
 
-from asyncrl.sync_group import SyncGroup
-from asyncrl.transport import free_port
+from asyncrl.weights.group import SyncGroup
+from asyncrl.wire.sockets import free_port
 
 pytestmark = pytest.mark.integration
 

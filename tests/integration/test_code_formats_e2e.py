@@ -11,8 +11,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from rollout_servers.reward_computer import RewardComputer
-from rollout_servers.rewards import REWARD_FNS
+from rollout_servers.rewards.computer import RewardComputer
+from rollout_servers.rewards.functions import REWARD_FNS
 from rollout_servers.sandbox import Sandbox, SandboxConfig, SharedSandbox
 
 pytestmark = pytest.mark.integration

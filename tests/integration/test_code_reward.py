@@ -18,9 +18,9 @@ from collections.abc import Iterator
 import pytest
 from code_problems import PROBLEMS  # tests/integration/ is on sys.path (pytest rootdir mode)
 
-from rollout_servers.code_formats import ProgramTests
-from rollout_servers.code_reward import extract_code, judge, plan_checks
-from rollout_servers.reward_computer import RewardComputer
+from rollout_servers.rewards.code.formats import ProgramTests
+from rollout_servers.rewards.code.reward import extract_code, judge, plan_checks
+from rollout_servers.rewards.computer import RewardComputer
 from rollout_servers.sandbox import SandboxConfig, SharedSandbox
 
 pytestmark = pytest.mark.integration

@@ -15,11 +15,11 @@ import psutil
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl.auth import new_secret, write_secret
-from asyncrl.data import write_rows
+from asyncrl.data.prompts import write_rows
 from asyncrl.launch.fleet import LaunchError, raise_on_failure
 from asyncrl.launch.local import LocalFleet
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.auth import new_secret, write_secret
 
 pytestmark = pytest.mark.integration
 
@@ -211,7 +211,7 @@ def test_a_retired_server_is_killed_even_when_stopped_and_starts_again_as_its_ne
 ):
     """What `restarts.ServerRestarts` asks of the local fleet: `retire` SIGKILLs a hung (here:
     stopped) server and its children and forgets it, so its end is no failure; `start_server`
-    runs the same command again with the epoch and that epoch's key (`asyncrl.auth`) in its
+    runs the same command again with the epoch and that epoch's key (`asyncrl.wire.auth`) in its
     environment, appending to its log."""
     write_secret(tmp_path, new_secret())
     fleet = LocalFleet(RunSpec(str(tmp_path), "", "", "", 0, 0, 1))

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.transport import free_port
+from asyncrl.wire.sockets import free_port
 
 RANKS = Path(__file__).with_name("learner_ranks.py")
 ROOT = Path(__file__).resolve().parents[2]

@@ -11,7 +11,7 @@ from replay_peers import ask, dealer, recv, running_replay, send
 from replay_peers import trajectory as _traj
 
 from asyncrl.config import Config
-from asyncrl.protocol import (
+from asyncrl.wire.protocol import (
     Ack,
     Batch,
     BatchRequest,

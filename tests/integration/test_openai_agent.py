@@ -10,10 +10,10 @@ import openai
 import pytest
 
 from asyncrl.config import load_config
+from asyncrl.config.rollout import OpenAIConfig
 from asyncrl.demo.tiny_model import build_tokenizer
-from asyncrl.protocol import ChatMessage, PromptItem
-from asyncrl.rollout_config import OpenAIConfig
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.protocol import ChatMessage, PromptItem
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.agents.openai_agent import OpenAIAgentLoop
 from rollout_servers.agents.tool_agent import render_ids

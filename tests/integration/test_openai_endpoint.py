@@ -18,9 +18,9 @@ import openai
 import pytest
 
 from asyncrl.config import Config
+from asyncrl.config.rollout import OpenAIConfig, RolloutConfig
 from asyncrl.demo.tiny_model import build_tokenizer
-from asyncrl.protocol import ChatMessage, PromptItem
-from asyncrl.rollout_config import OpenAIConfig, RolloutConfig
+from asyncrl.wire.protocol import ChatMessage, PromptItem
 from rollout_servers.agents.openai_agent import OpenAIAgentLoop
 from rollout_servers.agents.registry import AgentLoopRouter
 from rollout_servers.agents.tool_agent import render_ids

@@ -19,9 +19,9 @@ import httpx
 import openai
 import pytest
 
+from asyncrl.config.rollout import OpenAIConfig
 from asyncrl.demo.tiny_model import build_tokenizer
-from asyncrl.protocol import ChatMessage, PromptItem
-from asyncrl.rollout_config import OpenAIConfig
+from asyncrl.wire.protocol import ChatMessage, PromptItem
 from rollout_servers.agents.openai_agent import OpenAIAgentLoop
 from rollout_servers.agents.openai_endpoint import OpenAIEndpoint
 from rollout_servers.agents.tool_agent import TurnRenderer, render_ids

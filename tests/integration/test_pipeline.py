@@ -10,7 +10,7 @@ import pytest
 from asyncrl.config import load_config
 from asyncrl.launch.run import launch
 from asyncrl.metrics import read_jsonl
-from asyncrl.shm_segments import SHM_DIR
+from asyncrl.weights.shm import SHM_DIR
 
 pytestmark = pytest.mark.integration
 

@@ -123,9 +123,9 @@ def test_sigterm_stops_every_actor_and_the_cluster(tmp_path):
 def test_a_killed_server_actor_is_restarted_as_epoch_1(tmp_path):
     """Serving under Ray: server_1's actor process is SIGKILLed; the launcher creates a new
     actor in its bundle, which heartbeats to the replay as epoch 1."""
-    from asyncrl.auth import read_secret, role_key
-    from asyncrl.replay_client import ReplayClient
     from asyncrl.run_spec import RunSpec
+    from asyncrl.wire.auth import read_secret, role_key
+    from asyncrl.wire.replay_client import ReplayClient
 
     run_dir = tmp_path / "run"
     argv = [

@@ -24,7 +24,7 @@ import psutil
 import pytest
 
 from rollout_servers.agents.tools import PythonTool
-from rollout_servers.reward_computer import RewardComputer
+from rollout_servers.rewards.computer import RewardComputer
 from rollout_servers.sandbox import SandboxConfig, SharedSandbox
 
 pytestmark = pytest.mark.integration

@@ -12,11 +12,10 @@ import zmq
 from replay_peers import SECRET, ask, dealer, running_replay, send, signed
 from replay_peers import trajectory as _traj
 
-from asyncrl.auth import role_key
-from asyncrl.codec import decode, encode
 from asyncrl.config import Config
-from asyncrl.endpoint import accounted
-from asyncrl.protocol import (
+from asyncrl.wire.auth import role_key
+from asyncrl.wire.codec import decode, encode
+from asyncrl.wire.protocol import (
     Ack,
     Batch,
     BatchRequest,
@@ -35,7 +34,8 @@ from asyncrl.protocol import (
     StatsRequest,
     VersionUpdate,
 )
-from asyncrl.transport import free_port, tcp_address
+from asyncrl.wire.router import accounted
+from asyncrl.wire.sockets import free_port, tcp_address
 from replay.eval_jobs import MAX_OPEN_JOBS
 from replay.service import setup_replay_service
 
@@ -310,8 +310,8 @@ def test_replies_are_signed_for_the_role_that_asked(sock):
 
 
 def test_a_client_with_the_wrong_secret_is_told_at_once(sock):
-    from asyncrl.auth import AuthError, new_secret
-    from asyncrl.replay_client import ReplayClient
+    from asyncrl.wire.auth import AuthError, new_secret
+    from asyncrl.wire.replay_client import ReplayClient
 
     address = sock.getsockopt(zmq.LAST_ENDPOINT).decode()
     client = ReplayClient(address, role_key(new_secret(), "client"), reply_timeout_s=30)

@@ -8,10 +8,10 @@ import msgpack
 import pytest
 from replay_peers import KEYRING, ask, dealer, running_replay
 
-from asyncrl.auth import server_role
 from asyncrl.config import Config
-from asyncrl.protocol import Ack, ChatMessage, Error, Heartbeat, PromptItem, StatsRequest
-from asyncrl.replay_client import ReplayClient
+from asyncrl.wire.auth import server_role
+from asyncrl.wire.protocol import Ack, ChatMessage, Error, Heartbeat, PromptItem, StatsRequest
+from asyncrl.wire.replay_client import ReplayClient
 
 pytestmark = pytest.mark.integration
 

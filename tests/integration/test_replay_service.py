@@ -18,9 +18,9 @@ import zmq
 from replay_peers import KEYRING, SECRET, ask, dealer, recv, running_replay, send
 from replay_peers import trajectory as _traj
 
-from asyncrl.codec import encode
 from asyncrl.config import Config
-from asyncrl.protocol import (
+from asyncrl.wire.codec import encode
+from asyncrl.wire.protocol import (
     Ack,
     Acks,
     Batch,
@@ -36,7 +36,7 @@ from asyncrl.protocol import (
     Trajectory,
     VersionUpdate,
 )
-from asyncrl.transport import free_port, tcp_address
+from asyncrl.wire.sockets import free_port, tcp_address
 from replay.checkpoint import read_state
 from replay.counters import COUNTERS
 
@@ -419,14 +419,14 @@ def test_a_checkpoint_holds_the_replays_state_at_the_learners_version(tmp_path: 
 def test_a_learner_waiting_past_its_bound_for_a_batch_fails_naming_the_replays_counts(caplog):
     """No server ever sends a trajectory: the learner's client reports the replay's counters
     while it waits, then gives up (`trainer.batch_wait_timeout_s`) instead of waiting forever."""
-    from asyncrl.auth import role_key
-    from asyncrl.replay_client import BatchWaitTimeout, ReplayClient
+    from asyncrl.wire.auth import role_key
+    from asyncrl.wire.replay_client import BatchWaitTimeout, ReplayClient
 
     with running_replay(_config()) as address:
         client = ReplayClient(address, role_key(SECRET, "learner"))
         started = time.monotonic()
         with (
-            caplog.at_level("WARNING", "asyncrl.replay_client"),
+            caplog.at_level("WARNING", "asyncrl.wire.replay_client"),
             pytest.raises(BatchWaitTimeout, match=r"no batch for version 0 .*batches_served=0"),
         ):
             client.fetch_batch(0, B, give_up_s=2.0, report_every_s=0.5)

@@ -1,4 +1,4 @@
-"""The rollout server's link to the reward-model fleet (`rollout_servers.reward_model_client`),
+"""The rollout server's link to the reward-model fleet (`rollout_servers.rewards.model_client`),
 against scripted reward-model servers on real ZeroMQ sockets: the calls of one event-loop turn
 leave as one request; a server that does not answer has its request resent to the next one; a
 reply to a request already settled is dropped, so nothing is scored twice; an unparsable item,
@@ -14,11 +14,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from asyncrl.auth import Keyring, new_secret, role_key
-from asyncrl.protocol import ChatMessage
-from asyncrl.protocol_rewards import ScoreItem, ScoreRequest, Scores
-from asyncrl.transport import decode_frames, free_ports, send_msg, setup_socket, tcp_address
-from rollout_servers.reward_model_client import RewardModelClient
+from asyncrl.wire.auth import Keyring, new_secret, role_key
+from asyncrl.wire.protocol import ChatMessage
+from asyncrl.wire.reward_protocol import ScoreItem, ScoreRequest, Scores
+from asyncrl.wire.sockets import decode_frames, free_ports, send_msg, setup_socket, tcp_address
+from rollout_servers.rewards.model_client import RewardModelClient
 
 pytestmark = pytest.mark.integration
 

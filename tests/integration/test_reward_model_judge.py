@@ -15,14 +15,14 @@ import threading
 
 import pytest
 
-from asyncrl.auth import new_secret, role_key
-from asyncrl.protocol import ChatMessage
-from asyncrl.protocol_rewards import ScoreItem
-from asyncrl.reward_config import RewardModelConfig
-from asyncrl.transport import free_port, tcp_address
+from asyncrl.config.reward import RewardModelConfig
+from asyncrl.wire.auth import new_secret, role_key
+from asyncrl.wire.protocol import ChatMessage
+from asyncrl.wire.reward_protocol import ScoreItem
+from asyncrl.wire.sockets import free_port, tcp_address
 from reward_models.scorers import setup_scorer
 from reward_models.server import RewardModelServer
-from rollout_servers.reward_model_client import RewardModelClient
+from rollout_servers.rewards.model_client import RewardModelClient
 
 pytestmark = [pytest.mark.integration, pytest.mark.smollm2]
 

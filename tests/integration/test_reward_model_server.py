@@ -22,17 +22,17 @@ import torch
 import zmq
 from transformers import LlamaForCausalLM
 
-from asyncrl.auth import SECRET_ENV, Keyring, role_key
-from asyncrl.codec import decode, encode
 from asyncrl.config import config_to_yaml, load_config
+from asyncrl.config.reward import RewardModelConfig
 from asyncrl.demo.reward_model import RewardModelSpec, build_reward_model
 from asyncrl.demo.tiny_model import build_tokenizer
-from asyncrl.endpoint import accounted
-from asyncrl.protocol import ChatMessage, Error, StatsRequest
-from asyncrl.protocol_rewards import ScoreItem, ScoreRequest, Scores
-from asyncrl.reward_config import RewardModelConfig
 from asyncrl.run_spec import RunSpec
-from asyncrl.transport import decode_signed, free_port, tcp_address
+from asyncrl.wire.auth import SECRET_ENV, Keyring, role_key
+from asyncrl.wire.codec import decode, encode
+from asyncrl.wire.protocol import ChatMessage, Error, StatsRequest
+from asyncrl.wire.reward_protocol import ScoreItem, ScoreRequest, Scores
+from asyncrl.wire.router import accounted
+from asyncrl.wire.sockets import decode_signed, free_port, tcp_address
 from reward_models.scorers import ClassifierScorer, JudgeScorer, Scored
 from reward_models.server import RewardModelServer
 

@@ -14,10 +14,10 @@ from typing import Any
 import openai
 import pytest
 
+from asyncrl.config.rollout import OpenAIConfig
 from asyncrl.demo.search_task import SearchQATask
 from asyncrl.demo.tiny_model import build_tokenizer
-from asyncrl.protocol import ChatMessage, PromptItem
-from asyncrl.rollout_config import OpenAIConfig
+from asyncrl.wire.protocol import ChatMessage, PromptItem
 from rollout_servers.agents.openai_agent import OpenAIAgentLoop
 from rollout_servers.agents.search_agent import toolset
 from rollout_servers.engines.base import (

@@ -23,12 +23,12 @@ import psutil
 import pytest
 from replay_peers import KEYRING, ask, dealer, running_replay, trajectory
 
-from asyncrl.auth import read_secret, role_key, server_role
 from asyncrl.config import Config
 from asyncrl.metrics import read_jsonl
-from asyncrl.protocol import Ack, LeaseGrant, LeaseRequest, Stats, StatsRequest
-from asyncrl.replay_client import ReplayClient
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.auth import read_secret, role_key, server_role
+from asyncrl.wire.protocol import Ack, LeaseGrant, LeaseRequest, Stats, StatsRequest
+from asyncrl.wire.replay_client import ReplayClient
 from rollout_servers.replay_client import AsyncReplayClient
 
 pytestmark = pytest.mark.integration

@@ -111,7 +111,7 @@ GSM8K_LINES = [
 ]
 
 SHAPED_REWARD = """
-from rollout_servers.rewards import gsm8k_reward_fn
+from rollout_servers.rewards.functions import gsm8k_reward_fn
 
 def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     # verl's gsm8k rule plus a small term that differs between samples: a 135M model seldom

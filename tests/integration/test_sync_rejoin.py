@@ -28,8 +28,8 @@ from sync_peers import (
 )
 
 from asyncrl.metrics import JsonlWriter, read_jsonl
-from asyncrl.shm_segments import SHM_DIR
-from asyncrl.transport import free_port
+from asyncrl.weights.shm import SHM_DIR
+from asyncrl.wire.sockets import free_port
 from learner.sync_fleet import SyncFleet
 
 pytestmark = pytest.mark.integration
@@ -278,7 +278,7 @@ def test_a_server_gone_between_ready_and_connecting_costs_the_join_bound_not_the
     """A server epoch that said `ready` and died before its group connected: the learner gives
     it up after the join bound (`server_timeout_s`), not after the long bound its collectives
     get (`startup_timeout_s`: a draining server may take that long to take a version)."""
-    from asyncrl.sync_group import member_store
+    from asyncrl.weights.group import member_store
 
     f = Fleet(tmp_path)
     f.fleet.op_timeout_s = 120.0
@@ -304,7 +304,7 @@ def test_a_silent_member_is_given_up_at_the_give_up_bound_not_the_op_timeout(tmp
     is declared dead at the replay, and once it is killed the group left pending is let go."""
     import threading
 
-    from asyncrl.protocol import ServerHealth
+    from asyncrl.wire.protocol import ServerHealth
 
     f = Fleet(tmp_path)
     silent, declared = {0: 0.0, 1: 0.0}, []
@@ -346,8 +346,8 @@ def test_a_garbled_join_is_abandoned_naming_what_is_wrong(tmp_path):
 
     import torch.distributed as dist
 
-    from asyncrl.sync_group import member_store
-    from asyncrl.weight_transport import SyncAnswer, unpack_message
+    from asyncrl.weights.group import member_store
+    from asyncrl.weights.transports import SyncAnswer, unpack_message
 
     fleet = Fleet(tmp_path, num_servers=2, first_join_s=5.0)
     try:

@@ -9,7 +9,7 @@ reads every entry, pre-writes abandon answers and garbled places for epochs 0-3 
 overwrites what it finds between versions, and overwrites a restarted epoch's genuine `ready`
 before the learner reads it (the server sets it again every second while it waits). Every join
 still goes through and every version arrives byte for byte; nothing it read holds a place.
-(`asyncrl.sealed_store` says what such a process can still do: delete or overwrite entries
+(`asyncrl.weights.sealed_store` says what such a process can still do: delete or overwrite entries
 without pause, a denial of service, as killing the run's processes is.)
 """
 
@@ -28,8 +28,8 @@ import torch
 from sync_peers import BUCKET_BYTES, LEARNER_KEY, SPECS, version_checksum, version_tensors
 
 from asyncrl.metrics import JsonlWriter, read_jsonl
-from asyncrl.transport import free_port
-from asyncrl.weight_transport import place_of
+from asyncrl.weights.transports import place_of
+from asyncrl.wire.sockets import free_port
 from learner.sync_fleet import SyncFleet
 
 pytestmark = pytest.mark.integration
@@ -40,7 +40,7 @@ ATTACKER = textwrap.dedent(
     """
     import datetime, json, sys, time
     import torch.distributed as dist
-    from asyncrl.weight_transport import SyncAnswer, pack_message
+    from asyncrl.weights.transports import SyncAnswer, pack_message
 
     port, action = int(sys.argv[1]), sys.argv[2]
     store = dist.TCPStore("127.0.0.1", port, None, False, datetime.timedelta(seconds=10))

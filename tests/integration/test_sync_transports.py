@@ -21,11 +21,11 @@ from engine_peer import IDS
 from sync_peers import LEARNER_KEY
 from transformers import AutoModelForCausalLM
 
-from asyncrl.learner_config import LearnerConfig, LoraConfig
+from asyncrl.config.learner import LearnerConfig, LoraConfig
 from asyncrl.metrics import JsonlWriter, read_jsonl
-from asyncrl.shm_segments import SHM_DIR
-from asyncrl.transport import free_port
-from asyncrl.weight_sync import specs_of
+from asyncrl.weights.shm import SHM_DIR
+from asyncrl.weights.sync import specs_of
+from asyncrl.wire.sockets import free_port
 from learner.delivery import delivery_probe
 from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters
 from learner.sync_fleet import SyncFleet

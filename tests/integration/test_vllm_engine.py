@@ -27,7 +27,7 @@ from engine_cases import (
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import VLLMConfig
-from asyncrl.learner_config import LoraConfig
+from asyncrl.config.learner import LoraConfig
 from learner.delivery import delivery_probe
 from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters
 from rollout_servers.engines.base import SamplingParams

@@ -14,7 +14,7 @@ import pytest
 from engine_cases import check_smollm2_parity, closed_after
 
 from asyncrl.config import VLLMConfig
-from asyncrl.learner_config import LoraConfig
+from asyncrl.config.learner import LoraConfig
 from rollout_servers.engines.vllm import VLLMEngine
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]

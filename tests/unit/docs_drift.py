@@ -8,7 +8,7 @@ and docs/*.md and README.md (code blocks included).
 What counts as naming something; all other text is prose and is not read:
 1. A dotted name that starts with a directory of `SOURCES` or a config section, backticked or
    not, and not right after a `.`, `/`, `$` or word character (`self.replay.x` is code):
-   `asyncrl.protocol`, `replay.service.ReplayService`, `tools.bench_agents:LognormalLengthAgent`,
+   `asyncrl.wire.protocol`, `replay.service.ReplayService`, `tools.bench_agents:LognormalLengthAgent`,
    `replay.max_staleness=2`. It must be one of:
    - a module path: the longest prefix that is a module or package file, then (after `.` or
      `:`) a top-level name that module defines (imported names count only in a package's
@@ -280,9 +280,9 @@ class Tree:
     @cached_property
     def config_roots(self) -> list[ast.ClassDef]:
         """`asyncrl.config.Config`, where every config key starts."""
-        body = self.module_ast(self.root / "asyncrl" / "config.py").body
+        body = self.module_ast(self.root / "asyncrl" / "config" / "__init__.py").body
         roots = [n for n in body if isinstance(n, ast.ClassDef) and n.name == "Config"]
-        assert roots, "asyncrl/config.py defines no class Config: config keys have no root"
+        assert roots, "asyncrl/config/__init__.py defines no class Config: config keys have no root"
         return roots
 
     @cached_property

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from asyncrl.protocol import Trajectory
+from asyncrl.wire.protocol import Trajectory
 
 
 def one_token_trajectory(

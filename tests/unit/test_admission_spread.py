@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from asyncrl.config import Config
-from asyncrl.protocol import ChatMessage, LeaseRequest, PromptItem, Trajectory
+from asyncrl.wire.protocol import ChatMessage, LeaseRequest, PromptItem, Trajectory
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer
 from replay.eval_jobs import EvalJobs

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from asyncrl.advantages import (
+from asyncrl.algorithms.advantages import (
     compute_advantages,
     gae_advantages,
     grpo_advantages,

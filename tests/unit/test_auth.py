@@ -5,7 +5,7 @@ import stat
 
 import pytest
 
-from asyncrl.auth import (
+from asyncrl.wire.auth import (
     EPOCH_ENV,
     KEY_ENV,
     SECRET_ENV,

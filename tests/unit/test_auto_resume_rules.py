@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.auth import read_secret
 from asyncrl.checkpoints import PARTS, TRAINER_FILE
 from asyncrl.config import Config, load_config
 from asyncrl.launch.fleet import LaunchError, prepare_run_dir
@@ -21,6 +20,7 @@ from asyncrl.launch.resume import (
     run_with_resumes,
 )
 from asyncrl.metrics import read_jsonl
+from asyncrl.wire.auth import read_secret
 
 KILLED = "process learner_0 was killed by signal SIGKILL\nlast lines of learner_0.log:\n..."
 

@@ -1,4 +1,4 @@
-"""asyncrl.binds: which interface a host is on, the environment that binds gloo/NCCL there, and
+"""asyncrl.wire.binds: which interface a host is on, the environment that binds gloo/NCCL there, and
 the listening socket a TCPStore master is given (its store test, with real process groups, is
 in tests/integration/test_binds.py)."""
 
@@ -9,7 +9,7 @@ import socket
 import psutil
 import pytest
 
-from asyncrl.binds import bind_collectives_to, host_interface, listening_socket
+from asyncrl.wire.binds import bind_collectives_to, host_interface, listening_socket
 
 VARS = ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME")
 

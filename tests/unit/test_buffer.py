@@ -4,7 +4,7 @@ import random
 import numpy as np
 import pytest
 
-from asyncrl.protocol import ChatMessage, PromptItem, Trajectory
+from asyncrl.wire.protocol import ChatMessage, PromptItem, Trajectory
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer, MalformedTrajectory, sample_version, to_batch
 

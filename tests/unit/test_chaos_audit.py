@@ -20,7 +20,7 @@ from fake_trajectories import one_token_trajectory
 
 from asyncrl.analysis.audit import audit_run, row_of
 from asyncrl.checkpoints import REPLAY_FILE, SHARDS_DONE, TRAINER_FILE
-from asyncrl.protocol import PromptItem
+from asyncrl.wire.protocol import PromptItem
 from replay.buffer import SavedGroup
 from replay.checkpoint import ReplayState, write_state
 

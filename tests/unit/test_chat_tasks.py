@@ -6,9 +6,9 @@ from __future__ import annotations
 import itertools
 
 from asyncrl.config import load_config
-from asyncrl.data import setup_task
+from asyncrl.data.prompts import setup_task
 from asyncrl.demo.chat_tasks import ARITH_CHAT_SOURCE, arith_chat_score, last_integer
-from rollout_servers.rewards import REWARD_FNS
+from rollout_servers.rewards.functions import REWARD_FNS
 
 
 def test_the_task_is_registered_and_asks_in_english():

@@ -246,7 +246,7 @@ def test_the_head_is_restored_and_a_no_grad_pass_works():
 def test_lora_policy_chunked_equals_full_logits():
     """Adapters on the decoder layers: the head is still a plain (frozen) Linear, chunked.
     Adapters on the head too: it is a LoRA layer, the full-logits path."""
-    from asyncrl.learner_config import LoraConfig
+    from asyncrl.config.learner import LoraConfig
     from learner.lora import add_adapters
 
     mb = _batch()
@@ -313,7 +313,7 @@ def test_two_fsdp2_ranks_chunked_equals_full_logits(tmp_path):
     reference model's no-grad pass too."""
     _tiny_llama(tied=True).save_pretrained(tmp_path / "model")
     env = dict(os.environ, OMP_NUM_THREADS="1", MASTER_ADDR="127.0.0.1", WORLD_SIZE="2")
-    from asyncrl.transport import free_port
+    from asyncrl.wire.sockets import free_port
 
     env["MASTER_PORT"] = str(free_port())
     root = str(Path(__file__).resolve().parents[2])

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from rollout_servers.code_formats import IoTests, ProgramTests, parse_test_cases
-from rollout_servers.code_plan import plan_checks
+from rollout_servers.rewards.code.formats import IoTests, ProgramTests, parse_test_cases
+from rollout_servers.rewards.code.plan import plan_checks
 
 HUMANEVAL = {
     "prompt": "import math\ndef helper(x):\n    return x + 1\ndef inc(x):\n    '''doc'''\n",

@@ -11,11 +11,11 @@ import time
 
 import pytest
 
-from rollout_servers.code_formats import IoTests, ProgramTests
-from rollout_servers.code_harness import HARNESS
-from rollout_servers.code_judge import judge, same_output
-from rollout_servers.code_plan import plan_checks
-from rollout_servers.code_values import plain, unplain
+from rollout_servers.rewards.code.formats import IoTests, ProgramTests
+from rollout_servers.rewards.code.harness import HARNESS
+from rollout_servers.rewards.code.judge import judge, same_output
+from rollout_servers.rewards.code.plan import plan_checks
+from rollout_servers.rewards.code.values import plain, unplain
 
 
 def checks_of(tests) -> dict:
@@ -73,9 +73,9 @@ def test_a_value_claimed_truncated_fails_its_case_and_says_so():
 
 MEMORY_PROBE = """
 import dataclasses, json, resource, time
-from rollout_servers.code_formats import ProgramTests
-from rollout_servers.code_judge import judge
-from rollout_servers.code_plan import plan_checks
+from rollout_servers.rewards.code.formats import ProgramTests
+from rollout_servers.rewards.code.judge import judge
+from rollout_servers.rewards.code.plan import plan_checks
 checks = dataclasses.asdict(plan_checks(ProgramTests(units=[
     'assert "ab" * f(2) == "abab"', "assert g() == 1"])))
 claims = json.dumps({"u": 0, "v": [10**10]}) + "\\n" + json.dumps({"u": 1, "v": [1]})

@@ -13,11 +13,11 @@ import sys
 import time
 from pathlib import Path
 
-from rollout_servers import code_judge
-from rollout_servers.code_formats import IoTests, ProgramTests
-from rollout_servers.code_harness import HARNESS, harness_stdin
-from rollout_servers.code_judge import judge
-from rollout_servers.code_plan import plan_checks
+from rollout_servers.rewards.code import judge as code_judge
+from rollout_servers.rewards.code.formats import IoTests, ProgramTests
+from rollout_servers.rewards.code.harness import HARNESS, harness_stdin
+from rollout_servers.rewards.code.judge import judge
+from rollout_servers.rewards.code.plan import plan_checks
 
 
 def checks_of(tests) -> dict:

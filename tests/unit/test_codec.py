@@ -4,8 +4,8 @@ import msgpack
 import numpy as np
 import pytest
 
-from asyncrl.codec import MAX_JSON_DEPTH, WIRE_VERSION, ProtocolError, decode, encode
-from asyncrl.protocol import (
+from asyncrl.wire.codec import MAX_JSON_DEPTH, WIRE_VERSION, ProtocolError, decode, encode
+from asyncrl.wire.protocol import (
     Batch,
     ChatMessage,
     LeaseGrant,
@@ -215,7 +215,7 @@ def test_error_texts_quote_sender_input_bounded():
 
 
 def test_prompt_items_and_eval_submits_are_bounded():
-    from asyncrl.protocol import EvalSubmit
+    from asyncrl.wire.protocol import EvalSubmit
 
     item = PromptItem("g", 1, "src", [ChatMessage("user", "q")], "1", {}, eval_job="job")
     for change, reason in [

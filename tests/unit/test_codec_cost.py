@@ -10,10 +10,10 @@ import gc
 import msgpack
 import pytest
 
-from asyncrl.codec import BYTES_PER_NODE, ProtocolError, count_nodes, decode, encode
-from asyncrl.protocol import ChatMessage, EvalSubmit, PromptItem
-from asyncrl.replay_client import eval_parts
-from asyncrl.transport import decode_frames
+from asyncrl.wire.codec import BYTES_PER_NODE, ProtocolError, count_nodes, decode, encode
+from asyncrl.wire.protocol import ChatMessage, EvalSubmit, PromptItem
+from asyncrl.wire.replay_client import eval_parts
+from asyncrl.wire.sockets import decode_frames
 
 CLIENT_LIMIT = 128 * 1024  # replay.max_client_message_mb's default
 

@@ -101,7 +101,7 @@ def test_every_renamed_key_points_to_a_key_that_exists():
 
 
 def test_each_engine_checks_only_its_own_limits():
-    """The checks live beside each engine's options (`asyncrl.engine_config`): top_p < 1 is
+    """The checks live beside each engine's options (`asyncrl.config.engine`): top_p < 1 is
     refused for the engines that recompute (vLLM, SGLang) and allowed for hf."""
     assert load_config(None, ["rollout.top_p=0.9"]).rollout.top_p == 0.9
     for engine in ("vllm", "sglang"):

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from asyncrl.config import Config, ConfigError, config_to_yaml, load_config
-from asyncrl.config_docs import describe, nearest_key, walk
+from asyncrl.config.docs import describe, nearest_key, walk
 from asyncrl.launch.cli import main
 
 

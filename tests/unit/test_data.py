@@ -1,4 +1,4 @@
-"""Dataset preparation, inspection and the resumable prompt reader (`asyncrl.data`)."""
+"""Dataset preparation, inspection and the resumable prompt reader (`asyncrl.data.prompts`)."""
 
 from __future__ import annotations
 
@@ -11,15 +11,15 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from asyncrl.data import (
+from asyncrl.data.gsm8k import GSM8K_INSTRUCTION, GSM8K_SOURCE, gsm8k_final_answer, prepare_gsm8k
+from asyncrl.data.prompts import (
     BadRowError,
     PromptReader,
     PromptTooLongError,
     inspect_parquet,
     write_rows,
 )
-from asyncrl.gsm8k import GSM8K_INSTRUCTION, GSM8K_SOURCE, gsm8k_final_answer, prepare_gsm8k
-from rollout_servers.rewards import gsm8k_reward_fn
+from rollout_servers.rewards.functions import gsm8k_reward_fn
 
 GSM8K_DIR = Path(os.environ.get("ASYNCRL_GSM8K_DIR", "/work/shared/data/gsm8k"))
 

@@ -1,5 +1,5 @@
 """A dataset the run cannot use fails before any fleet starts, naming key, file and row or
-column (`asyncrl.data_check`)."""
+column (`asyncrl.launch.data_check`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pyarrow as pa
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.data import write_rows
-from asyncrl.data_check import DataError, check_data, check_files
+from asyncrl.data.prompts import write_rows
+from asyncrl.launch.data_check import DataError, check_data, check_files
 from asyncrl.launch.run import reward_sources
 
 

@@ -4,7 +4,7 @@ check against it (`rollout_servers.engines.base.check_delivery`)."""
 import pytest
 import torch
 
-from asyncrl.delivery_probe import PROBE_LEN, DeliveryProbe, probe_ids
+from asyncrl.weights.probe import PROBE_LEN, DeliveryProbe, probe_ids
 from rollout_servers.engines.base import DeliveryError, check_delivery
 
 

@@ -33,12 +33,12 @@ PLANTED_REPOSITORY = {
     "configs/default.yaml": "",
     "runs/x/metrics.jsonl": "",
     "asyncrl/__init__.py": "",
-    "asyncrl/config.py": (
+    "asyncrl/config/__init__.py": (
         "class ReplayConfig:\n    max_staleness: int = 2\n    kwargs: dict[str, int] = {}\n\n\n"
         "class Config:\n    replay: ReplayConfig = ReplayConfig()\n"
     ),
-    "asyncrl/estimators.py": 'ESTIMATORS = Registry("advantage estimator", "asyncrl.estimators")\n',
-    "asyncrl/advantages.py": "from asyncrl.estimators import ESTIMATORS\n",
+    "asyncrl/algorithms/estimators.py": 'ESTIMATORS = Registry("advantage estimator", "asyncrl.algorithms.estimators")\n',
+    "asyncrl/algorithms/advantages.py": "from asyncrl.algorithms.estimators import ESTIMATORS\n",
     "replay/leases.py": (
         "class LeaseDesk:\n    def __init__(self):\n        self.held = {}\n\n"
         "    def grant(self): ...\n"
@@ -53,10 +53,10 @@ Components, wired by `service.run_replay` (stale) through `leases.LeaseDesk`:
     "replay/service.py": '''"""A module.
 
 Stale: `asyncrl.no_such_module.thing`, `replay.leases.LeaseDesk.no_such_method`,
-`asyncrl.advantages.ESTIMATORS` (imported there, not declared), `replay.no_such_key`,
+`asyncrl.algorithms.advantages.ESTIMATORS` (imported there, not declared), `replay.no_such_key`,
 `engine.py` and configs/no_such.yaml.
 Valid: `asyncrl.config.Config`, `replay.leases.LeaseDesk.grant`, `replay.leases.LeaseDesk.held`,
-`asyncrl.estimators.ESTIMATORS`, `replay.max_staleness=2`, `replay.kwargs.any`, `asyncrl.tasks`,
+`asyncrl.algorithms.estimators.ESTIMATORS`, `replay.max_staleness=2`, `replay.kwargs.any`, `asyncrl.tasks`,
 `leases.py`, configs/default.yaml and docs/pipeline.md.
 Not names of the repository: runs/x/gone.jsonl, RUN_DIR/failed_groups.jsonl, $OUT/a.json,
 `replay.msgpack`, the data source `asyncrl/arith`, vllm/worker/worker.py, `trainer.Learner`,
@@ -89,7 +89,7 @@ def test_planted_stale_names_are_reported_with_their_line(tmp_path):
         ("replay/__init__.py", 5, "engines/"),
         ("replay/service.py", 3, "asyncrl.no_such_module.thing"),
         ("replay/service.py", 3, "replay.leases.LeaseDesk.no_such_method"),
-        ("replay/service.py", 4, "asyncrl.advantages.ESTIMATORS"),
+        ("replay/service.py", 4, "asyncrl.algorithms.advantages.ESTIMATORS"),
         ("replay/service.py", 4, "replay.no_such_key"),
         ("replay/service.py", 5, "engine.py"),
         ("replay/service.py", 5, "configs/no_such.yaml"),

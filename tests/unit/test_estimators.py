@@ -1,4 +1,4 @@
-"""Advantage estimators are declared once (`asyncrl.estimators.ESTIMATORS`), and config
+"""Advantage estimators are declared once (`asyncrl.algorithms.estimators.ESTIMATORS`), and config
 validation, the learner's dispatch and the rollout servers all read that declaration: a new
 estimator is one registration."""
 
@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.advantages import ESTIMATORS, AdvantageInputs, compute_advantages, estimator
+from asyncrl.algorithms.advantages import ESTIMATORS, AdvantageInputs, compute_advantages, estimator
 from asyncrl.config import ConfigError, load_config
-from asyncrl.protocol import ChatMessage, PromptItem
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.protocol import ChatMessage, PromptItem
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.server import RolloutServer
 

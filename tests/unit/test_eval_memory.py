@@ -9,11 +9,11 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from asyncrl.auth import MAX_AUTH_FRAME
-from asyncrl.codec import decode, encode
 from asyncrl.config import Config
-from asyncrl.protocol import ChatMessage, PromptItem, Trajectory
-from asyncrl.replay_client import EVAL_PART_BYTES, eval_parts
+from asyncrl.wire.auth import MAX_AUTH_FRAME
+from asyncrl.wire.codec import decode, encode
+from asyncrl.wire.protocol import ChatMessage, PromptItem, Trajectory
+from asyncrl.wire.replay_client import EVAL_PART_BYTES, eval_parts
 from replay.eval_jobs import EvalForbidden, EvalJobs, EvalQuotaExceeded, job_charge, json_nodes
 
 

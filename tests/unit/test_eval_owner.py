@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from asyncrl.protocol import PromptItem
+from asyncrl.wire.protocol import PromptItem
 from replay.eval_jobs import EvalForbidden, EvalJobs
 
 JOB = "eval-20260101-120000-4242"  # guessable: a time and a pid

@@ -257,7 +257,7 @@ def test_block_mask_is_built_once_under_fsdp_mixed_precision(tmp_path, monkeypat
 
     import torch.distributed as dist
 
-    from asyncrl.transport import free_port
+    from asyncrl.wire.sockets import free_port
     from learner.fsdp import setup_model
 
     _tiny_llama("sdpa").save_pretrained(tmp_path)

@@ -5,8 +5,8 @@ import socket
 
 import pytest
 
-from asyncrl import transport
-from asyncrl.transport import PORT_FLOOR, free_port, free_ports
+from asyncrl.wire import sockets as transport
+from asyncrl.wire.sockets import PORT_FLOOR, free_port, free_ports
 
 
 def test_ports_are_distinct_bindable_and_below_the_ephemeral_range(monkeypatch):

@@ -9,8 +9,8 @@ from collections import Counter
 
 import pytest
 
-from asyncrl.codec import ProtocolError, decode, encode, registered_types
-from asyncrl.protocol import CheckpointRequest
+from asyncrl.wire.codec import ProtocolError, decode, encode, registered_types
+from asyncrl.wire.protocol import CheckpointRequest
 
 
 @pytest.fixture

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from asyncrl.config import Config, load_config
-from asyncrl.protocol import ChatMessage, LeaseRequest, PromptItem, Trajectory
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.protocol import ChatMessage, LeaseRequest, PromptItem, Trajectory
 from replay.buffer import GroupBuffer, MalformedTrajectory
 from replay.eval_jobs import EvalJobs
 from replay.leases import LeaseDesk
@@ -291,7 +291,7 @@ def test_the_failures_in_a_row_that_stop_a_server_allow_for_retries(tmp_path):
 
 def test_an_evaluation_leaves_out_a_prompt_given_up_and_counts_it():
     from asyncrl.evaluation import run_eval_job
-    from asyncrl.protocol import EvalResults
+    from asyncrl.wire.protocol import EvalResults
 
     class _Replay:
         def submit_eval(self, job_id, prompts) -> None:

@@ -12,7 +12,7 @@ import pytest
 from fake_trajectories import one_token_trajectory
 
 from asyncrl.config import Config
-from asyncrl.protocol import Batch, BatchRequest, LeaseRequest, PromptItem
+from asyncrl.wire.protocol import Batch, BatchRequest, LeaseRequest, PromptItem
 from learner.leader import zero_variance_groups
 from replay.access import Peer
 from replay.service import ReplayService, setup_replay_service

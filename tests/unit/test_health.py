@@ -15,7 +15,7 @@ from fake_fleets import Clock, FakeFleet, FakeMember, restart_records
 from asyncrl.config import Config
 from asyncrl.launch.fleet import LaunchError, raise_on_failure
 from asyncrl.launch.restarts import ServerRestarts
-from asyncrl.protocol import LeaseRequest, ServerHealth, Trajectory
+from asyncrl.wire.protocol import LeaseRequest, ServerHealth, Trajectory
 from replay.buffer import GroupBuffer
 from replay.eval_jobs import EvalJobs
 from replay.health import HEALTH_COUNTERS, FleetHealth
@@ -97,8 +97,8 @@ def test_the_replay_refreshes_a_server_on_its_lease_requests_and_samples(monkeyp
     """Wired in `ReplayService`: a server whose heartbeats stop but whose lease requests and
     samples keep coming is not declared dead; once everything stops, it is."""
     import replay.service
-    from asyncrl.auth import new_secret
-    from asyncrl.protocol import Heartbeat, Trajectories
+    from asyncrl.wire.auth import new_secret
+    from asyncrl.wire.protocol import Heartbeat, Trajectories
     from replay.access import Peer
 
     clock = FakeTime()
@@ -354,7 +354,7 @@ def test_a_dead_servers_validation_prompts_are_leased_again():
     """Validation groups leased to a server that dies go back to the front of the queue (they
     would otherwise wait for it forever and the learner's validation would time out); slots it
     already filled stay filled, and its late samples are answered `late`, not taken."""
-    from asyncrl.protocol import ChatMessage, PromptItem
+    from asyncrl.wire.protocol import ChatMessage, PromptItem
 
     jobs = EvalJobs(60.0)
     prompts = [

@@ -11,7 +11,7 @@ import pytest
 from fake_trajectories import one_token_trajectory
 
 from asyncrl.config import Config
-from asyncrl.protocol import (
+from asyncrl.wire.protocol import (
     Batch,
     BatchRequest,
     Heartbeat,

@@ -16,10 +16,10 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.learner_config import LearnerConfig
-from asyncrl.sync_group import SyncGroup
-from asyncrl.transport import free_port
-from asyncrl.weight_sync import WeightBroadcaster, specs_of
+from asyncrl.config.learner import LearnerConfig
+from asyncrl.weights.group import SyncGroup
+from asyncrl.weights.sync import WeightBroadcaster, specs_of
+from asyncrl.wire.sockets import free_port
 from learner.delivery import delivery_probe
 from rollout_servers.engines.base import (
     DeliveryError,

@@ -1,6 +1,7 @@
 """The layout rules of docs/architecture.md, checked on the source with `ast` (nothing is imported).
 
-Layers: the core (`asyncrl/*.py`) <- the fleets (`rollout_servers`, `replay`, `learner`,
+Layers: the core (`asyncrl/` but for the three sub-packages below; its parts ordered by
+`CORE_ORDER`) <- the fleets (`rollout_servers`, `replay`, `learner`,
 `reward_models`) <- the launch layer (`asyncrl.launch`). Around them: the demo (`asyncrl.demo`)
 and analysis (`asyncrl.analysis`). Every import counts: module level, inside functions, and under
 `TYPE_CHECKING`.
@@ -115,6 +116,41 @@ ALLOWED = {
 """Which layers each layer may import."""
 
 
+CORE_ORDER = ("base", "wire", "algorithms", "data", "config", "placement", "run_spec", "weights")
+"""The core's parts, lowest first: each imports only itself and the parts before it, so no import
+runs back up and no two parts form a circle. `base` is the modules every part may use."""
+CORE_BASE = {"registry", "dtypes", "cpu", "trace", "metrics", "loggers", "checkpoints"}
+CORE_TOP = {"evaluation"}
+"""Core modules above every part (the evaluation job reads the config, data and the wire)."""
+
+
+def core_part(module: str) -> str:
+    """The part of the core (`CORE_ORDER`, `CORE_TOP`) a core module belongs to."""
+    part = module.split(".")[1]
+    return "base" if part in CORE_BASE else part
+
+
+def core_violations(graph: dict[str, set[str]]) -> list[str]:
+    """Imports between core parts that run against `CORE_ORDER`, and core modules in no part."""
+    found = []
+    for src, targets in sorted(graph.items()):
+        if layer(src) != "core":
+            continue
+        part = core_part(src)
+        if part in CORE_TOP:
+            continue
+        if part not in CORE_ORDER:
+            found.append(f"{src} is in no part of the core (CORE_ORDER)")
+            continue
+        for dst in sorted(targets):
+            other = core_part(dst)
+            if layer(dst) == "core" and (
+                other in CORE_TOP or CORE_ORDER.index(other) > CORE_ORDER.index(part)
+            ):
+                found.append(f"{src} ({part}) imports {dst} ({other}), a later part")
+    return found
+
+
 def layer_violations(graph: dict[str, set[str]]) -> list[str]:
     return [
         f"{src} ({layer(src)}) imports {dst} ({layer(dst)})"
@@ -132,6 +168,22 @@ def test_layers_import_only_what_they_may():
     assert layer_violations(import_graph()) == []
 
 
+def test_the_core_parts_import_only_earlier_parts():
+    assert core_violations(import_graph()) == []
+
+
+def test_the_core_rule_catches_an_import_running_back_up():
+    bad = {
+        "asyncrl.wire.codec": {"asyncrl.config"},  # the wire reading the config
+        "asyncrl.config": {"asyncrl.weights.sync"},
+        "asyncrl.data.rows": {"asyncrl.evaluation"},
+        "asyncrl.stray": set(),
+    }
+    fine = {"asyncrl.weights.sync": {"asyncrl.config", "asyncrl.wire.codec", "asyncrl.registry"}}
+    assert len(core_violations(bad)) == 4
+    assert core_violations(fine) == []
+
+
 def test_the_checks_catch_what_they_are_for():
     """The rules fail on a circle, a core module importing a fleet, a fleet importing another
     fleet, and production code importing the demo."""
@@ -140,8 +192,8 @@ def test_the_checks_catch_what_they_are_for():
     bad = {
         "asyncrl.config": {"replay.buffer"},
         "learner.trainer": {"replay.prompts"},
-        "rollout_servers.rewards": {"asyncrl.demo.tasks"},
-        "asyncrl.protocol": {"asyncrl.launch.cli"},
+        "rollout_servers.rewards.functions": {"asyncrl.demo.tasks"},
+        "asyncrl.wire.protocol": {"asyncrl.launch.cli"},
         "asyncrl.launch.cli": {"learner.trainer", "asyncrl.demo.tasks"},
         "asyncrl.metrics": {"asyncrl"},  # the core reaching the entry point
     }
@@ -152,12 +204,17 @@ def test_import_graph_sees_every_kind_of_import(tmp_path):
     src = tmp_path / "m.py"
     src.write_text(
         "from typing import TYPE_CHECKING\n"
-        "import asyncrl.codec\n"
+        "import asyncrl.wire.codec\n"
         "if TYPE_CHECKING:\n    from replay import buffer\n"
         "def f():\n    from learner.losses import aggregate_loss\n"
     )
-    modules = {"asyncrl.codec", "replay.buffer", "learner.losses", "replay"}
-    assert _imports(src, modules) == {"asyncrl.codec", "replay.buffer", "learner.losses", "replay"}
+    modules = {"asyncrl.wire.codec", "replay.buffer", "learner.losses", "replay"}
+    assert _imports(src, modules) == {
+        "asyncrl.wire.codec",
+        "replay.buffer",
+        "learner.losses",
+        "replay",
+    }
 
 
 def _long_functions(path: Path) -> list[str]:
@@ -185,7 +242,7 @@ def test_files_and_functions_stay_readable(top):
 
 def test_importing_the_package_or_a_core_module_does_not_load_the_launch_layer():
     code = (
-        "import sys, asyncrl, asyncrl.config, asyncrl.protocol\n"
+        "import sys, asyncrl, asyncrl.config, asyncrl.wire.protocol\n"
         "loaded = sorted(m for m in sys.modules if m.startswith('asyncrl.launch'))\n"
         "assert not loaded, loaded\n"
         "assert callable(asyncrl.run)"

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 
 from asyncrl.config import load_config
-from asyncrl.protocol import EvalResults
+from asyncrl.wire.protocol import EvalResults
 from learner.leader import Leader
 
 

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncrl.config import load_config
-from asyncrl.protocol import Batch
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.protocol import Batch
 from learner.coordinator import Coordinator, Follower, StepOutcome, Weights
 from learner.leader import step_record
 from learner.trainer import Learner

@@ -61,8 +61,8 @@ def test_a_replay_that_never_answers_stops_everything_that_was_started(tmp_path,
 def test_reward_model_servers_start_after_the_replay_with_the_run_secret(tmp_path, monkeypatch):
     """With `reward.model.path`, each reward-model server gets an address of its own in the
     spec (the rollout servers read it there) and the run secret (it checks every role's key)."""
-    from asyncrl.auth import KEY_ENV, SECRET_ENV
     from asyncrl.run_spec import RunSpec
+    from asyncrl.wire.auth import KEY_ENV, SECRET_ENV
 
     model = tmp_path / "rm"
     model.mkdir()

@@ -12,11 +12,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.learner_config import LearnerConfig, LoraConfig
-from asyncrl.lora import adapter_specs
-from asyncrl.sync_group import SyncGroup
-from asyncrl.transport import free_port
-from asyncrl.weight_sync import WeightBroadcaster, specs_of
+from asyncrl.config.learner import LearnerConfig, LoraConfig
+from asyncrl.weights.group import SyncGroup
+from asyncrl.weights.lora import adapter_specs
+from asyncrl.weights.sync import WeightBroadcaster, specs_of
+from asyncrl.wire.sockets import free_port
 from learner.delivery import delivery_probe, wants_probe
 from learner.lora import (
     adapter_sync_specs,
@@ -205,7 +205,7 @@ def test_vllm_versions_reload_whole_fused_layers_merged_where_adapted(model_path
     a LoRA version on q alone must also carry k and v, at their base values."""
     from safetensors.torch import load_file
 
-    from asyncrl.lora import merged_weight
+    from asyncrl.weights.lora import merged_weight
     from rollout_servers.engines.vllm_lora import MergedVersions, fused_modules
 
     layer = "model.layers.0"

@@ -1,4 +1,4 @@
-"""DAPO's overlong shaping (`reward.overlong_buffer`, `rollout_servers.overlong`): verl's formula
+"""DAPO's overlong shaping (`reward.overlong_buffer`, `rollout_servers.rewards.overlong`): verl's formula
 on values worked out by hand, the budget each agent loop gets, and a server that adds the
 penalty to the reward and logs it apart from the task reward."""
 
@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from asyncrl.config import ConfigError, load_config
-from asyncrl.protocol import ChatMessage, PromptItem
-from asyncrl.reward_config import response_budget
+from asyncrl.config.reward import response_budget
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.protocol import ChatMessage, PromptItem
 from rollout_servers.agents.base import AgentResult
-from rollout_servers.overlong import overlong_reward
+from rollout_servers.rewards.overlong import overlong_reward
 from rollout_servers.server import RolloutServer
 
 

@@ -101,7 +101,7 @@ def test_activation_checkpointing_recomputes_layers_in_the_backward(tmp_path, mo
     import torch.distributed as dist
 
     from asyncrl.config import LearnerConfig
-    from asyncrl.transport import free_port
+    from asyncrl.wire.sockets import free_port
     from learner.fsdp import setup_model
 
     config = _tiny_config()

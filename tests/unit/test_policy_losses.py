@@ -1,4 +1,4 @@
-"""Policy losses are declared once (`asyncrl.policy_losses.POLICY_LOSSES`): config validation
+"""Policy losses are declared once (`asyncrl.algorithms.policy_losses.POLICY_LOSSES`): config validation
 and the learner's update read that declaration, so a new loss is one `@policy_loss`."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from asyncrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs, policy_loss
 from asyncrl.config import AlgorithmConfig, ConfigError, LearnerConfig, load_config
-from asyncrl.policy_losses import POLICY_LOSSES, PolicyLossInputs, policy_loss
 from learner.losses import gspo_policy_loss, importance_weights, ppo_policy_loss
 from learner.update import UpdateInputs, Updater
 

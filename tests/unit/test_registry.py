@@ -8,7 +8,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from asyncrl.data import TASKS, setup_task
+from asyncrl.data.prompts import TASKS, setup_task
 from asyncrl.registry import Registry, import_object
 
 
@@ -64,12 +64,12 @@ def test_import_object_names_the_path_whatever_is_wrong_with_it():
 
 
 def test_estimators_and_reward_workers_import_through_the_same_helper():
-    from asyncrl.estimators import ESTIMATORS, Estimator
-    from rollout_servers.reward_computer import _resolve
+    from asyncrl.algorithms.estimators import ESTIMATORS, Estimator
+    from rollout_servers.rewards.computer import _resolve
 
     assert ESTIMATORS["grpo"].function().__name__ == "_grpo"  # declared by import path
-    with pytest.raises(ValueError, match="'asyncrl.advantages:_nothing'"):
-        Estimator("toy", "asyncrl.advantages:_nothing", "sequence").function()
+    with pytest.raises(ValueError, match="'asyncrl.algorithms.advantages:_nothing'"):
+        Estimator("toy", "asyncrl.algorithms.advantages:_nothing", "sequence").function()
     assert _resolve(("module", "json", "dumps")) is __import__("json").dumps
     with pytest.raises(ValueError, match="cannot import 'no_such_module_x'"):
         _resolve(("module", "no_such_module_x", "score"))
@@ -93,7 +93,7 @@ def test_the_demo_plugs_in_through_entry_points_like_any_package():
     assert rewards["asyncrl/arith"] == "asyncrl.demo.tasks:arith_score"
     from asyncrl.config import DataConfig
     from asyncrl.demo.tasks import ArithmeticTask, ToolArithmeticTask, arith_score
-    from rollout_servers.rewards import REWARD_FNS
+    from rollout_servers.rewards.functions import REWARD_FNS
 
     assert {"arith", "arith_tool"} <= set(TASKS.names())
     assert setup_task(DataConfig(task="arith", task_max_operand=5, seed=3)) == ArithmeticTask(5, 3)

@@ -12,10 +12,10 @@ import time
 
 import pytest
 
-from asyncrl.auth import SYNC_KEY_ENV
 from asyncrl.config import load_config
-from asyncrl.protocol import PromptItem
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.auth import SYNC_KEY_ENV
+from asyncrl.wire.protocol import PromptItem
 from rollout_servers.engines.base import AppliedVersion
 from rollout_servers.server import RolloutServer
 

@@ -14,11 +14,11 @@ from dataclasses import dataclass, field
 import pytest
 from fake_fleets import restart_records
 
-from asyncrl.auth import new_secret, role_key
 from asyncrl.config import Config
 from asyncrl.launch.fleet import LaunchError, replay_health
 from asyncrl.launch.restarts import HEALTHY_RESET_TIMEOUTS, ServerRestarts
-from asyncrl.protocol import ServerHealth
+from asyncrl.wire.auth import new_secret, role_key
+from asyncrl.wire.protocol import ServerHealth
 from replay.service import setup_replay_service
 
 

@@ -1,5 +1,5 @@
 """How a rollout server combines the rule reward with the reward model's score
-(`rollout_servers.reward_combination.CombinedReward`), with fakes for both scorers: the
+(`rollout_servers.rewards.combination.CombinedReward`), with fakes for both scorers: the
 weighted sum (values by hand), a user's combine function, its failures scored 0 and counted,
 the rule logged but left out at rule_weight=0, and skipped where the data source has none."""
 
@@ -10,9 +10,9 @@ from collections import Counter
 import pytest
 
 from asyncrl.config import Config
-from asyncrl.protocol import ChatMessage, PromptItem
-from asyncrl.protocol_rewards import ScoreItem
-from rollout_servers.reward_combination import CombinedReward
+from asyncrl.wire.protocol import ChatMessage, PromptItem
+from asyncrl.wire.reward_protocol import ScoreItem
+from rollout_servers.rewards.combination import CombinedReward
 
 
 class FakeRules:
@@ -108,7 +108,7 @@ def test_a_missing_combine_file_fails_at_start_up(tmp_path):
 
 def test_the_shipped_probability_combine_squashes_the_logit_without_overflow():
     from asyncrl.config import CONFIG_DIR
-    from rollout_servers.rewards import load_custom_reward
+    from rollout_servers.rewards.functions import load_custom_reward
 
     combine = load_custom_reward(CONFIG_DIR / "rewards" / "model_probability.py", "combine")
     assert combine(1.0, 0.0, "s", {}) == 0.5

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from pydantic import ValidationError
 
-from asyncrl.reward_config import RewardModelConfig
+from asyncrl.config.reward import RewardModelConfig
 from asyncrl.run_spec import RunSpec
 
 

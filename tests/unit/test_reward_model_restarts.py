@@ -11,7 +11,7 @@ from fake_fleets import Clock, FakeFleet, FakeMember, restart_records
 from asyncrl.config import Config
 from asyncrl.launch.fleet import LaunchError
 from asyncrl.launch.restarts import ServerRestarts
-from asyncrl.protocol import ServerHealth
+from asyncrl.wire.protocol import ServerHealth
 
 
 def _with_reward_models(tmp_path, health=(), **launch):

@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, LlamaForSequenceClassification
 
+from asyncrl.config.reward import RewardModelConfig
 from asyncrl.demo.tiny_model import CHAT_TEMPLATE, build_tokenizer
-from asyncrl.protocol import ChatMessage
-from asyncrl.protocol_rewards import ScoreItem
-from asyncrl.reward_config import RewardModelConfig
+from asyncrl.wire.protocol import ChatMessage
+from asyncrl.wire.reward_protocol import ScoreItem
 from reward_models.scorers import (
     ClassifierScorer,
     JudgeScorer,

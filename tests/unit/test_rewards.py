@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout_servers.reward_computer import RewardComputer
-from rollout_servers.rewards import (
+from rollout_servers.rewards.computer import RewardComputer
+from rollout_servers.rewards.functions import (
     REWARD_FNS,
     gsm8k_reward_fn,
     last_boxed_answer,

@@ -1,4 +1,4 @@
-"""The sealed view of the weight-sync store (`asyncrl.sealed_store`) on torch's in-memory
+"""The sealed view of the weight-sync store (`asyncrl.weights.sealed_store`) on torch's in-memory
 HashStore: what a keyless writer or reader of the same store can and cannot do to a join.
 The same over a real TCPStore with a learner and a server joining: tests/integration/
 test_sync_store_keys.py."""
@@ -11,10 +11,10 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from asyncrl.auth import role_key, server_role, sync_key
-from asyncrl.sealed_store import MAX_VALUE, SealedStore
-from asyncrl.sync_group import answer, learner_member_store, member_store, read_place
-from asyncrl.weight_transport import SyncAnswer, pack_message, place_of, unpack_message
+from asyncrl.weights.group import answer, learner_member_store, member_store, read_place
+from asyncrl.weights.sealed_store import MAX_VALUE, SealedStore
+from asyncrl.weights.transports import SyncAnswer, pack_message, place_of, unpack_message
+from asyncrl.wire.auth import role_key, server_role, sync_key
 
 SECRET = bytes(range(32))
 LEARNER = role_key(SECRET, "learner")

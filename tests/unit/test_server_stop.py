@@ -10,10 +10,10 @@ import asyncio
 import time
 from concurrent.futures import CancelledError
 
-from asyncrl.auth import SYNC_KEY_ENV
 from asyncrl.config import load_config
 from asyncrl.metrics import read_jsonl
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.auth import SYNC_KEY_ENV
 from rollout_servers.engines.base import AppliedVersion
 from rollout_servers.server import RECEIVER_FINISH_S, RolloutServer
 

@@ -251,7 +251,7 @@ class FakeEngine:
 
 def test_agent_samples_the_same_lengths_for_the_same_row(tools, monkeypatch):
     from asyncrl.demo.tiny_model import build_tokenizer
-    from asyncrl.protocol import ChatMessage, PromptItem
+    from asyncrl.wire.protocol import ChatMessage, PromptItem
     from rollout_servers.engines.base import SamplingParams
 
     agents = tools[2]

@@ -10,8 +10,8 @@ import time
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.protocol import ChatMessage, PromptItem
 from asyncrl.run_spec import RunSpec
+from asyncrl.wire.protocol import ChatMessage, PromptItem
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.server import RolloutServer
 

@@ -10,10 +10,10 @@ from collections import Counter
 import pytest
 import torch
 
-from asyncrl.auth import role_key
 from asyncrl.config import Config
-from asyncrl.protocol import DeclareDead, Heartbeat, LeaseRequest, ServerHealth
-from asyncrl.transport import free_port
+from asyncrl.wire.auth import role_key
+from asyncrl.wire.protocol import DeclareDead, Heartbeat, LeaseRequest, ServerHealth
+from asyncrl.wire.sockets import free_port
 from learner.sync_fleet import SyncFleet
 from replay.health import FleetHealth
 
@@ -34,7 +34,7 @@ def test_the_learner_declares_only_the_epoch_alive_dead():
 
 
 def test_the_replay_takes_back_the_leases_of_a_server_the_learner_declares_dead():
-    from asyncrl.auth import new_secret
+    from asyncrl.wire.auth import new_secret
     from replay.access import Peer
     from replay.service import setup_replay_service
 

@@ -12,9 +12,9 @@ from typing import Any, Literal
 
 import pytest
 
+from asyncrl.config.rollout import ToolAgentConfig
 from asyncrl.demo.tiny_model import CHAT_TEMPLATE, build_tokenizer
-from asyncrl.protocol import ChatMessage, PromptItem
-from asyncrl.rollout_config import ToolAgentConfig
+from asyncrl.wire.protocol import ChatMessage, PromptItem
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.agents.interactions import (
     Gsm8kRetryInteraction,

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from asyncrl.data import render_prompt_ids
+from asyncrl.data.prompts import render_prompt_ids
 from asyncrl.demo.tasks import (
     ARITH_TOOL_SOURCE,
     ArithmeticTask,
@@ -16,7 +16,7 @@ from asyncrl.demo.tasks import (
 from asyncrl.demo.tiny_model import build_tokenizer, render_conversation
 from rollout_servers.agents.tool_agent import TurnRenderer, parse_tool_calls
 from rollout_servers.agents.tools import evaluate_expression
-from rollout_servers.rewards import REWARD_FNS
+from rollout_servers.rewards.functions import REWARD_FNS
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,11 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from asyncrl.codec import ProtocolError, encode
+from asyncrl.config.learner import LoraConfig
 from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
-from asyncrl.learner_config import LoraConfig
-from asyncrl.lora import adapter_specs, adapter_targets
-from asyncrl.weight_sync import ParamSpec, specs_of
+from asyncrl.weights.lora import adapter_specs, adapter_targets
+from asyncrl.weights.sync import ParamSpec, specs_of
+from asyncrl.wire.codec import ProtocolError, encode
 from rollout_servers.engines.base import SyncTarget
 from rollout_servers.engines.vllm_join import (
     JoinWeightSync,

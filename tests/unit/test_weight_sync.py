@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from asyncrl.weight_sync import ParamSpec, layout_hash, plan_buckets, specs_of, weights_checksum
+from asyncrl.weights.sync import ParamSpec, layout_hash, plan_buckets, specs_of, weights_checksum
 
 
 def test_buckets_respect_size_and_dtype_and_keep_order():
@@ -38,11 +38,11 @@ def test_sync_reuses_released_staging_and_never_overwrites_an_unreleased_version
     so version 3 lands in its memory (gloo: the receiver's staging; shm: the learner's slot)."""
     import threading
 
-    from asyncrl.delivery_probe import PROBE_LEN, DeliveryProbe
-    from asyncrl.sync_group import SyncGroup
-    from asyncrl.transport import free_port
-    from asyncrl.weight_receiver import WeightReceiver
-    from asyncrl.weight_sync import WeightBroadcaster
+    from asyncrl.weights.group import SyncGroup
+    from asyncrl.weights.probe import PROBE_LEN, DeliveryProbe
+    from asyncrl.weights.receiver import WeightReceiver
+    from asyncrl.weights.sync import WeightBroadcaster
+    from asyncrl.wire.sockets import free_port
 
     shapes = {"a": (8,), "b": (8,), "c": (8,), "big": (64,), "d": (8,)}
     dtypes = {"d": torch.int64}
@@ -90,8 +90,8 @@ def test_a_dead_servers_cuda_slot_waits_for_its_next_epoch_and_goes_at_shutdown(
     """torch never frees a CUDA block an importer that died still held open: rather than leak
     a version of GPU memory per restart, the learner keeps a dead epoch's CUDA slot and gives
     it to the same server's next epoch; at shutdown every slot goes."""
-    import asyncrl.weight_sync as weight_sync
-    from asyncrl.weight_transport import CudaSlot
+    import asyncrl.weights.sync as weight_sync
+    from asyncrl.weights.transports import CudaSlot
 
     class FakeCudaSlot(CudaSlot):  # the bookkeeping of a CUDA slot, in host memory
         def __init__(self, nbytes: int, device: torch.device):

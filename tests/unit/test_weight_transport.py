@@ -10,10 +10,9 @@ import sys
 import pytest
 import torch
 
-from asyncrl.codec import ProtocolError
-from asyncrl.shm_segments import SHM_DIR, sweep_dead_segments
-from asyncrl.weight_layout import Bucket, ParamSpec
-from asyncrl.weight_transport import (
+from asyncrl.weights.layout import Bucket, ParamSpec
+from asyncrl.weights.shm import SHM_DIR, sweep_dead_segments
+from asyncrl.weights.transports import (
     ALIGN,
     HostSlot,
     SlotHandle,
@@ -28,6 +27,7 @@ from asyncrl.weight_transport import (
     slot_offsets,
     unpack_message,
 )
+from asyncrl.wire.codec import ProtocolError
 
 GB = 2**30
 
@@ -142,7 +142,7 @@ def test_the_sweep_removes_only_what_dead_processes_of_ours_left():
     namespace's stay (its pids are not ours); CUDA's and torch's files go only for a process
     the caller started; a hostile name (a pid no kernel has) neither crashes the sweep nor
     goes."""
-    from asyncrl.shm_segments import _pid_ns
+    from asyncrl.weights.shm import _pid_ns
 
     out = subprocess.run(
         [sys.executable, "-c", "import os; print(os.getpid())"],

@@ -15,7 +15,7 @@ Components, in the order a campaign uses them:
   message that caused it, and the process ends.
 - `clients`: many DEALER identities, a window of unanswered messages, every answer counted;
   `prepare` / `unwrap` hooks for signing what is sent and checking what comes back.
-- `auth_hooks`: those hooks for a replay that authenticates every message (`asyncrl.auth`):
+- `auth_hooks`: those hooks for a replay that authenticates every message (`asyncrl.wire.auth`):
   fuzz messages signed with a role allowed to send them, one in ten with a forged signature.
 - `checks`: the accounting invariant and a real lease -> samples -> batch round trip.
 - `campaign`: the loop that ties them together and the `Report` it returns.

@@ -1,6 +1,6 @@
 """Signing what the fuzzer sends, for a replay that authenticates every message.
 
-When the checkout has `asyncrl.auth` (an HMAC authentication frame before every message, one
+When the checkout has `asyncrl.wire.auth` (an HMAC authentication frame before every message, one
 key per role), a campaign makes a run secret, gives it to the replay process, and uses:
 
 - `sign` for its own traffic (the stats it reads, the round trip): each message signed with the
@@ -21,9 +21,9 @@ from typing import Any
 
 import msgpack
 
-from asyncrl import auth
-from asyncrl.auth import SECRET_ENV
-from asyncrl.codec import ProtocolError, registered_types
+from asyncrl.wire import auth
+from asyncrl.wire.auth import SECRET_ENV
+from asyncrl.wire.codec import ProtocolError, registered_types
 from replay.access import PERMISSIONS
 
 from .clients import Frames, Hook

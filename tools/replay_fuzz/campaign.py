@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from asyncrl import protocol as P
 from asyncrl.config import Config
+from asyncrl.wire import protocol as P
 
 from .auth_hooks import setup_auth
 from .cases import Case, generate_case, writes_outside

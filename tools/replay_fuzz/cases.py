@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from asyncrl import protocol as P
-from asyncrl.codec import decode, encode, registered_types
+from asyncrl.wire import protocol as P
+from asyncrl.wire.codec import decode, encode, registered_types
 
 from .examples import Context, valid_message
 from .mutations import Frames, mutate_arrays, mutate_bytes, mutate_frames, mutate_header

@@ -1,7 +1,7 @@
 """What a campaign checks at the end: every message accounted for, and real work still works.
 
 `check_accounting` is the replay's invariant `received == handled + sum(rejected_*) +
-handler_errors` (`asyncrl.endpoint`, `asyncrl.endpoint.OUTCOMES`), with no handler error, and every message sent received.
+handler_errors` (`asyncrl.wire.router`, `asyncrl.wire.router.OUTCOMES`), with no handler error, and every message sent received.
 `round_trip` does what a rollout server and the learner do: lease, send samples, take a batch.
 """
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from asyncrl import protocol as P
-from asyncrl.endpoint import accounted
+from asyncrl.wire import protocol as P
+from asyncrl.wire.router import accounted
 from replay.counters import OUTCOMES
 
 

@@ -33,8 +33,8 @@ from typing import Any
 
 import msgpack
 
-from asyncrl.auth import secret_from_env
 from asyncrl.config import Config
+from asyncrl.wire.auth import secret_from_env
 from replay.components import setup_replay_components
 from replay.service import ReplayService
 

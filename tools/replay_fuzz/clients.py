@@ -26,7 +26,7 @@ from typing import Any
 
 import zmq
 
-from asyncrl.codec import ProtocolError, decode, encode
+from asyncrl.wire.codec import ProtocolError, decode, encode
 
 Frames = list[bytes]
 Hook = Callable[[Frames], Frames]

@@ -2,13 +2,13 @@
 
 Every registered type gets a valid example built from its annotations (ints, floats, strings,
 literals, lists, maps, nested structs such as `PromptItem` and `ChatMessage`, free-form JSON
-objects, arrays of the declared dtype), so a type added to `asyncrl.protocol` is fuzzed without
+objects, arrays of the declared dtype), so a type added to `asyncrl.wire.protocol` is fuzzed without
 touching this file. The requests the replay accepts get builders that know what the fuzzer has
 learned of the live replay (`Context`: the groups it was leased, the evaluation jobs it
 submitted, the version it published), so valid traffic does real work: leases are granted,
 groups complete, batches are served, evaluation jobs collect samples.
 
-Invariant: `valid_message` returns a message that `asyncrl.codec.decode(encode(msg))` accepts
+Invariant: `valid_message` returns a message that `asyncrl.wire.codec.decode(encode(msg))` accepts
 (tests/unit/test_fuzz_messages.py checks it for every registered type and many seeds).
 """
 
@@ -27,8 +27,8 @@ from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 
 import numpy as np
 
-from asyncrl import protocol as P
-from asyncrl.codec import ProtocolError
+from asyncrl.wire import protocol as P
+from asyncrl.wire.codec import ProtocolError
 from replay.buffer import to_batch
 
 MAX_KNOWN = 256  # groups and jobs remembered (oldest forgotten first)
@@ -97,7 +97,7 @@ def field_types(cls: type) -> dict[str, Any]:
 
 
 def array_dtype(tp: Any) -> str | None:
-    """The dtype of an array annotation (`asyncrl.codec.Int32Array`, ...), None for any other annotation."""
+    """The dtype of an array annotation (`asyncrl.wire.codec.Int32Array`, ...), None for any other annotation."""
     if get_origin(tp) is Annotated:
         meta = get_args(tp)[1]
         if isinstance(meta, tuple) and meta and meta[0] == "array":

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgpack
 
-from asyncrl.transport import free_port, tcp_address
+from asyncrl.wire.sockets import free_port, tcp_address
 
 ROOT = Path(__file__).resolve().parents[2]
 CHILD = Path(__file__).resolve().parent / "child.py"

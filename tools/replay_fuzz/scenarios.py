@@ -23,8 +23,8 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from asyncrl import protocol as P
-from asyncrl.codec import encode
+from asyncrl.wire import protocol as P
+from asyncrl.wire.codec import encode
 
 from .examples import Context, eval_submit, prompt_item, trajectory
 

@@ -1,0 +1,2 @@
+"""The RL mathematics shared by the learner and its tools: advantage estimators (estimators,
+advantages) and policy losses (policy_losses)."""
