@@ -28,6 +28,7 @@ from transformers import (
 )
 
 from asyncrl.config.reward import RewardModelConfig
+from asyncrl.dtypes import torch_dtype
 from asyncrl.wire.reward_protocol import MAX_SCORE_ERROR_CHARS, ScoreItem
 
 Scored = tuple[float, str]
@@ -245,7 +246,7 @@ def setup_scorer(cfg: RewardModelConfig, device: str) -> Scorer:
     """The scorer `cfg` describes, its model loaded from `cfg.path` onto `device`."""
     if cfg.path is None:
         raise ValueError("reward.model.path is not set: there is no reward model to serve")
-    dtype, where = getattr(torch, cfg.dtype), torch.device(device)
+    dtype, where = torch_dtype(cfg.dtype), torch.device(device)
     tokenizer = AutoTokenizer.from_pretrained(cfg.path)
     # transformers wraps `PreTrainedModel.to` in a decorator its stubs type as unbound
     if cfg.kind == "classifier":

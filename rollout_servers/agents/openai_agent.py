@@ -36,7 +36,6 @@ it reaches the loss. Splitting would train on segments whose context the model n
 from __future__ import annotations
 
 import asyncio
-import importlib
 import inspect
 import logging
 from collections import Counter
@@ -44,6 +43,7 @@ from collections.abc import Callable
 from typing import Any
 
 from asyncrl.config.rollout import OpenAIConfig
+from asyncrl.registry import import_object
 from asyncrl.wire.protocol import PromptItem
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.agents.openai_endpoint import Completion, Episode, OpenAIEndpoint
@@ -67,9 +67,12 @@ TOTAL_KEYS = ("episodes", "agent_errors", "agent_timeouts", "drift", "refused")
 
 
 def load_agent(path: str) -> Callable[..., Any]:
-    """The function at `package.module:function`."""
-    module, _, name = path.partition(":")
-    fn = getattr(importlib.import_module(module), name, None)
+    """The function at `package.module:function` (`asyncrl.registry.import_object`); ValueError
+    naming `rollout.openai.agent` when the path does not import or names no function."""
+    try:
+        fn = import_object(path)
+    except ValueError as e:
+        raise ValueError(f"rollout.openai.agent={path!r}: {e}") from e
     if not callable(fn):
         raise ValueError(f"rollout.openai.agent={path!r} is not a function")
     return fn

@@ -64,11 +64,6 @@ def _insn(code: int, k: int, jt: int = 0, jf: int = 0) -> bytes:
     return struct.pack("=HBBI", code, jt, jf, k)
 
 
-def denied_syscalls(machine: str | None = None) -> dict[str, int]:
-    """The denied system calls of this machine's architecture, by name."""
-    return dict(_DENIED[machine or platform.machine()])
-
-
 def filter_program(machine: str | None = None) -> bytes:
     """The filter as `struct sock_filter` records (8 bytes each), for PR_SET_SECCOMP.
 
