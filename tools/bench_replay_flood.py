@@ -29,10 +29,11 @@ import zmq
 
 from asyncrl.config import Config
 from asyncrl.wire.auth import MAX_AUTH_FRAME, Keyring
-from asyncrl.wire.codec import BYTES_PER_NODE, ProtocolError, encode
+from asyncrl.wire.codec import BYTES_PER_NODE, encode
 from asyncrl.wire.protocol import ChatMessage, EvalSubmit, Heartbeat, PromptItem, StatsRequest
 from asyncrl.wire.replay_client import EVAL_PART_BYTES, eval_parts
 from asyncrl.wire.sockets import decode_signed, free_port, tcp_address
+from asyncrl.wire.validation import ProtocolError
 
 SECRET = bytes(range(32))
 

@@ -14,33 +14,22 @@ Invariants:
   against the dataclass annotations (ints within int64), every array's name, dtype, shape (one
   dimension: every array is a flat vector) and byte length, and last the message's own
   `validate()` (ranges and sizes). Anything else raises `ProtocolError`, which receivers count and answer;
-  they never crash. Error texts quote sender input only through `short_repr`.
+  they never crash. Error texts quote sender input only through `short_repr`. The values' checks
+  and the error live in `asyncrl.wire.validation`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import gc
-import reprlib
-import types
 from collections.abc import Callable
-from typing import (
-    Annotated,
-    Any,
-    ClassVar,
-    Literal,
-    NoReturn,
-    Protocol,
-    TypeVar,
-    Union,
-    get_args,
-    get_origin,
-    get_type_hints,
-)
+from typing import Annotated, Any, ClassVar, Protocol, TypeVar, get_args, get_origin
 
 import msgpack
 import numpy as np
 from typing_extensions import dataclass_transform
+
+from asyncrl.wire.validation import MAX_JSON_DEPTH, ProtocolError, check_value, hints, short_repr
 
 WIRE_VERSION = 1
 
@@ -52,14 +41,9 @@ class _Message(Protocol):
 
 
 _REGISTRY: dict[str, type[_Message]] = {}
-_HINTS: dict[type, dict[str, Any]] = {}
 
 
 _T = TypeVar("_T")
-
-
-class ProtocolError(ValueError):
-    """A message that cannot be decoded; the text says what is wrong with it."""
 
 
 @dataclass_transform(frozen_default=True)
@@ -96,38 +80,18 @@ UInt8Array = Annotated[np.ndarray, ("array", np.dtype("uint8").str)]
 JsonObject = Annotated[dict, ("json",)]
 """Annotation for a free-form JSON object (a dataset row's extra_info): string keys; values
 None, bool, int, float, str, lists and objects, nested at most MAX_JSON_DEPTH deep."""
-MAX_JSON_DEPTH = 32
 MAX_HEADER_DEPTH = MAX_JSON_DEPTH + 8  # message -> fields -> list -> struct -> JsonObject ...
 BYTES_PER_NODE = 4
 """A receiver's bound on a header's values (`decode`'s max_nodes): one per BYTES_PER_NODE bytes
 of its size limit. Checking and holding a value costs the same whatever it weighs, and an empty
 list weighs 1 byte, so a size limit alone lets a message cost ~4x what its bytes suggest (a
 prompt-heavy part of evaluation prompts holds one value per ~6 bytes)."""
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother, _REPR.maxlist, _REPR.maxdict = 3, 80, 80, 6, 6
-
-
-def short_repr(value: Any) -> str:
-    """A bounded repr of sender input, safe to put in an error text or a log line."""
-    return _REPR.repr(value)
 
 
 def check(condition: bool, reason: str) -> None:
     """Raise ProtocolError(reason) unless `condition` (for a message's `validate()`)."""
     if not condition:
         raise ProtocolError(reason)
-
-
-def _hints(cls: type) -> dict[str, Any]:
-    if cls not in _HINTS:
-        _HINTS[cls] = {
-            k: v
-            for k, v in get_type_hints(cls, include_extras=True).items()
-            if get_origin(v) is not ClassVar and v is not ClassVar
-        }
-    return _HINTS[cls]
 
 
 def _array_dtype(tp: Any) -> str | None:
@@ -146,7 +110,7 @@ def encode(msg: Any) -> list[bytes | memoryview]:
     fields: dict[str, Any] = {}
     arrays: list[list[Any]] = []
     frames: list[bytes | memoryview] = []
-    for name, tp in _hints(cls).items():
+    for name, tp in hints(cls).items():
         value = getattr(msg, name)
         dtype = _array_dtype(tp)
         if dtype is None:
@@ -201,12 +165,12 @@ def decode(frames: list[bytes], max_bytes: int | None = None, max_nodes: int | N
     cls = _REGISTRY.get(header["type"]) if isinstance(header["type"], str) else None
     if cls is None:
         raise ProtocolError(f"unknown message type {short_repr(header['type'])}")
-    hints = _hints(cls)
-    array_names = {k for k, tp in hints.items() if _array_dtype(tp) is not None}
+    field_hints = hints(cls)
+    array_names = {k for k, tp in field_hints.items() if _array_dtype(tp) is not None}
     fields, arrays = header["fields"], header["arrays"]
     if not isinstance(fields, dict) or not isinstance(arrays, list):
         raise ProtocolError(f"{cls.TYPE}: fields must be a map and arrays a list")
-    expected = set(hints) - array_names
+    expected = set(field_hints) - array_names
     if set(fields) != expected:
         missing = sorted(expected - set(fields))
         extra = short_repr(sorted(map(repr, set(fields) - expected)))
@@ -216,10 +180,13 @@ def decode(frames: list[bytes], max_bytes: int | None = None, max_nodes: int | N
             f"{cls.TYPE}: expected {len(array_names)} arrays, header lists {len(arrays)}, "
             f"{len(frames) - 1} frames sent"
         )
-    values = {name: _check(fields[name], hints[name], f"{cls.TYPE}.{name}") for name in expected}
+    values = {
+        name: check_value(fields[name], field_hints[name], f"{cls.TYPE}.{name}")
+        for name in expected
+    }
     for spec, frame in zip(arrays, frames[1:], strict=True):
-        values.update(_decode_array(cls, spec, frame, hints, array_names, values))
-    if set(values) != set(hints):
+        values.update(_decode_array(cls, spec, frame, field_hints, array_names, values))
+    if set(values) != set(field_hints):
         raise ProtocolError(f"{cls.TYPE}: arrays {sorted(array_names - set(values))} missing")
     msg = cls(**values)
     validate = getattr(msg, "validate", None)
@@ -257,7 +224,7 @@ def _decode_array(
     cls: type[_Message],
     spec: Any,
     frame: bytes,
-    hints: dict[str, Any],
+    field_hints: dict[str, Any],
     array_names: set[str],
     seen: dict[str, Any],
 ) -> dict[str, np.ndarray]:
@@ -271,7 +238,7 @@ def _decode_array(
     name, dtype, shape = spec
     if name in seen:
         raise ProtocolError(f"{cls.TYPE}.{name}: array sent twice")
-    want = _array_dtype(hints[name])
+    want = _array_dtype(field_hints[name])
     if not isinstance(dtype, str) or dtype != want:
         raise ProtocolError(f"{cls.TYPE}.{name}: dtype {short_repr(dtype)}, expected {want!r}")
     if not (
@@ -286,116 +253,6 @@ def _decode_array(
     return {name: np.frombuffer(frame, dtype=np.dtype(want)).reshape(shape)}
 
 
-def _check(value: Any, tp: Any, path: str) -> Any:
-    """Validate `value` against annotation `tp`; return it converted (nested structs built)."""
-    origin, args = get_origin(tp), get_args(tp)
-    if tp is Any:
-        raise TypeError(f"{path}: Any is not allowed in a wire schema")
-    if origin is Annotated and get_args(tp)[1:] == (("json",),):
-        if not isinstance(value, dict):
-            raise ProtocolError(f"{path}: expected a JSON object, got {type(value).__name__}")
-        return _check_json(value, path, 0)
-    if origin in (Union, types.UnionType):
-        for arg in args:
-            try:
-                return _check(value, arg, path)
-            except ProtocolError:
-                continue
-        raise ProtocolError(f"{path}: {short_repr(value)} matches none of {tp}")
-    if tp is type(None):
-        if value is None:
-            return None
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            if INT64_MIN <= value <= INT64_MAX:
-                return value
-            raise ProtocolError(f"{path}: {value} does not fit in int64")
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-    elif tp is str:
-        if isinstance(value, str):
-            return value
-    elif tp is bytes:
-        if isinstance(value, bytes):
-            return value
-    elif origin is Literal:
-        if value in args:
-            return value
-    elif origin is list:
-        if isinstance(value, list):
-            return [_check(v, args[0], f"{path}[{i}]") for i, v in enumerate(value)]
-    elif origin is dict:
-        if isinstance(value, dict):
-            return {
-                _check(k, args[0], f"{path}.key"): _check(v, args[1], f"{path}[{short_repr(k)}]")
-                for k, v in value.items()
-            }
-    elif isinstance(tp, type) and dataclasses.is_dataclass(tp):
-        if isinstance(value, dict):
-            hints = _hints(tp)
-            if set(value) != set(hints):
-                got = short_repr(sorted(map(str, value)))
-                raise ProtocolError(f"{path}: fields {got} != {sorted(hints)}")
-            return tp(**{k: _check(value[k], hints[k], f"{path}.{k}") for k in hints})
-    else:
-        raise TypeError(f"{path}: unsupported annotation {tp!r}")
-    raise ProtocolError(
-        f"{path}: expected {getattr(tp, '__name__', tp)}, got {type(value).__name__}"
-    )
-
-
-def _check_json(value: Any, path: str, depth: int) -> Any:
-    """`value` if it is plain JSON no deeper than MAX_JSON_DEPTH, else ProtocolError. The
-    common case (valid) is one level-by-level pass that builds nothing; only a value that
-    fails is walked again, by `_json_error`, to name where."""
-    level = [value]
-    while level:
-        if depth > MAX_JSON_DEPTH:
-            _json_error_at(value, path)
-        below: list[Any] = []
-        for v in level:
-            if isinstance(v, list):
-                below.extend(v)
-            elif isinstance(v, dict):
-                if not all(isinstance(k, str) for k in v):
-                    _json_error_at(value, path)
-                below.extend(v.values())
-            elif not (v is None or isinstance(v, (bool, int, float, str))):
-                _json_error_at(value, path)
-        level, depth = below, depth + 1
-    return value
-
-
-def _json_error(value: Any, path: str, depth: int) -> None:
-    """Raise ProtocolError naming the first place where `value` is not plain JSON no deeper
-    than MAX_JSON_DEPTH (recursion bounded: the header's depth was checked first)."""
-    if depth > MAX_JSON_DEPTH:
-        raise ProtocolError(f"{path}: JSON nested deeper than {MAX_JSON_DEPTH}")
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return
-    if isinstance(value, list):
-        for i, v in enumerate(value):
-            _json_error(v, f"{path}[{i}]", depth + 1)
-        return
-    if isinstance(value, dict):
-        if not all(isinstance(k, str) for k in value):
-            raise ProtocolError(f"{path}: JSON object keys must be strings")
-        for k, v in value.items():
-            _json_error(v, f"{path}.{short_repr(k)}", depth + 1)
-        return
-    raise ProtocolError(f"{path}: {type(value).__name__} is not a JSON value")
-
-
-def _json_error_at(value: Any, path: str) -> NoReturn:
-    """`_json_error` from the JSON value's top: always raises."""
-    _json_error(value, path, 0)
-    raise ProtocolError(f"{path}: not plain JSON")  # unreachable while both walks agree
-
-
 def registered_types() -> dict[str, type]:
     """Every message type known to the codec, by wire name."""
     return dict(_REGISTRY)
@@ -408,14 +265,12 @@ __all__ = [
     "Int64Array",
     "JsonObject",
     "BYTES_PER_NODE",
-    "ProtocolError",
     "WIRE_VERSION",
     "check",
     "count_nodes",
     "decode",
     "encode",
     "message",
-    "short_repr",
     "struct",
     "UInt8Array",
 ]

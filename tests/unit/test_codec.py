@@ -4,7 +4,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from asyncrl.wire.codec import MAX_JSON_DEPTH, WIRE_VERSION, ProtocolError, decode, encode
+from asyncrl.wire.codec import WIRE_VERSION, decode, encode
 from asyncrl.wire.protocol import (
     Batch,
     ChatMessage,
@@ -14,6 +14,7 @@ from asyncrl.wire.protocol import (
     Trajectories,
     Trajectory,
 )
+from asyncrl.wire.validation import MAX_JSON_DEPTH, ProtocolError
 from replay.buffer import to_batch
 
 

@@ -10,10 +10,11 @@ import gc
 import msgpack
 import pytest
 
-from asyncrl.wire.codec import BYTES_PER_NODE, ProtocolError, count_nodes, decode, encode
+from asyncrl.wire.codec import BYTES_PER_NODE, count_nodes, decode, encode
 from asyncrl.wire.protocol import ChatMessage, EvalSubmit, PromptItem
 from asyncrl.wire.replay_client import eval_parts
 from asyncrl.wire.sockets import decode_frames
+from asyncrl.wire.validation import ProtocolError
 
 CLIENT_LIMIT = 128 * 1024  # replay.max_client_message_mb's default
 

@@ -9,8 +9,9 @@ from collections import Counter
 
 import pytest
 
-from asyncrl.wire.codec import ProtocolError, decode, encode, registered_types
+from asyncrl.wire.codec import decode, encode, registered_types
 from asyncrl.wire.protocol import CheckpointRequest
+from asyncrl.wire.validation import ProtocolError
 
 
 @pytest.fixture

@@ -23,7 +23,8 @@ import msgpack
 
 from asyncrl.wire import auth
 from asyncrl.wire.auth import SECRET_ENV
-from asyncrl.wire.codec import ProtocolError, registered_types
+from asyncrl.wire.codec import registered_types
+from asyncrl.wire.validation import ProtocolError
 from replay.access import PERMISSIONS
 
 from .clients import Frames, Hook

@@ -26,7 +26,8 @@ from typing import Any
 
 import zmq
 
-from asyncrl.wire.codec import ProtocolError, decode, encode
+from asyncrl.wire.codec import decode, encode
+from asyncrl.wire.validation import ProtocolError
 
 Frames = list[bytes]
 Hook = Callable[[Frames], Frames]

@@ -28,7 +28,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 import numpy as np
 
 from asyncrl.wire import protocol as P
-from asyncrl.wire.codec import ProtocolError
+from asyncrl.wire.validation import ProtocolError
 from replay.buffer import to_batch
 
 MAX_KNOWN = 256  # groups and jobs remembered (oldest forgotten first)
