@@ -16,7 +16,7 @@ import pytest
 from launched_runs import kill_learner_when, learner_of, start_launch, steps
 
 from asyncrl.checkpoints import REPLAY_FILE
-from asyncrl.launch.resume import RESUMES_FILE
+from asyncrl.launch.rewind import RESUMES_FILE
 from asyncrl.metrics import read_jsonl
 from replay.checkpoint import read_state
 

@@ -13,7 +13,7 @@ from launched_runs import kill_learner_when, start_launch, steps
 from asyncrl.analysis.figures import read_jsonl as plot_rows
 from asyncrl.analysis.plot import plot_run
 from asyncrl.config import load_config
-from asyncrl.launch.resume import RESUMES_FILE
+from asyncrl.launch.rewind import RESUMES_FILE
 from asyncrl.metrics import read_jsonl
 
 pytestmark = [pytest.mark.integration, pytest.mark.long]

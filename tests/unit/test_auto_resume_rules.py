@@ -11,14 +11,8 @@ import pytest
 from asyncrl.checkpoints import PARTS, TRAINER_FILE
 from asyncrl.config import Config, load_config
 from asyncrl.launch.fleet import LaunchError, prepare_run_dir
-from asyncrl.launch.resume import (
-    RESUMES_FILE,
-    RestartPoint,
-    restart_point,
-    resumable,
-    rewind_records,
-    run_with_resumes,
-)
+from asyncrl.launch.resume import resumable, run_with_resumes
+from asyncrl.launch.rewind import RESUMES_FILE, RestartPoint, restart_point, rewind_records
 from asyncrl.metrics import read_jsonl
 from asyncrl.wire.auth import read_secret
 

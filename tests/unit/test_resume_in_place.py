@@ -15,7 +15,8 @@ from asyncrl.checkpoints import PARTS, TRAINER_FILE, complete_checkpoints
 from asyncrl.config import ConfigError, load_config
 from asyncrl.launch.cli import main
 from asyncrl.launch.fleet import prepare_run_dir
-from asyncrl.launch.resume import RESUMES_FILE, resume_config, resume_in_place
+from asyncrl.launch.resume import resume_config, resume_in_place
+from asyncrl.launch.rewind import RESUMES_FILE
 from asyncrl.metrics import read_jsonl
 
 
