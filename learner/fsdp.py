@@ -136,15 +136,9 @@ def hf_config(model: torch.nn.Module) -> PreTrainedConfig:
     return config
 
 
-PACKED_ATTENTION_ENV = "ASYNCRL_PACKED_ATTENTION"
-"""Environment variable that forces the packed attention (asyncrl_packed, asyncrl_flex or
-flash_attention_2) over `learner.packing.choose_packed_attention`'s rule: for tests and
-benchmarks, which run the learner in processes of their own."""
-
-
 def attention_implementation(lc: LearnerConfig, device: torch.device) -> str:
     """sdpa on padded rows; on packed rows the implementation that
-    `learner.packing.choose_packed_attention` picks for `device` (or PACKED_ATTENTION_ENV
+    `learner.packing.choose_packed_attention` picks for `device` (or `learner.packed_attention`
     forces), registered with transformers and named once in the learner's log."""
     if not lc.packing:
         return "sdpa"
@@ -153,7 +147,7 @@ def attention_implementation(lc: LearnerConfig, device: torch.device) -> str:
         lc.dtype,
         lc.share_prompts,
         flash_installed=importlib.util.find_spec("flash_attn") is not None,
-        forced=os.environ.get(PACKED_ATTENTION_ENV) or None,
+        forced=None if lc.packed_attention == "auto" else lc.packed_attention,
     )
     if name == PACKED_ATTENTION:
         register_packed_attention()

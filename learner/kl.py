@@ -5,8 +5,6 @@ coefficient (`algorithm.kl_ctrl`). Pure tensor functions and plain state, as `le
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 KL_KINDS = {
@@ -68,14 +66,6 @@ def _kl_value(diff: torch.Tensor, canonical: str) -> torch.Tensor:
         return 0.5 * diff.square()
     x = (-diff).clamp(-20.0, 20.0)
     return (torch.exp(x) - x - 1.0).clamp(-10.0, 10.0)
-
-
-class KLController(Protocol):
-    """The coefficient of the KL penalty, updated once per step from the observed KL."""
-
-    value: float
-
-    def update(self, current_kl: float, n_steps: int) -> None: ...
 
 
 class FixedKLController:

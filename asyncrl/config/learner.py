@@ -80,6 +80,14 @@ class LearnerConfig(Section):
     the forward (each response attends to it as to its own prompt: exact). Runs on CPU and with
     FlexAttention on CUDA; false lets CUDA use flash-attn's varlen kernel (when installed, bf16),
     which packs every row whole."""
+    packed_attention: Literal["auto", "asyncrl_packed", "asyncrl_flex", "flash_attention_2"] = (
+        "auto"
+    )
+    """The attention kernel on packed rows: auto follows `learner.packing.choose_packed_attention`'s
+    rule (per-segment SDPA `asyncrl_packed` on CPU; compiled FlexAttention `asyncrl_flex` or
+    flash-attn varlen `flash_attention_2` on CUDA); a name forces that kernel (tests,
+    benchmarks; the log then says `forced`), and flash_attention_2 is refused where it cannot
+    run (not CUDA, not bf16, not installed)."""
     dtype: Literal["float32", "bfloat16", "auto"] = "float32"
     """Compute dtype (FSDP2 MixedPrecisionPolicy): bfloat16 computes forward and backward in
     bf16 while master weights, gradients' reduction, optimizer state and log-softmax stay fp32.

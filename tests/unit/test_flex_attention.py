@@ -10,6 +10,7 @@ kernels are tested by the `gpu` test at the end."""
 from __future__ import annotations
 
 import logging
+import typing
 import warnings
 
 import pytest
@@ -20,7 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import learner.packing as packing
 from asyncrl.config import LearnerConfig
 from learner.batch import TrainBatch
-from learner.fsdp import PACKED_ATTENTION_ENV, _log_choice, attention_implementation
+from learner.fsdp import _log_choice, attention_implementation
 from learner.packing import (
     FLASH_ATTENTION,
     FLEX_ATTENTION,
@@ -264,12 +265,13 @@ def test_block_mask_is_built_once_under_fsdp_mixed_precision(tmp_path, monkeypat
     built = []
     make = packing._document_block_mask
     monkeypatch.setattr(packing, "_document_block_mask", lambda s, p: built.append(1) or make(s, p))
-    monkeypatch.setenv(PACKED_ATTENTION_ENV, FLEX_ATTENTION)
     monkeypatch.setitem(os.environ, "MASTER_ADDR", "127.0.0.1")
     monkeypatch.setitem(os.environ, "MASTER_PORT", str(free_port()))
     dist.init_process_group("gloo", rank=0, world_size=1)
     try:
-        lc = LearnerConfig(dtype="bfloat16", activation_checkpointing=True)
+        lc = LearnerConfig(
+            dtype="bfloat16", activation_checkpointing=True, packed_attention=FLEX_ATTENTION
+        )
         model = setup_model(str(tmp_path), torch.device("cpu"), lc)
         ids, mask, prompts, groups, _ = _batch(*CASES["small"])
         p = pack_rows(ids, mask, prompts, groups)
@@ -306,19 +308,28 @@ def test_forcing_a_packed_attention():
         choose_packed_attention("cuda", "bfloat16", False, True, "sdpa")
 
 
-def test_the_choice_is_logged_once_and_sets_the_layout(monkeypatch, caplog):
+def test_the_config_key_names_every_kernel_the_rule_accepts():
+    """`learner.packed_attention` offers exactly `choose_packed_attention`'s names plus auto."""
+    offered = typing.get_args(LearnerConfig.model_fields["packed_attention"].annotation)
+    assert set(offered) == {"auto", PACKED_ATTENTION, FLEX_ATTENTION, FLASH_ATTENTION}
+    for name in offered[1:]:  # each is one the rule takes (flash only where it can run)
+        assert choose_packed_attention("cuda", "bfloat16", False, True, name)[0] == name
+    with pytest.raises(ValueError, match="packed_attention"):
+        LearnerConfig(packed_attention="sdpa")
+
+
+def test_the_choice_is_logged_once_and_sets_the_layout(caplog):
     from learner.forward import layout_of
 
-    monkeypatch.delenv(PACKED_ATTENTION_ENV, raising=False)
     _log_choice.cache_clear()
     cpu, lc = torch.device("cpu"), LearnerConfig()
     with caplog.at_level(logging.INFO, logger="asyncrl.learner"):
         assert attention_implementation(lc, cpu) == PACKED_ATTENTION
         assert layout_of(lc, cpu) == "shared"
-        monkeypatch.setenv(PACKED_ATTENTION_ENV, FLEX_ATTENTION)
-        assert attention_implementation(lc, cpu) == FLEX_ATTENTION
-        assert layout_of(lc, cpu) == "shared"
-        assert layout_of(lc.model_copy(update={"share_prompts": False}), cpu) == "packed"
+        forced = lc.model_copy(update={"packed_attention": FLEX_ATTENTION})
+        assert attention_implementation(forced, cpu) == FLEX_ATTENTION
+        assert layout_of(forced, cpu) == "shared"
+        assert layout_of(forced.model_copy(update={"share_prompts": False}), cpu) == "packed"
     said = [r.getMessage() for r in caplog.records if "packed attention" in r.getMessage()]
     assert said == [
         f"packed attention on cpu: {PACKED_ATTENTION}, per-segment SDPA "
