@@ -19,8 +19,8 @@ Components (one module each), built by `components.setup_replay_components` and 
 - `fleet_stats`: what the replay tells the learner about the servers per batch.
 - `access`: `AccessRules`, who signed a message, whether its role may send it, where a
   checkpoint may be written.
-- the service is an `asyncrl.wire.router.Endpoint` (shared with the reward-model fleet): the
-  authenticated ROUTER socket that applies them and takes every message to exactly one outcome.
+- the service is an `asyncrl.wire.router.RouterService` (shared with the reward-model fleet):
+  the authenticated ROUTER socket that applies them and takes every message to exactly one outcome.
 - `held`: requests not answerable yet, one typed queue per kind, answered when an event that
   may free them is counted.
 - `checkpoint`: the replay's whole state in a checkpoint (`ReplayState`), one MessagePack file.

@@ -3,7 +3,8 @@
 Components (`replay.components`, built by `setup_replay_components`; `setup_replay_service`
 hands them to a `ReplayService`, whose loop drives them):
 - access rules (`replay.access`): who signed a message, whether its role may send it, where a
-  checkpoint may be written. The service is an `asyncrl.wire.router.Endpoint`, which applies them.
+  checkpoint may be written. The service is an `asyncrl.wire.router.RouterService`, which applies
+  them.
 - lease desk (`replay.leases`): grants leases, prompts from a `PromptSource` (`replay.prompts`),
   as many as its `AdmissionController` allows (`replay.admission`), evaluation prompts first.
 - buffer (`replay.buffer`): holds each lease's samples until the learner takes its group.
@@ -51,18 +52,14 @@ exactly one outcome counter, and nothing a peer sends stops the loop (`asyncrl.w
 from __future__ import annotations
 
 import logging
-import math
-import signal
 import threading
 import time
 from pathlib import Path
 from typing import Literal
 
-import zmq
-
 from asyncrl.checkpoints import REPLAY_FILE
 from asyncrl.config import Config
-from asyncrl.metrics import peak_rss_mb, write_json_atomic
+from asyncrl.metrics import peak_rss_mb
 from asyncrl.wire.auth import secret_from_env
 from asyncrl.wire.codec import ProtocolError, short_repr
 from asyncrl.wire.protocol import (
@@ -82,7 +79,8 @@ from asyncrl.wire.protocol import (
     Trajectory,
     VersionUpdate,
 )
-from asyncrl.wire.router import Endpoint
+from asyncrl.wire.router import POLL_INTERVAL_S, RouterService
+from asyncrl.wire.serve import serve_until_signal
 from replay.access import AccessRules, Peer
 from replay.buffer import AddStatus, MalformedTrajectory, check_trajectory
 from replay.checkpoint import ReplayState, read_state, write_state
@@ -94,19 +92,16 @@ from replay.prompts import PromptSource
 
 log = logging.getLogger("asyncrl.replay")
 
-POLL_INTERVAL_S = 0.1  # longest the loop sleeps, so a stop request is seen within it
-MAX_MESSAGES_PER_TICK = 1000  # messages handled between two looks at timers and held requests
 _ACK_COUNTERS = {"accepted": "accepted", "duplicate": "duplicates", "late": "late"}
 _EVAL_COUNTERS = {"accepted": "eval_samples"}
 # a sample's Ack status: where it went, or "rejected" (untrainable)
 SampleStatus = Literal[AddStatus, "rejected"]
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class ReplayService(Endpoint):
+class ReplayService(RouterService):
     """The replay's main loop over an authenticated ROUTER socket (see the module docstring)."""
 
-    access: AccessRules  # the endpoint's rules, with where checkpoints may be written
+    access: AccessRules  # the router's rules, with where checkpoints may be written
 
     def __init__(self, cfg: Config, address: str, parts: ReplayComponents) -> None:
         """Bind `address` and drive `parts` (`setup_replay_components`)."""
@@ -163,13 +158,7 @@ class ReplayService(Endpoint):
     def poll_once(self, timeout_s: float) -> None:
         """One tick: wait up to `timeout_s` for messages, handle what arrived, then expire
         leases, answer held requests that can now be answered and those whose wait is over."""
-        if self._sock.poll(math.ceil(timeout_s * 1000)):
-            for _ in range(MAX_MESSAGES_PER_TICK):
-                try:
-                    frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-                except zmq.Again:
-                    break
-                self._handle(frames)
+        self._receive(timeout_s)
         now = time.monotonic()
         self._maybe_expire(now)
         if self._changes.since_last_look():  # batches first: consuming frees capacity
@@ -400,14 +389,5 @@ def run_replay(cfg: Config, address: str, run_dir: str, model_path: str | None =
     `model_path` gives the tokenizer for `data.max_prompt_length`; the run secret comes from
     the environment (`asyncrl.wire.auth`)."""
     service = setup_replay_service(cfg, address, run_dir, model_path)
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _STOP_SIGNALS}
-    try:
-        service.run(stop)
-    finally:
-        counters = service.stats()
-        service.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        write_json_atomic(Path(run_dir) / "stats" / "replay.json", counters)
-        log.info("replay done: %s", summarize(counters))
+    stats_path = Path(run_dir) / "stats" / "replay.json"
+    serve_until_signal(service, stats_path, summarize, "replay", log)

@@ -6,8 +6,8 @@ the requests that arrived together are scored together; score their items in bat
 `reward.model.max_batch` (items of different requests share a batch); reply `Scores` to each
 request, in its items' order, signed with the key of the role that asked.
 
-Every message goes through `asyncrl.wire.router.Endpoint` and ends in exactly one of its outcome
-counters (`OUTCOMES`): a `ScoreRequest` from a `server_<i>` (any epoch) or the `client` is
+Every message goes through `asyncrl.wire.router.RouterService` and ends in exactly one of its
+outcome counters (`OUTCOMES`): a `ScoreRequest` from a `server_<i>` (any epoch) or the `client` is
 `handled`; anything else is rejected and counted, and nothing a peer sends stops the loop
 (`reward_models.access` says who may ask). A message over `MAX_MESSAGE_BYTES` is rejected
 oversized before its signature is checked. A scorer that raises on a whole batch (a bug, the
@@ -19,23 +19,22 @@ from __future__ import annotations
 
 import logging
 import math
-import signal
 import threading
 import time
 from collections import Counter
 from pathlib import Path
 
 import torch
-import zmq
 
 from asyncrl.config import Config
-from asyncrl.metrics import peak_rss_mb, write_json_atomic
+from asyncrl.metrics import peak_rss_mb
 from asyncrl.placement import maybe_limit_gpu_memory
 from asyncrl.run_spec import RunSpec
 from asyncrl.wire.auth import secret_from_env
 from asyncrl.wire.protocol import Error
 from asyncrl.wire.reward_protocol import MAX_SCORE_ERROR_CHARS, ScoreItem, ScoreRequest, Scores
-from asyncrl.wire.router import OUTCOMES, Endpoint, Peer
+from asyncrl.wire.router import OUTCOMES, POLL_INTERVAL_S, Peer, RouterService
+from asyncrl.wire.serve import serve_until_signal
 from reward_models.access import RewardModelAccess
 from reward_models.scorers import Scored, Scorer, resolve_device, setup_scorer
 
@@ -45,8 +44,6 @@ MAX_MESSAGE_BYTES = 64 * 2**20
 """The largest request a server or a client may send (all frames): 1024 items of 64 KB each."""
 MAX_REFUSED_BYTES = 2**16
 """The limit of a role that may send nothing here (the learner): it is refused anyway."""
-POLL_INTERVAL_S = 0.1  # longest the loop sleeps, so a stop request is seen within it
-MAX_MESSAGES_PER_TICK = 1000  # messages taken before their items are scored
 COUNTERS = (
     "received",
     *OUTCOMES,
@@ -57,10 +54,9 @@ COUNTERS = (
     "batch_failures",
 )
 """Every counter the server reports, present (as 0) from the start; `stats` adds `busy_s`."""
-_STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class RewardModelServer(Endpoint):
+class RewardModelServer(RouterService):
     """The poll loop over an authenticated ROUTER socket (see the module docstring)."""
 
     def __init__(
@@ -96,15 +92,8 @@ class RewardModelServer(Endpoint):
     def poll_once(self, timeout_s: float) -> None:
         """One tick: wait up to `timeout_s` for a message, take all those waiting, score their
         requests together and answer each."""
-        if not self._sock.poll(math.ceil(timeout_s * 1000)):
-            return
-        for _ in range(MAX_MESSAGES_PER_TICK):
-            try:
-                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
-                break
-            self._handle(frames)
-        self.score_waiting()
+        if self._receive(timeout_s):
+            self.score_waiting()
 
     def stats(self) -> dict[str, float]:
         """Counters and gauges."""
@@ -201,14 +190,5 @@ def run_reward_model_server(spec: RunSpec, cfg: Config, index: int) -> None:
         cfg.rollout.num_servers,
         cfg.launch.allow_remote,
     )
-    stop = threading.Event()
-    previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in _STOP_SIGNALS}
-    try:
-        server.run(stop)
-    finally:
-        counters = server.stats()
-        server.close()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
-        write_json_atomic(Path(spec.run_dir) / "stats" / f"reward_model_{index}.json", counters)
-        log.info("reward-model server %d done: %s", index, summarize(counters))
+    stats_path = Path(spec.run_dir) / "stats" / f"reward_model_{index}.json"
+    serve_until_signal(server, stats_path, summarize, f"reward-model server {index}", log)

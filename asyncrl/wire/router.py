@@ -1,9 +1,10 @@
-"""An authenticated ZeroMQ ROUTER endpoint that no message can stop: the socket of every
+"""An authenticated ZeroMQ ROUTER service that no message can stop: the socket of every
 service a run's processes talk to (the replay, `replay.service`; the reward-model servers,
-`reward_models.server`). A service subclasses `Endpoint`, fills `_handlers` and drives the
-socket from its own loop; the rules of who may send what are its `Access` (`replay.access`).
+`reward_models.server`). A service subclasses `RouterService`, fills `_handlers` and drives the
+socket from its own loop (`_receive` each tick; `asyncrl.wire.serve` runs that loop until the
+process is told to stop); the rules of who may send what are its `Access` (`replay.access`).
 
-`Endpoint` owns the socket, the run's keyring and the counters, and takes every message to
+`RouterService` owns the socket, the run's keyring and the counters, and takes every message to
 exactly one outcome:
 
     handled                    a handler took it (and answered, now or later)
@@ -13,7 +14,7 @@ exactly one outcome:
                                raw frames before the signature is checked or anything decoded
     rejected_unauthenticated   no valid authentication frame (`asyncrl.wire.auth`); answered with
                                an unsigned Error and nothing else
-    rejected_unexpected        a type this endpoint does not accept
+    rejected_unexpected        a type this service does not accept
     rejected_forbidden         its role may not send it (the service's `Access`), or it
                                asks for something outside the run (a checkpoint path)
     rejected_invalid           it decoded but cannot be done (an unknown job, an untrainable
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -55,6 +57,10 @@ OUTCOMES = (
     "handler_errors",
 )
 """The counters one received message ends in, exactly one of them (see the module docstring)."""
+POLL_INTERVAL_S = 0.1
+"""The longest a service's loop waits for a message, so a stop request is seen within it."""
+MAX_MESSAGES_PER_TICK = 1000
+"""Messages handled in one tick (`RouterService._receive`), before the service's own work."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +94,7 @@ def accounted(counters: dict[str, float]) -> bool:
     return counters["received"] == sum(counters[k] for k in OUTCOMES)
 
 
-class Endpoint:
+class RouterService:
     """A bound ROUTER that authenticates, decodes, authorizes and dispatches (see above)."""
 
     def __init__(
@@ -130,6 +136,19 @@ class Endpoint:
     def close(self, linger_ms: int = 100) -> None:
         self._sock.close(linger=linger_ms)
         self._ctx.term()
+
+    def _receive(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` for a message, then handle those waiting, at most
+        `MAX_MESSAGES_PER_TICK`; whether any arrived."""
+        if not self._sock.poll(math.ceil(timeout_s * 1000)):
+            return False
+        for _ in range(MAX_MESSAGES_PER_TICK):
+            try:
+                frames = self._sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                break
+            self._handle(frames)
+        return True
 
     def _handle(self, frames: list[zmq.Frame]) -> None:
         """One message, to exactly one outcome counter (see the module docstring)."""
