@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.checkpoints import PARTS, TRAINER_FILE, final_step, write_final_step
 from asyncrl.config import ConfigError, config_to_yaml, load_config
-from asyncrl.launch.cli import _move_config_args_out_of_data, build_parser, main
+from asyncrl.launch.cli import build_parser, main
+from asyncrl.launch.eval_command import _move_config_args_out_of_data
 from asyncrl.launch.eval_weights import export_checkpoint, run_weights
 from asyncrl.launch.fleet import prepare_model
 from learner.checkpoint import save_final_weights, save_sharded
