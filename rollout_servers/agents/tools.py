@@ -18,29 +18,24 @@ Arguments are checked against the schema's `parameters` before `execute` runs, b
 validator (`validate_arguments`: type, properties, required, enum, items,
 additionalProperties: false), so a tool only ever sees arguments of the declared shape.
 
-Built-ins: `calculator` (arithmetic without eval; see `evaluate_expression`), `python` (runs
-code in the sandbox of `rollout_servers.sandbox`) and `search` (BM25 over a local corpus,
-`rollout_servers.agents.search_tool`).
+Built-ins, one module each: `calculator` (arithmetic without eval,
+`rollout_servers.agents.calculator_tool`), `python` (runs code in the sandbox of
+`rollout_servers.sandbox`, `rollout_servers.agents.python_tool`) and `search` (BM25 over a
+local corpus, `rollout_servers.agents.search_tool`).
 """
 
 from __future__ import annotations
 
-import ast
-import math
-import operator
 import re
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any
 
 import yaml
 
 from asyncrl.registry import Registry
-
-if TYPE_CHECKING:
-    from rollout_servers.sandbox import Sandbox
 
 
 @dataclass
@@ -201,8 +196,8 @@ class ToolSet:
 # ---- the registry and the config file --------------------------------------------------------
 TOOL_CLASSES: Registry[type[Tool]] = Registry("tool", "asyncrl.tools")
 """Registered tool classes (also from the `asyncrl.tools` entry points of packages)."""
-TOOL_CLASSES.register("calculator", "rollout_servers.agents.tools:CalculatorTool")
-TOOL_CLASSES.register("python", "rollout_servers.agents.tools:PythonTool")
+TOOL_CLASSES.register("calculator", "rollout_servers.agents.calculator_tool:CalculatorTool")
+TOOL_CLASSES.register("python", "rollout_servers.agents.python_tool:PythonTool")
 TOOL_CLASSES.register("search", "rollout_servers.agents.search_tool:SearchTool")
 
 register_tool = TOOL_CLASSES.register
@@ -239,123 +234,6 @@ def load_tool_config(path: str | Path, sandbox: Any = None) -> ToolSet:
     return ToolSet(tools)
 
 
-# ---- calculator --------------------------------------------------------------------------------
-class CalculatorError(ValueError):
-    """An expression the calculator refuses or cannot evaluate (the message is for the model)."""
-
-
-_BINARY: dict[type[ast.operator], Callable[[Any, Any], Any]] = {
-    ast.Add: operator.add,
-    ast.Sub: operator.sub,
-    ast.Mult: operator.mul,
-    ast.Div: operator.truediv,
-    ast.FloorDiv: operator.floordiv,
-    ast.Mod: operator.mod,
-    ast.Pow: operator.pow,
-}
-_UNARY: dict[type[ast.unaryop], Callable[[Any], Any]] = {
-    ast.USub: operator.neg,
-    ast.UAdd: operator.pos,
-}
-
-
-def evaluate_expression(text: str, max_chars: int = 200, max_digits: int = 100) -> int | float:
-    """The value of an arithmetic expression: ints and floats, + - * / // % **, parentheses,
-    unary minus and plus, with Python's precedence.
-
-    Parsed by `ast` and walked by hand; only the node types above are evaluated, so names,
-    calls, attributes, subscripts and the like are refused, never run (no eval or exec). Every
-    intermediate value must stay below 10**max_digits in magnitude, and a power is refused
-    before it is computed when its result would not, so no input can make it burn CPU or
-    memory. Raises CalculatorError.
-    """
-    if len(text) > max_chars:
-        raise CalculatorError(f"expression longer than {max_chars} characters")
-    try:
-        tree = ast.parse(text.strip(), mode="eval")
-    except (SyntaxError, ValueError, RecursionError, MemoryError) as e:
-        raise CalculatorError(f"not an arithmetic expression: {e}") from None
-    try:
-        return _evaluate(tree.body, max_digits)
-    except RecursionError:
-        raise CalculatorError("expression nested too deeply") from None
-
-
-def _evaluate(node: ast.AST, max_digits: int) -> int | float:
-    if isinstance(node, ast.Constant) and type(node.value) in (int, float):
-        return _bounded(node.value, max_digits)
-    if isinstance(node, ast.UnaryOp) and type(node.op) in _UNARY:
-        return _UNARY[type(node.op)](_evaluate(node.operand, max_digits))
-    if isinstance(node, ast.BinOp) and type(node.op) in _BINARY:
-        left, right = _evaluate(node.left, max_digits), _evaluate(node.right, max_digits)
-        power = isinstance(node.op, ast.Pow) and left != 0
-        if power and float(right) * math.log10(abs(left)) > max_digits:
-            raise CalculatorError(f"result would exceed 10**{max_digits}")
-        try:
-            return _bounded(_BINARY[type(node.op)](left, right), max_digits)
-        except ZeroDivisionError:
-            raise CalculatorError("division by zero") from None
-        except OverflowError:
-            raise CalculatorError(f"result would exceed 10**{max_digits}") from None
-    if isinstance(node, ast.Constant):
-        what = repr(node.value)
-    elif isinstance(node, (ast.BinOp, ast.UnaryOp)):
-        what = f"operator {type(node.op).__name__}"
-    else:
-        what = type(node).__name__
-    raise CalculatorError(f"unsupported element {what}: only numbers and + - * / // % ** ( )")
-
-
-def _bounded(value: Any, max_digits: int) -> int | float:
-    if not isinstance(value, (int, float)):  # e.g. (-8) ** 0.5 is complex
-        raise CalculatorError("result is not a real number")
-    if isinstance(value, float) and math.isnan(value):
-        raise CalculatorError("result is not a number")
-    if abs(value) >= 10**max_digits:
-        raise CalculatorError(f"result would exceed 10**{max_digits}")
-    return value
-
-
-class CalculatorTool(Tool):
-    """Evaluates `arguments["expression"]` with `evaluate_expression`; refusals come back as
-    `Error: ...` text, counted in the `error` metric."""
-
-    def __init__(self, schema: Mapping[str, Any], max_chars: int = 200, max_digits: int = 100):
-        super().__init__(schema)
-        self.max_chars, self.max_digits = max_chars, max_digits
-
-    async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResponse:
-        try:
-            value = evaluate_expression(arguments["expression"], self.max_chars, self.max_digits)
-        except CalculatorError as e:
-            return ToolResponse(f"Error: {e}", metrics={"error": 1.0})
-        return ToolResponse(repr(value))
-
-
-# ---- python -----------------------------------------------------------------------------------
-class CodeRunResult(Protocol):
-    """What a sandbox run returns (`rollout_servers.sandbox.SandboxResult` has this shape)."""
-
-    # Read-only properties, not attributes: a protocol attribute would have to accept any `str`
-    # written to it, which `SandboxResult.status` (a Literal) does not.
-    @property
-    def status(self) -> str: ...  # "ok" | "error" | "timeout" | "oom" | "killed"
-    @property
-    def stdout(self) -> str: ...
-    @property
-    def stderr(self) -> str: ...
-    @property
-    def exit_code(self) -> int | None: ...
-    @property
-    def wall_s(self) -> float: ...
-
-
-class CodeRunner(Protocol):
-    """Runs untrusted code in isolation (`rollout_servers.sandbox.Sandbox`)."""
-
-    async def run(self, code: str, stdin: str = "") -> CodeRunResult: ...
-
-
 def truncate_middle(text: str, max_chars: int) -> str:
     """`text` if short enough, else its head and tail around a marker that says how much was
     cut (a traceback's last line, usually the useful one, survives)."""
@@ -363,49 +241,3 @@ def truncate_middle(text: str, max_chars: int) -> str:
         return text
     head, tail = max_chars // 2, max_chars - max_chars // 2
     return f"{text[:head]}\n...[{len(text) - max_chars} characters cut]...\n{text[-tail:]}"
-
-
-class PythonTool(Tool):
-    """Runs `arguments["code"]` (with optional `arguments["stdin"]`) in the sandbox and returns
-    the sandbox status, exit code, and stdout and stderr each cut to `max_output_chars`.
-
-    In a server the sandbox is the server's one sandbox (`rollout.sandbox`, shared with the code
-    reward), handed in by `load_tool_config`; standalone, the tool builds a default one (which
-    probes its backend, a blocking sub-second check).
-    """
-
-    needs_sandbox = True
-
-    def __init__(
-        self,
-        schema: Mapping[str, Any],
-        max_output_chars: int = 2000,
-        sandbox: CodeRunner | None = None,
-    ):
-        super().__init__(schema)
-        if max_output_chars < 1:
-            raise ValueError(f"max_output_chars must be >= 1, got {max_output_chars}")
-        self.max_output_chars = max_output_chars
-        self._owned: Sandbox | None = None
-        if sandbox is None:
-            from rollout_servers.sandbox import Sandbox, SandboxConfig
-
-            sandbox = self._owned = Sandbox(SandboxConfig())
-        self.sandbox = sandbox
-
-    async def execute(self, instance_id: str, arguments: dict[str, Any]) -> ToolResponse:
-        result = await self.sandbox.run(arguments["code"], arguments.get("stdin", ""))
-        parts = [f"status: {result.status}, exit code: {result.exit_code}"]
-        for label, stream in (("stdout", result.stdout), ("stderr", result.stderr)):
-            if stream.rstrip("\n"):
-                text = truncate_middle(stream.rstrip("\n"), self.max_output_chars)
-                parts.append(f"{label}:\n{text}")
-        metrics = {f"status_{result.status}": 1.0, "wall_s": float(result.wall_s)}
-        peak_memory_mb = getattr(result, "peak_memory_mb", None)  # only the real sandbox has it
-        if peak_memory_mb is not None:
-            metrics["peak_memory_mb"] = float(peak_memory_mb)
-        return ToolResponse("\n".join(parts), metrics=metrics)
-
-    def close(self) -> None:
-        if self._owned is not None:
-            self._owned.close()

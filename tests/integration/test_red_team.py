@@ -23,7 +23,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rollout_servers.agents.tools import PythonTool
+from rollout_servers.agents.python_tool import PythonTool
 from rollout_servers.rewards.computer import RewardComputer
 from rollout_servers.sandbox import SandboxConfig, SharedSandbox
 

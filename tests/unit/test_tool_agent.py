@@ -16,6 +16,7 @@ from asyncrl.config.rollout import ToolAgentConfig
 from asyncrl.demo.tiny_model import CHAT_TEMPLATE, build_tokenizer
 from asyncrl.wire.protocol import ChatMessage, PromptItem
 from rollout_servers.agents.base import AgentResult
+from rollout_servers.agents.calculator_tool import CalculatorTool
 from rollout_servers.agents.interactions import (
     Gsm8kRetryInteraction,
     final_number,
@@ -37,7 +38,7 @@ from rollout_servers.agents.tool_agent import (
     TurnRenderer,
     parse_tool_calls,
 )
-from rollout_servers.agents.tools import CalculatorTool, Tool, ToolResponse, ToolSet
+from rollout_servers.agents.tools import Tool, ToolResponse, ToolSet
 from rollout_servers.engines.base import (
     AppliedVersion,
     Engine,

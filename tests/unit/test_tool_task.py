@@ -14,8 +14,8 @@ from asyncrl.demo.tasks import (
     setup_embedded_task,
 )
 from asyncrl.demo.tiny_model import build_tokenizer, render_conversation
+from rollout_servers.agents.calculator_tool import evaluate_expression
 from rollout_servers.agents.tool_agent import TurnRenderer, parse_tool_calls
-from rollout_servers.agents.tools import evaluate_expression
 from rollout_servers.rewards.functions import REWARD_FNS
 
 

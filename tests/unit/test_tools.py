@@ -11,12 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from rollout_servers.agents.tools import (
+from rollout_servers.agents.calculator_tool import (
     CalculatorError,
     CalculatorTool,
-    PythonTool,
-    check_tool_schema,
     evaluate_expression,
+)
+from rollout_servers.agents.python_tool import PythonTool
+from rollout_servers.agents.tools import (
+    check_tool_schema,
     load_tool_config,
     truncate_middle,
     validate_arguments,
@@ -170,7 +172,7 @@ def test_load_tool_config_by_name_and_import_path(tmp_path: Path):
               function:
                 name: calc
                 parameters: {type: object, properties: {expression: {type: string}}}
-          - class_name: rollout_servers.agents.tools:CalculatorTool
+          - class_name: rollout_servers.agents.calculator_tool:CalculatorTool
             tool_schema: {type: function, function: {name: calc2}}
         """,
     )
