@@ -71,6 +71,10 @@ plus ready), because every lease is either consumed, or reported with `on_never_
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from asyncrl.config import Config
 
 
 class AdmissionController:
@@ -87,6 +91,14 @@ class AdmissionController:
         """The most groups the staleness rule and capacity let be in play at once."""
         self.issued = 0
         """Groups ever leased minus groups that will never be trained."""
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> AdmissionController:
+        """The run's admission: `replay.max_staleness`, `data.train_batch_size` groups a
+        batch, `replay.capacity_groups` (the replay's setup, `replay.components`, and the
+        pipeline model, `asyncrl.analysis.pipeline_model`, build it so)."""
+        rc = cfg.replay
+        return cls(rc.max_staleness, cfg.data.train_batch_size, rc.capacity_groups)
 
     def staleness_budget(self, server_version: int) -> int:
         """Groups a server at `server_version` may still start under the staleness rule."""
@@ -112,6 +124,11 @@ class AdmissionController:
     def on_issued(self, k: int) -> None:
         """`k` leases were granted."""
         self.issued += k
+
+    def on_resumed(self, version: int, held: int) -> None:
+        """A resumed run at learner `version` holding `held` groups: the `version` x B groups
+        trained before plus the held ones count as issued, so the invariant holds again."""
+        self.issued = version * self.groups_per_batch + held
 
     def on_never_trained(self, k: int) -> None:
         """`k` leased groups will never be trained (stale, expired, filtered): their slots are

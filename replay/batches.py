@@ -8,9 +8,9 @@ slots are free again) and told in the batch that answers the request. With each 
 fleet metrics of its step (`replay.fleet_stats`, `replay.leases.lease_spread`) and, with
 `replay.filter_groups` on, what the filter dropped for it (`replay.group_filter`).
 
-Wiring: built by `replay.components.setup_replay_components` over the buffer, the lease
-desk's admission controller, the fleet stats and the counters; `replay.held.HeldBatches` asks
-it for a batch whenever a batch request may be answered.
+Wiring: built by `replay.components.setup_replay_components` over the buffer, the replay's
+admission controller (the lease desk's too), the fleet stats and the counters;
+`replay.held.HeldBatches` asks it for a batch whenever a batch request may be answered.
 """
 
 from __future__ import annotations

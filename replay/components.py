@@ -14,6 +14,7 @@ from pathlib import Path
 
 from asyncrl.config import Config
 from replay.access import AccessRules
+from replay.admission import AdmissionController
 from replay.batches import BatchDesk
 from replay.buffer import GroupBuffer, TokenLimits
 from replay.counters import COUNTERS
@@ -21,7 +22,7 @@ from replay.eval_jobs import EvalJobs
 from replay.fleet_stats import FleetStats
 from replay.group_filter import GroupFilter
 from replay.health import FleetHealth
-from replay.leases import LeaseDesk
+from replay.leases import LeaseDesk, LeaseRules
 from replay.prompts import PromptSource, setup_prompt_source
 
 
@@ -33,7 +34,8 @@ class ReplayComponents:
     access: AccessRules  # who signed a message, whether it may send it, where checkpoints go
     buffer: GroupBuffer  # each lease's samples, from grant to batch
     eval_jobs: EvalJobs  # evaluation prompts, leased first, and their scores
-    leases: LeaseDesk  # grants (with its admission control) over the buffer and evaluation jobs
+    admission: AdmissionController  # how many leases may start now; freed by the desks below
+    leases: LeaseDesk  # grants within admission, over the buffer and evaluation jobs
     group_filter: GroupFilter  # zero-variance groups dropped as they complete (DAPO)
     batches: BatchDesk  # batches out of the buffer, stale groups dropped
     health: FleetHealth  # which server epochs are alive
@@ -62,8 +64,10 @@ def setup_replay_components(
         limits=TokenLimits.of_model(model_path),
     )
     eval_jobs = EvalJobs(rc.lease_timeout_s, max_bytes=int(rc.eval_jobs_mb * 2**20))
+    admission = AdmissionController.from_config(cfg)
     leases = LeaseDesk(
-        cfg,
+        LeaseRules.from_config(cfg),
+        admission,
         prompts,
         buffer,
         eval_jobs,
@@ -72,17 +76,16 @@ def setup_replay_components(
     )
     health = FleetHealth(cfg.launch.server_timeout_s, counters)
     fleet = FleetStats()
-    group_filter = GroupFilter(rc.filter_groups, buffer, leases.admission, counters)
+    group_filter = GroupFilter(rc.filter_groups, buffer, admission, counters)
     return ReplayComponents(
         counters=counters,
         access=AccessRules(secret, cfg.rollout.num_servers, run_dir),
         buffer=buffer,
         eval_jobs=eval_jobs,
+        admission=admission,
         leases=leases,
         group_filter=group_filter,
-        batches=BatchDesk(
-            rc.max_staleness, buffer, leases.admission, fleet, counters, group_filter
-        ),
+        batches=BatchDesk(rc.max_staleness, buffer, admission, fleet, counters, group_filter),
         health=health,
         fleet=fleet,
     )

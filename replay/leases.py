@@ -11,9 +11,11 @@ The desk also takes and restores the replay's state for a checkpoint (`data_stat
 the format in `replay.checkpoint`), and measures how a batch's groups spread over the servers
 (`lease_spread`, part of each batch's fleet metrics).
 
-Wiring: `replay.components.setup_replay_components` builds one desk over the prompt source,
-buffer, evaluation jobs and counters; the service grants through it, and its held lease requests
-(`replay.held.HeldLeases`) tell it how many servers are asking with every grant.
+Wiring: `replay.components.setup_replay_components` builds one desk over its `LeaseRules` (what
+it reads of the config), the replay's admission controller (shared with the batch desk and the
+group filter, which free its slots), the prompt source, buffer, evaluation jobs and counters; the
+service grants through it, and its held lease requests (`replay.held.HeldLeases`) tell it how
+many servers are asking with every grant.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import math
 import time
 from collections import Counter, deque
 from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.config import Config
@@ -39,28 +42,50 @@ from replay.prompts import PromptSource, reissue
 log = logging.getLogger("asyncrl.replay")
 
 
+@dataclass(frozen=True)
+class LeaseRules:
+    """What the lease desk reads of the config."""
+
+    samples_per_prompt: int  # rollout.n: the samples of one group
+    max_concurrent_groups: int  # rollout.max_concurrent_groups: one server's quota
+    num_servers: int  # rollout.num_servers: a failed row waits for another server when > 1
+    lease_timeout_s: float  # replay.lease_timeout_s: an incomplete lease older is re-issued
+    max_group_failures: int  # replay.max_group_failures: a row failing as often is given up
+
+    @classmethod
+    def from_config(cls, cfg: Config) -> LeaseRules:
+        return cls(
+            samples_per_prompt=cfg.rollout.n,
+            max_concurrent_groups=cfg.rollout.max_concurrent_groups,
+            num_servers=cfg.rollout.num_servers,
+            lease_timeout_s=cfg.replay.lease_timeout_s,
+            max_group_failures=cfg.replay.max_group_failures,
+        )
+
+
 class LeaseDesk:
     """Grants, expiry and the prompt stream's position (see the module docstring)."""
 
     def __init__(
         self,
-        cfg: Config,
+        rules: LeaseRules,
+        admission: AdmissionController,
         prompts: PromptSource,
         buffer: GroupBuffer,
         eval_jobs: EvalJobs,
         counters: Counter[str],
         failed_log: Path | None = None,
     ) -> None:
-        """`failed_log`: the JSON-lines file given-up groups are written to (None: the log only)."""
-        self.cfg = cfg
+        """`admission`: the replay's, told of every grant and of every leased group that will
+        never be trained; `failed_log`: the JSON-lines file given-up groups are written to
+        (None: the log only)."""
+        self.rules = rules
+        self.admission = admission
         self.failed_log = failed_log
         self.prompts = prompts
         self.buffer = buffer
         self.eval_jobs = eval_jobs
         self.counters = counters
-        self.admission = AdmissionController(
-            cfg.replay.max_staleness, cfg.data.train_batch_size, cfg.replay.capacity_groups
-        )
         self._rows_drawn = 0
         self._retry: deque[PromptItem] = deque()  # expired leases, granted again before new rows
         self._failed_on: dict[str, int] = {}  # row of a failed lease in _retry -> its server
@@ -69,7 +94,7 @@ class LeaseDesk:
         """Groups `req`'s server may take now: what it asks for, within its quota
         (rollout.max_concurrent_groups less the training groups it holds already, so no peer
         can take the whole capacity)."""
-        quota = self.cfg.rollout.max_concurrent_groups - self.buffer.in_flight_of(req.server_id)
+        quota = self.rules.max_concurrent_groups - self.buffer.in_flight_of(req.server_id)
         return min(req.max_groups, max(0, quota))
 
     def grant(self, req: LeaseRequest, asking: int = 1) -> list[PromptItem]:
@@ -107,7 +132,7 @@ class LeaseDesk:
         """A lease to re-issue first, then a new row. A row a server could not sample goes to
         another server when the fleet has more than one (an error of that server's, such as its
         device's memory, does not use up the row's failures); it waits for one meanwhile."""
-        alone = self.cfg.rollout.num_servers == 1
+        alone = self.rules.num_servers == 1
         for i, item in enumerate(self._retry):
             if alone or self._failed_on.get(row_of_group(item.group_id)) != server_id:
                 del self._retry[i]
@@ -116,12 +141,12 @@ class LeaseDesk:
                 return reissue(item)
         row_index = self._rows_drawn
         self._rows_drawn += 1
-        return row_to_prompt_item(self.prompts.next_row(), row_index, self.cfg.rollout.n)
+        return row_to_prompt_item(self.prompts.next_row(), row_index, self.rules.samples_per_prompt)
 
     def expire(self, now: float) -> int:
         """Drop the leases older than `replay.lease_timeout_s`, to be re-issued first; returns
         how many expired."""
-        timeout = self.cfg.replay.lease_timeout_s
+        timeout = self.rules.lease_timeout_s
         expired = self.buffer.expire(now, timeout)
         if expired:
             self.counters["expired"] += len(expired)
@@ -154,7 +179,7 @@ class LeaseDesk:
         an evaluation group is listed in its job's results. Returns "retried", "given_up", or
         "late" when no such group is leased to that server now (complete, expired or taken
         back: nothing changes)."""
-        limit = self.cfg.replay.max_group_failures
+        limit = self.rules.max_group_failures
         if self.eval_jobs.owns(group_id):
             item = self.eval_jobs.fail(group_id, server_id, limit)
         elif (item := self.buffer.drop_group(group_id, server_id)) is not None:
@@ -220,7 +245,7 @@ class LeaseDesk:
         self._retry.extend(state.reissue)
         for name, value in state.counters.items():  # they go on from where they stopped
             self.counters[name] = value
-        self.admission.issued = state.version * self.cfg.data.train_batch_size + len(state.ready)
+        self.admission.on_resumed(state.version, len(state.ready))
         log.info(
             "resumed at version %d: %d rows drawn, %d groups ready, %d prompts to lease again",
             state.version,

@@ -6,7 +6,8 @@ hands them to a `ReplayService`, whose loop drives them):
   checkpoint may be written. The service is an `asyncrl.wire.router.RouterService`, which applies
   them.
 - lease desk (`replay.leases`): grants leases, prompts from a `PromptSource` (`replay.prompts`),
-  as many as its `AdmissionController` allows (`replay.admission`), evaluation prompts first.
+  as many as the replay's `AdmissionController` allows (`replay.admission`), evaluation prompts
+  first.
 - buffer (`replay.buffer`): holds each lease's samples until the learner takes its group.
 - group filter (`replay.group_filter`): with `replay.filter_groups` on, a group whose samples
   all score alike is dropped as it completes, its slot freed (DAPO's dynamic sampling).
@@ -116,6 +117,7 @@ class ReplayService(RouterService):
         self.address = address
         self.buffer = parts.buffer
         self.eval_jobs = parts.eval_jobs
+        self.admission = parts.admission
         self.leases = parts.leases
         self.batches = parts.batches
         self.group_filter = parts.group_filter
@@ -177,7 +179,7 @@ class ReplayService(RouterService):
             **{k: float(v) for k, v in self.counters.items()},
             "groups_ready": float(self.buffer.num_ready),
             "groups_in_flight": float(self.buffer.num_in_flight),
-            "groups_issued": float(self.leases.admission.issued),
+            "groups_issued": float(self.admission.issued),
             "held_lease_requests": float(len(self.held_leases)),
             "held_batch_requests": float(len(self.held_batches)),
             "learner_version": float(self.learner_version),

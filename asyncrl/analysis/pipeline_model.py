@@ -276,11 +276,7 @@ class Simulation:
         self.now = 0.0
         self._events: list[tuple[float, int, Any, tuple]] = []
         self._tie = itertools.count()
-        self.admission = AdmissionController(
-            self.cfg.replay.max_staleness,
-            self.cfg.data.train_batch_size,
-            self.cfg.replay.capacity_groups,
-        )
+        self.admission = AdmissionController.from_config(self.cfg)
         self.servers = [self.server_type(self, i) for i in range(self.cfg.rollout.num_servers)]
         self.held_leases: list[_LeaseRequest] = []  # in arrival order
         self.ready: list[tuple[int, _Group]] = []  # sorted by issue index

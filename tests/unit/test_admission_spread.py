@@ -16,7 +16,7 @@ from asyncrl.wire.protocol import ChatMessage, LeaseRequest, PromptItem, Traject
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer
 from replay.eval_jobs import EvalJobs
-from replay.leases import LeaseDesk, lease_spread
+from replay.leases import LeaseDesk, LeaseRules, lease_spread
 from replay.prompts import setup_prompt_source
 
 
@@ -202,7 +202,8 @@ def _desk(**rollout) -> LeaseDesk:
         }
     )
     buffer = GroupBuffer()
-    return LeaseDesk(cfg, setup_prompt_source(cfg), buffer, EvalJobs(60.0), Counter())
+    rules, admission = LeaseRules.from_config(cfg), AdmissionController.from_config(cfg)
+    return LeaseDesk(rules, admission, setup_prompt_source(cfg), buffer, EvalJobs(60.0), Counter())
 
 
 def test_the_desk_grants_each_asking_server_its_share():

@@ -17,11 +17,12 @@ import pytest
 from asyncrl.config import Config, load_config
 from asyncrl.run_spec import RunSpec
 from asyncrl.wire.protocol import ChatMessage, LeaseRequest, PromptItem, Trajectory
+from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer, MalformedTrajectory
 from replay.eval_jobs import EvalJobs
-from replay.leases import LeaseDesk
+from replay.leases import LeaseDesk, LeaseRules
 from replay.prompts import setup_prompt_source
-from rollout_servers import server as server_module
+from rollout_servers import engine_probe
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.engines.base import GenerationOutput
 from rollout_servers.server import RolloutServer
@@ -38,7 +39,10 @@ def _desk(tmp_path, failures: int = 3, servers: int = 1) -> LeaseDesk:
         }
     )
     buffer, jobs = GroupBuffer(), EvalJobs(60.0)
-    return LeaseDesk(cfg, setup_prompt_source(cfg), buffer, jobs, Counter(), tmp_path / "f.jsonl")
+    rules, admission = LeaseRules.from_config(cfg), AdmissionController.from_config(cfg)
+    return LeaseDesk(
+        rules, admission, setup_prompt_source(cfg), buffer, jobs, Counter(), tmp_path / "f.jsonl"
+    )
 
 
 def _lease(desk: LeaseDesk, server_id: int = 0, k: int = 1) -> list[PromptItem]:
@@ -253,7 +257,7 @@ def test_a_failed_group_is_reported_and_the_server_goes_on_until_too_many_in_a_r
 
 
 def test_a_broken_engine_stops_the_server_and_blames_no_row(tmp_path, monkeypatch):
-    monkeypatch.setattr(server_module, "PROBE_PAUSE_S", 0.01)
+    monkeypatch.setattr(engine_probe, "PROBE_PAUSE_S", 0.01)
     engine, client = _Engine(broken=True), _Client()
     server = _server(tmp_path, engine, client)
     with pytest.raises(RuntimeError, match="failed 3 one-token probes after group g-1 failed"):
@@ -264,7 +268,7 @@ def test_a_broken_engine_stops_the_server_and_blames_no_row(tmp_path, monkeypatc
 def test_a_probe_that_fails_with_the_bad_prompt_is_tried_again(tmp_path, monkeypatch):
     """A probe admitted in the same prefill as the failing prompt fails with it (out of device
     memory): one failed probe is not a broken engine."""
-    monkeypatch.setattr(server_module, "PROBE_PAUSE_S", 0.01)
+    monkeypatch.setattr(engine_probe, "PROBE_PAUSE_S", 0.01)
     engine, client = _Engine(broken=True), _Client()
     server = _server(tmp_path, engine, client)
     real = engine.generate

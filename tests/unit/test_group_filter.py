@@ -72,7 +72,7 @@ def test_zero_variance_groups_never_reach_a_batch_and_leasing_goes_on(service):
     assert _lease(service, 1) == []  # the window (2 groups) is full
     _fill(service, a, [1, 1])  # all correct: no signal
     assert service.counters["groups_filtered"] == 1 and len(service.buffer) == 1
-    assert service.leases.admission.issued == 1  # its slot is free at once
+    assert service.admission.issued == 1  # its slot is free at once
     (c,) = _lease(service, 1)
     _fill(service, b, [0, 0])  # all wrong: no signal either
     (d,) = _lease(service, 1)
@@ -109,7 +109,7 @@ def test_a_filtered_group_costs_the_others_no_staleness_budget(service):
     a, b = _lease(service, 2)
     _fill(service, b, [1, 0])  # ready, waiting for a second group
     _fill(service, a, [0, 0])  # the oldest lease, filtered
-    assert service.leases.admission.staleness_budget(0) == 1  # as with b alone leased
+    assert service.admission.staleness_budget(0) == 1  # as with b alone leased
     (c,) = _lease(service, 1)
     _fill(service, c, [0, 1])
     batch = _batch(service, version=0)  # strictly on-policy: nothing may wait a version

@@ -16,10 +16,11 @@ from asyncrl.config import Config
 from asyncrl.launch.fleet import LaunchError, raise_on_failure
 from asyncrl.launch.restarts import ServerRestarts
 from asyncrl.wire.protocol import LeaseRequest, ServerHealth, Trajectory
+from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer
 from replay.eval_jobs import EvalJobs
 from replay.health import HEALTH_COUNTERS, FleetHealth
-from replay.leases import LeaseDesk
+from replay.leases import LeaseDesk, LeaseRules
 from replay.prompts import setup_prompt_source
 
 
@@ -147,11 +148,9 @@ def _desk() -> tuple[LeaseDesk, GroupBuffer, Counter[str]]:
         }
     )
     buffer, counters = GroupBuffer(), Counter()
-    return (
-        LeaseDesk(cfg, setup_prompt_source(cfg), buffer, EvalJobs(60.0), counters),
-        buffer,
-        counters,
-    )
+    rules, admission = LeaseRules.from_config(cfg), AdmissionController.from_config(cfg)
+    desk = LeaseDesk(rules, admission, setup_prompt_source(cfg), buffer, EvalJobs(60.0), counters)
+    return desk, buffer, counters
 
 
 def _sample(group_id: str, index: int, server_id: int) -> Trajectory:

@@ -140,7 +140,7 @@ def test_a_held_batch_request_tells_the_groups_dropped_as_stale_while_it_waited(
     held = HeldBatches(out, parts.counters, wait_s=1.0)
     held.serve_or_hold(LEARNER, BatchRequest(7, 1, 2), parts.batches, now=0.0)
     assert out.take() == [] and len(held) == 1  # the group was too stale for version 1
-    assert parts.counters["stale_dropped"] == 1 and parts.leases.admission.issued == 0
+    assert parts.counters["stale_dropped"] == 1 and parts.admission.issued == 0
     held.supersede(b"l")  # the learner asks again: the older request is answered empty
     [(who, empty)] = out.take()
     assert who == b"l" and isinstance(empty, Batch) and empty.request_id == 7

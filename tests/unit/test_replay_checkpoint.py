@@ -28,10 +28,11 @@ from asyncrl.config import Config, load_config
 from asyncrl.wire.protocol import LeaseRequest, PromptItem, Trajectory
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from replay.access import AccessRules
+from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer
 from replay.checkpoint import decode_state, encode_state, read_state, write_state
 from replay.eval_jobs import EvalJobs
-from replay.leases import LeaseDesk
+from replay.leases import LeaseDesk, LeaseRules
 from replay.prompts import setup_prompt_source
 
 B, N = 2, 2  # groups per batch, samples per group
@@ -45,7 +46,10 @@ def _desk() -> LeaseDesk:
             "replay": {"max_staleness": 2, "lease_timeout_s": 60.0},
         }
     )
-    return LeaseDesk(cfg, setup_prompt_source(cfg), GroupBuffer(), EvalJobs(60.0), Counter())
+    rules, admission = LeaseRules.from_config(cfg), AdmissionController.from_config(cfg)
+    return LeaseDesk(
+        rules, admission, setup_prompt_source(cfg), GroupBuffer(), EvalJobs(60.0), Counter()
+    )
 
 
 def _traj(item: PromptItem, index: int, versions: tuple[int, ...]) -> Trajectory:
