@@ -31,10 +31,10 @@ from learner.losses import (
     aggregate_denominator,
     aggregate_loss,
     behaviour_weighted,
-    mismatch_kl,
     value_token_loss,
 )
 from learner.micro_batches import MicroBatch, plan_micro_batches
+from learner.update_metrics import UPDATE_METRICS, MetricSums, MicroStep, combine_mini_batches
 
 
 @torch.no_grad()
@@ -110,6 +110,8 @@ class Updater:
         self.layout = layout_of(lc, device)
         self.world, self.rank, self.device = world, rank, device
         self.policy_loss = POLICY_LOSSES[algo.policy_loss]
+        self.metrics = UPDATE_METRICS
+        """The policy update's metrics (`learner.update_metrics`)."""
 
     def plan(self, batch: TrainBatch, rows: torch.Tensor) -> list[MicroBatch]:
         """This rank's forward/backward micro-batches over `rows` of `batch`
@@ -142,102 +144,86 @@ class Updater:
     def run(
         self, batch: TrainBatch, inputs: UpdateInputs, epochs: int, groups_per_mini: int
     ) -> dict[str, float]:
+        """`epochs` passes over the batch in mini-batches of `groups_per_mini` whole groups (0:
+        one), an optimizer step each; the metrics combined over the mini-batches as each
+        declares (`learner.update_metrics`)."""
         mask = batch.loss_mask[:, 1:]
         if inputs.keep is not None:
             mask = mask * inputs.keep
         group_rows = _rows_by_group(batch.group_index)
         per_mini = groups_per_mini or len(group_rows)
-        totals: dict[str, float] = {}
-        steps = 0
-        first: dict[str, float] = {}
+        steps = []
         for _ in range(epochs):
             for start in range(0, len(group_rows), per_mini):
                 rows = torch.cat(group_rows[start : start + per_mini])
-                stats = self._mini_batch_step(batch, inputs, mask, rows)
-                first = first or stats
-                steps += 1
-                for k, v in stats.items():
-                    totals[k] = (
-                        max(totals.get(k, v), v) if k.endswith("_max") else totals.get(k, 0.0) + v
-                    )
-        out = {k: (v if k.endswith("_max") else v / steps) for k, v in totals.items()}
-        # k3 KL(behaviour || learner) before this batch's first optimizer step: the engine's
-        # numerical mismatch plus policy lag (with max_staleness=0, the mismatch alone)
-        out.pop("behaviour_kl")
-        out["mismatch_kl"] = first["behaviour_kl"]
-        return out
+                steps.append(self._mini_batch_step(batch, inputs, mask, rows))
+        return combine_mini_batches(steps, self.metrics)
 
     def _mini_batch_step(
         self, batch: TrainBatch, inputs: UpdateInputs, mask: torch.Tensor, rows: torch.Tensor
     ) -> dict[str, float]:
-        algo = self.algo
-        horizon = mask.shape[1]
-        denom = float(aggregate_denominator(mask[rows], algo.loss_agg_mode))
+        """One optimizer step of the policy (and of the critic) over the mini-batch `rows`."""
+        denom = float(aggregate_denominator(mask[rows], self.algo.loss_agg_mode))
         tokens = float(mask[rows].sum().clamp(min=1))
-        scale = self.world / max(denom, 1e-8)
         plan = self.plan(batch, rows)
-        sums = torch.zeros(9, device=self.device)
-        ratio_max = torch.zeros((), device=self.device)
-        anchor = inputs.proximal if algo.decoupled else inputs.old_logprobs
-        assert anchor is not None, "decoupled: the proximal log-probs were recomputed"
+        sums = MetricSums(self.metrics, self.device)
         for i, micro in enumerate(plan):
-            idx, mb, w = micro.rows, batch.select(micro.rows), micro.weights
             set_gradient_sync(self.model, i == len(plan) - 1)
-            m = mask[idx] * w[:, None]
-            logp, entropy = policy_forward(
-                self.model, mb, self.temperature, True, self.layout, algo.entropy_coeff > 0
-            )
-            assert entropy is not None  # asked for (with_entropy=True)
-            per_token, st = self._policy_loss(logp, idx, inputs, m)
-            num, _ = aggregate_loss(per_token, m, algo.loss_agg_mode, horizon)
-            loss = num
-            if algo.entropy_coeff > 0:
-                ent_num, _ = aggregate_loss(-entropy, m, algo.loss_agg_mode, horizon)
-                loss = loss + algo.entropy_coeff * ent_num
-            kl_tok = None
-            if inputs.ref_logprobs is not None:
-                kl_tok = kl_penalty(logp, inputs.ref_logprobs[idx], algo.kl_loss_type)
-                kl_num, _ = aggregate_loss(kl_tok, m, algo.loss_agg_mode, horizon)
-                loss = loss + algo.kl_loss_coef * kl_num
-            (loss * scale).backward()
-            with torch.no_grad():
-                ratio = torch.exp(logp - anchor[idx])
-                sums += torch.stack(
-                    [
-                        num.detach(),
-                        st["clipped_tokens"],
-                        (ratio * m).sum(),
-                        ((logp - inputs.old_logprobs[idx]).abs() * m).sum(),
-                        (entropy * m).sum(),
-                        (kl_tok * m).sum()
-                        if kl_tok is not None
-                        else torch.zeros((), device=self.device),
-                        st.get("dual_clipped_tokens", torch.zeros((), device=self.device)),
-                        m.sum(),
-                        mismatch_kl(logp, inputs.old_logprobs[idx], m) * m.sum(),
-                    ]
-                )
-                ratio_max = torch.maximum(ratio_max, (ratio * (m > 0)).max())
+            sums.add(self._micro_step(batch, inputs, mask, micro, self.world / max(denom, 1e-8)))
         grad_norm = _clip_and_step(self.model, self.optimizer, self.lc.grad_clip)
-        if self.world > 1:
-            dist.all_reduce(sums)
-            dist.all_reduce(ratio_max, op=dist.ReduceOp.MAX)
-        stats = {
-            "loss": float(sums[0]) / max(denom, 1e-8),
-            "clip_frac": float(sums[1]) / tokens,
-            "ratio_mean": float(sums[2]) / tokens,
-            "ratio_max": float(ratio_max),
-            "logprob_abs_diff": float(sums[3]) / tokens,
-            "entropy": float(sums[4]) / tokens,
-            "dual_clip_frac": float(sums[6]) / tokens,
-            "grad_norm": grad_norm,
-            "behaviour_kl": float(sums[8]) / tokens,
-        }
-        if inputs.ref_logprobs is not None:
-            stats["kl_loss_ref"] = float(sums[5]) / tokens
+        sums.all_reduce(self.world)
+        stats = {**sums.values(tokens, denom), "grad_norm": grad_norm}
         if self.critic is not None:
             stats.update(self._critic_step(batch, inputs, rows, plan))
         return stats
+
+    def _micro_step(
+        self,
+        batch: TrainBatch,
+        inputs: UpdateInputs,
+        mask: torch.Tensor,
+        micro: MicroBatch,
+        scale: float,
+    ) -> MicroStep:
+        """Forward and backward of one micro-batch (its loss times `scale`: the global
+        normalisation); what its metrics read."""
+        algo = self.algo
+        horizon = mask.shape[1]
+        idx = micro.rows
+        m = mask[idx] * micro.weights[:, None]
+        logp, entropy = policy_forward(
+            self.model,
+            batch.select(idx),
+            self.temperature,
+            True,
+            self.layout,
+            algo.entropy_coeff > 0,
+        )
+        assert entropy is not None  # asked for (with_entropy=True)
+        per_token, st = self._policy_loss(logp, idx, inputs, m)
+        num, _ = aggregate_loss(per_token, m, algo.loss_agg_mode, horizon)
+        loss = num
+        if algo.entropy_coeff > 0:
+            ent_num, _ = aggregate_loss(-entropy, m, algo.loss_agg_mode, horizon)
+            loss = loss + algo.entropy_coeff * ent_num
+        kl_tok = None
+        if inputs.ref_logprobs is not None:
+            kl_tok = kl_penalty(logp, inputs.ref_logprobs[idx], algo.kl_loss_type)
+            kl_num, _ = aggregate_loss(kl_tok, m, algo.loss_agg_mode, horizon)
+            loss = loss + algo.kl_loss_coef * kl_num
+        (loss * scale).backward()
+        anchor = inputs.proximal if algo.decoupled else inputs.old_logprobs
+        assert anchor is not None, "decoupled: the proximal log-probs were recomputed"
+        return MicroStep(
+            m,
+            logp.detach(),
+            inputs.old_logprobs[idx],
+            anchor[idx],
+            entropy.detach(),
+            None if kl_tok is None else kl_tok.detach(),
+            num.detach(),
+            st,
+        )
 
     def _policy_loss(self, logp, idx, inputs: UpdateInputs, m):
         """The token loss of `algorithm.policy_loss` (`asyncrl.algorithms.policy_losses`) with the
