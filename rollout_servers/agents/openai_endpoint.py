@@ -29,7 +29,7 @@ its importance ratios wrong.
 Token in, token out. The prompt of a request that continues an earlier completion of its
 episode (same tools, the same messages before it, the reply as returned, then only tool or user
 messages) is that completion's prompt ids, its sampled ids and the template ids of the new
-messages (`tool_agent.TurnRenderer`): the sampled text is never tokenized again. Any other
+messages (`turn_renderer.TurnRenderer`): the sampled text is never tokenized again. Any other
 request is rendered whole by the chat template; when its episode already has completions, the
 client rewrote history (or started a second conversation): that is drift, counted on the episode
 (`Episode.drift`). What the agent loop does with it is `openai_agent.py`'s policy. A reply that
@@ -69,7 +69,7 @@ from rollout_servers.agents.openai_protocol import (
     too_long,
 )
 from rollout_servers.agents.openai_stream import stream_reply
-from rollout_servers.agents.tool_agent import _A, _U, TurnRenderer, render_ids
+from rollout_servers.agents.turn_renderer import _A, _U, TurnRenderer, render_ids
 from rollout_servers.engines.base import Engine, GenerationOutput, SamplingParams
 
 log = logging.getLogger("asyncrl.openai_endpoint")

@@ -24,7 +24,7 @@ from asyncrl.demo.tiny_model import build_tokenizer
 from asyncrl.wire.protocol import ChatMessage, PromptItem
 from rollout_servers.agents.openai_agent import OpenAIAgentLoop
 from rollout_servers.agents.openai_endpoint import OpenAIEndpoint
-from rollout_servers.agents.tool_agent import TurnRenderer, render_ids
+from rollout_servers.agents.turn_renderer import TurnRenderer, render_ids
 from rollout_servers.engines.base import (
     AppliedVersion,
     Engine,

@@ -32,13 +32,12 @@ from rollout_servers.agents.registry import (
 from rollout_servers.agents.single_turn import SingleTurnAgentLoop
 from rollout_servers.agents.tool_agent import (
     MalformedCall,
-    TemplateNotPrefixStableError,
     ToolAgentLoop,
     ToolCall,
-    TurnRenderer,
     parse_tool_calls,
 )
 from rollout_servers.agents.tools import Tool, ToolResponse, ToolSet
+from rollout_servers.agents.turn_renderer import TemplateNotPrefixStableError, TurnRenderer
 from rollout_servers.engines.base import (
     AppliedVersion,
     Engine,

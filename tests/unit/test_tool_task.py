@@ -15,7 +15,8 @@ from asyncrl.demo.tasks import (
 )
 from asyncrl.demo.tiny_model import build_tokenizer, render_conversation
 from rollout_servers.agents.calculator_tool import evaluate_expression
-from rollout_servers.agents.tool_agent import TurnRenderer, parse_tool_calls
+from rollout_servers.agents.tool_agent import parse_tool_calls
+from rollout_servers.agents.turn_renderer import TurnRenderer
 from rollout_servers.rewards.functions import REWARD_FNS
 
 
