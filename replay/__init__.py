@@ -9,6 +9,8 @@ Components (one module each), built by `components.setup_replay_components` and 
 - `leases`: `LeaseDesk`, what one grant holds (evaluation prompts first, then training prompts,
   expired leases re-issued first) and the prompt stream's position for resume.
 - `buffer`: `GroupBuffer`, the samples of each lease kept together and deduplicated.
+- `sample_checks`: `check_trajectory`, whether a sample can be trained on (every sample is
+  checked before it is kept, for training or evaluation).
 - `group_filter`: `GroupFilter`, DAPO's dynamic sampling: a group whose samples all score
   alike (`replay.filter_groups`) is dropped as it completes, its slot freed for another lease.
 - `batches`: `BatchDesk`, the buffer's ready groups handed to the learner as whole groups no

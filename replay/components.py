@@ -16,7 +16,7 @@ from asyncrl.config import Config
 from replay.access import AccessRules
 from replay.admission import AdmissionController
 from replay.batches import BatchDesk
-from replay.buffer import GroupBuffer, TokenLimits
+from replay.buffer import GroupBuffer
 from replay.counters import COUNTERS
 from replay.eval_jobs import EvalJobs
 from replay.fleet_stats import FleetStats
@@ -24,6 +24,7 @@ from replay.group_filter import GroupFilter
 from replay.health import FleetHealth
 from replay.leases import LeaseDesk, LeaseRules
 from replay.prompts import PromptSource, setup_prompt_source
+from replay.sample_checks import TokenLimits
 
 
 @dataclass(frozen=True)

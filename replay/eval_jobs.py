@@ -36,7 +36,8 @@ import numpy as np
 
 from asyncrl.wire.codec import MAX_HEADER_DEPTH, count_nodes
 from asyncrl.wire.protocol import EvalResults, PromptItem, Trajectory
-from replay.buffer import AddStatus, MalformedTrajectory
+from replay.buffer import AddStatus
+from replay.sample_checks import MalformedTrajectory
 
 MAX_OPEN_JOBS = 16
 MAX_JOBS = 64  # open and finished: the oldest finished job makes room for a new one

@@ -83,13 +83,14 @@ from asyncrl.wire.protocol import (
 from asyncrl.wire.router import POLL_INTERVAL_S, RouterService
 from asyncrl.wire.serve import serve_until_signal
 from replay.access import AccessRules, Peer
-from replay.buffer import AddStatus, MalformedTrajectory, check_trajectory
+from replay.buffer import AddStatus
 from replay.checkpoint import ReplayState, read_state, write_state
 from replay.components import ReplayComponents, setup_replay_components
 from replay.counters import summarize
 from replay.eval_jobs import EvalForbidden, EvalQuotaExceeded
 from replay.held import Changes, HeldBatches, HeldLeases
 from replay.prompts import PromptSource
+from replay.sample_checks import MalformedTrajectory, check_trajectory
 
 log = logging.getLogger("asyncrl.replay")
 

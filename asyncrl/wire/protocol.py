@@ -23,7 +23,7 @@ rollout server: `rollout_servers.engines.vllm_notices`.)
 
 Token ids, masks, log-probs and versions always travel as raw array frames (see `codec`).
 Every message's `validate()` bounds its fields (the codec runs it on every decode); whether a
-trajectory can be trained on is the replay's check (`replay.buffer.check_trajectory`), so its
+trajectory can be trained on is the replay's check (`replay.sample_checks.check_trajectory`), so its
 sender gets an `Ack(rejected)` and stops resending.
 """
 

@@ -24,8 +24,8 @@ exactly one outcome:
                                answered with Error; the loop goes on
 
 so `received` is always the sum of the others (`accounted`); a message is counted once it is
-done with, so a `Stats` reply does not count the request it answers. Replies are signed with the key of
-the role that asked.
+done with, so a `Stats` reply does not count the request it answers. Replies are signed with the
+key of the role that asked.
 """
 
 from __future__ import annotations

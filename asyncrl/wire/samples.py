@@ -51,7 +51,7 @@ class Trajectory:
 
     def validate(self) -> None:
         """Ids and bounds only: whether it can be trained on (equal lengths, finite numbers) is
-        `replay.buffer.check_trajectory`, answered with Ack(rejected)."""
+        `replay.sample_checks.check_trajectory`, answered with Ack(rejected)."""
         check_id(self.traj_id, "traj_id")
         check_id(self.group_id, "group_id")
         check_id(self.finish_reason, "finish_reason", empty_ok=True)

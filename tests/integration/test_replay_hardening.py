@@ -340,7 +340,7 @@ def test_finished_evaluation_jobs_make_room_for_new_ones():
 def test_samples_must_fit_the_model(tmp_path):
     """Token ids outside the vocabulary, or more tokens than the model's context, crashed the
     learner's embedding (found by red-teaming)."""
-    from replay.buffer import TokenLimits
+    from replay.sample_checks import TokenLimits
 
     (tmp_path / "config.json").write_text('{"vocab_size": 100, "max_position_embeddings": 64}')
     limits = TokenLimits.of_model(str(tmp_path))

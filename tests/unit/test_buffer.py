@@ -6,7 +6,8 @@ import pytest
 
 from asyncrl.wire.protocol import ChatMessage, PromptItem, Trajectory
 from replay.admission import AdmissionController
-from replay.buffer import GroupBuffer, MalformedTrajectory, sample_version, to_batch
+from replay.buffer import GroupBuffer, sample_version, to_batch
+from replay.sample_checks import MalformedTrajectory
 
 
 def _item(group_id: str, n: int = 2) -> PromptItem:

@@ -18,10 +18,11 @@ from asyncrl.config import Config, load_config
 from asyncrl.run_spec import RunSpec
 from asyncrl.wire.protocol import ChatMessage, LeaseRequest, PromptItem, Trajectory
 from replay.admission import AdmissionController
-from replay.buffer import GroupBuffer, MalformedTrajectory
+from replay.buffer import GroupBuffer
 from replay.eval_jobs import EvalJobs
 from replay.leases import LeaseDesk, LeaseRules
 from replay.prompts import setup_prompt_source
+from replay.sample_checks import MalformedTrajectory
 from rollout_servers import engine_probe
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.engines.base import GenerationOutput

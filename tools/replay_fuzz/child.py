@@ -61,7 +61,8 @@ class RecordingReplay(ReplayService):
                 raise
 
     def _dispatch(self, body: list[Any]) -> Any:
-        """Writes down a handler exception, which `RouterService._handle` then counts and contains."""
+        """Writes down a handler exception, which `RouterService._handle` then counts and
+        contains."""
         try:
             return super()._dispatch(body)  # type: ignore[misc]
         except Exception as e:
