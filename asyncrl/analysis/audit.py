@@ -1,9 +1,7 @@
 """What a run's own records say about its integrity: the audit `tools/chaos.py` prints.
 
-It reads only what a run writes (with `trainer.log_samples` and `learner.weight_checksum` on):
-samples.jsonl, metrics.jsonl, weights_learner.jsonl, weights_server_*.jsonl, config.yaml, the
-replay's state in every complete checkpoint, stats/replay.json, the resume steps in
-resumes.jsonl; and it counts the lines of chaos.jsonl, restarts.jsonl and resumes.jsonl.
+It reads only what a run writes (with `trainer.log_samples` and `learner.weight_checksum` on),
+as `asyncrl.analysis.run_records` reads it.
 
 How a prompt is named: the replay draws rows from its prompt source in order and names the
 lease of draw i `"{i}-{8 hex}"` (`replay.leases`, `asyncrl.data.rows.new_group_id`); a re-issued
@@ -38,21 +36,13 @@ Invariants (`Audit.ok` is false when one fails):
 
 from __future__ import annotations
 
-import json
-import re
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from asyncrl.checkpoints import REPLAY_FILE, missing_parts
-from asyncrl.config import ReplayConfig, RolloutConfig
+from asyncrl.analysis.run_records import Records, read_records
 from asyncrl.data.prompts import row_of_group
-from asyncrl.metrics import read_jsonl
-
-_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def row_of(group_id: str) -> int:
@@ -102,86 +92,6 @@ class Audit:
             shown = f"{v:.4g}" if isinstance(v, float) else str(v)
             lines.append(f"  {k:<{width}}  {shown}")
         return "\n".join(lines)
-
-
-@dataclass
-class Snapshot:
-    """The replay's state at one checkpoint, reduced to what the audit needs."""
-
-    version: int
-    rows_drawn: int
-    ready: list[str]  # group ids complete and not trained
-    reissue: list[str]  # group ids leased and not complete (leased again on resume)
-    stale_dropped: int
-    given_up: int  # rows no server could sample (`replay.leases.LeaseDesk.fail`)
-    source_position: int | None  # the prompt source's own count of rows served, when it has one
-
-
-@dataclass
-class Records:
-    """Everything the audit reads from a run directory."""
-
-    n: int
-    max_staleness: int
-    samples: list[dict[str, Any]]
-    metrics: list[dict[str, Any]]
-    learner_weights: list[dict[str, Any]]
-    server_weights: dict[str, list[dict[str, Any]]]
-    snapshots: list[Snapshot]
-    replay_stats: dict[str, float]
-    lines: dict[str, int]  # lines of chaos.jsonl, restarts.jsonl, resumes.jsonl
-    resume_steps: list[int]  # the checkpoint steps the launcher resumed the run at
-
-
-def read_snapshot(ckpt: Path) -> Snapshot:
-    """The replay's state saved in checkpoint directory `ckpt`."""
-    from replay.checkpoint import read_state
-
-    state = read_state(ckpt / REPLAY_FILE)
-    source = state.prompt_source
-    position = source.get("served", source.get("drawn"))
-    return Snapshot(
-        version=state.version,
-        rows_drawn=state.rows_drawn,
-        ready=[g.item.group_id for g in state.ready],
-        reissue=[p.group_id for p in state.reissue],
-        stale_dropped=int(state.counters.get("stale_dropped", 0)),
-        given_up=int(state.counters.get("rows_given_up", 0)),
-        source_position=None if position is None else int(position),
-    )
-
-
-def read_records(run_dir: str | Path) -> Records:
-    """The records of the run in `run_dir` (missing files read as empty)."""
-    run = Path(run_dir)
-    cfg_path = run / "config.yaml"
-    cfg = (yaml.safe_load(cfg_path.read_text()) or {}) if cfg_path.is_file() else {}
-    ckpts = sorted(
-        (int(m.group(1)), p)
-        for p in (run / "checkpoints").glob("step_*")
-        if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir() and not missing_parts(p)
-    )
-    stats_path = run / "stats" / "replay.json"
-    return Records(
-        n=int(cfg.get("rollout", {}).get("n", RolloutConfig().n)),
-        max_staleness=int(cfg.get("replay", {}).get("max_staleness", ReplayConfig().max_staleness)),
-        samples=read_jsonl(run / "samples.jsonl"),
-        metrics=read_jsonl(run / "metrics.jsonl"),
-        learner_weights=read_jsonl(run / "weights_learner.jsonl"),
-        server_weights={
-            p.stem.removeprefix("weights_"): read_jsonl(p)
-            for p in sorted(run.glob("weights_server_*.jsonl"))
-        },
-        snapshots=[read_snapshot(p) for _, p in ckpts],
-        replay_stats=json.loads(stats_path.read_text()) if stats_path.is_file() else {},
-        resume_steps=[
-            r["step"] for r in read_jsonl(run / "resumes.jsonl") if isinstance(r.get("step"), int)
-        ],
-        lines={
-            name: len(read_jsonl(run / f"{name}.jsonl"))
-            for name in ("chaos", "restarts", "resumes")
-        },
-    )
 
 
 # ---- the checks ---------------------------------------------------------------------------------
