@@ -23,8 +23,10 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import dataclass, field
+from typing import cast
 
 from asyncrl.analysis import pipeline_model as pm
+from asyncrl.analysis import pipeline_server as ps
 from asyncrl.analysis.pipeline_inputs import Costs, Fleet
 
 
@@ -49,21 +51,23 @@ class ModeResult(pm.Result):
 
 
 @dataclass(eq=False)
-class _Seq(pm._Seq):
+class _Seq(ps.Seq):
     length: int = 0  # tokens in all
     versions: int = 1  # versions its tokens span so far
 
 
-class _ModeServer(pm._Server):
+class _ModeServer(ps.Server):
     """A server whose engine follows `rollout.weight_update_mode` (the module docstring's
-    points), through the model's engine-rule hooks."""
+    points), through the model's engine-rule hooks. Its rows are this module's `_Seq`s."""
+
+    sim: _ModeSimulation
 
     def __init__(self, sim: _ModeSimulation, sid: int):
         super().__init__(sim, sid)
         self.staged_at = 0.0
         self.recompute_due = False
 
-    def _new_seq(self, group: pm._Group, length: int) -> _Seq:
+    def _new_seq(self, group: ps.Group, length: int) -> _Seq:
         return _Seq(group, length, length)
 
     def _inflight(self) -> bool:
@@ -88,7 +92,7 @@ class _ModeServer(pm._Server):
             return 0.0
         self.recompute_due = False
         c, r = self.sim.costs, self.sim.recompute
-        tokens = sum(c.prompt_tokens + s.length - s.left for s in self.live)
+        tokens = sum(c.prompt_tokens + s.length - s.left for s in _rows(self.live))
         return r.recompute_s + r.recompute_token_s * tokens
 
     def receive(self, version: int) -> None:
@@ -98,14 +102,19 @@ class _ModeServer(pm._Server):
     def _applied(self, version: int, start: float) -> None:
         sim = self.sim
         sim.stalls.append((sim.now, sim.now - (start if self._inflight() else self.staged_at)))
-        for s in self.live:
+        for s in _rows(self.live):
             s.versions += 1
         self.recompute_due = bool(self.live)
         super()._applied(version, start)
 
-    def _finish(self, seqs: list[_Seq]) -> None:
-        self.sim.finished += [(self.sim.now, s.versions) for s in seqs]
+    def _finish(self, seqs: list[ps.Seq]) -> None:
+        self.sim.finished += [(self.sim.now, s.versions) for s in _rows(seqs)]
         super()._finish(seqs)
+
+
+def _rows(seqs: list[ps.Seq]) -> list[_Seq]:
+    """`seqs` as this module's rows: a `_ModeServer` makes every one of them (`_new_seq`)."""
+    return cast(list[_Seq], seqs)
 
 
 class _ModeSimulation(pm.Simulation):

@@ -25,9 +25,8 @@ models, each point mirroring the code (docs/simulator.md has the method and the 
 Not modelled: CPU sharing between processes (calibrate on a quiet machine), network
 contention, lease expiry, evaluation jobs, multi-turn agent loops.
 
-A server's engine rules are hooks (`_Server._may_admit`, `_apply_due`, `_samples_whole_batches`,
-`_resume_cost_s`, `_new_seq`) that `tools/sim_weight_updates.py` overrides to model
-`rollout.weight_update_mode`.
+Points 2 to 4 are a server's, `asyncrl.analysis.pipeline_server.Server`; the rest, and the
+event queue, are `Simulation`'s.
 """
 
 from __future__ import annotations
@@ -35,14 +34,14 @@ from __future__ import annotations
 import bisect
 import heapq
 import itertools
-import math
 import random
 import statistics
-from collections import Counter, defaultdict, deque
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
 from asyncrl.analysis.pipeline_inputs import Costs, Fleet
+from asyncrl.analysis.pipeline_server import Group, LeaseRequest, Server
 from replay.admission import AdmissionController
 
 
@@ -69,205 +68,10 @@ class Result:
         return sum(i * c for i, c in enumerate(self.staleness_hist)) / max(total, 1)
 
 
-# ---- the model ------------------------------------------------------------------------------
-@dataclass(eq=False)
-class _Group:
-    index: int  # issue order: the buffer hands out the oldest lease first
-    server: _Server
-    left: int  # samples not yet scored
-    versions: list[int] = field(default_factory=list)  # each sequence's first-token version
-    lengths: list[int] = field(default_factory=list)
-
-
-@dataclass(eq=False)
-class _LeaseRequest:
-    server: _Server
-    version: int  # the server's engine version when it asked
-    wanted: int
-
-
-@dataclass(eq=False)
-class _Seq:
-    group: _Group
-    left: int  # tokens still to sample
-
-
-class _Server:
-    """One rollout server: its engine's queue, live rows and weight version. The engine's rules
-    are the hooks below (this model's engine; `tools/sim_weight_updates.py` overrides them)."""
-
-    def __init__(self, sim: Simulation, sid: int):
-        self.sim, self.sid = sim, sid
-        self.version = 0
-        self.staged: int | None = None  # received, not yet applied
-        self.active = 0  # groups in flight here
-        self.asking = 0  # lease requests not yet answered
-        self.asked_version = -1
-        self.scorers = [0.0] * sim.cfg.reward.workers  # when each reward worker is free
-        self.queue: deque[_Seq] = deque()
-        self.live: list[_Seq] = []
-        self.state = "idle"  # idle | batch | decode | apply
-        self.busy_since = 0.0
-        self.epoch = 0  # invalidates a continuous segment's scheduled end
-        self.seg_start = self.seg_cost = 0.0
-        self.seg_steps = 0
-
-    # ---- the engine's rules (hooks) -------------------------------------------------------
-    def _new_seq(self, group: _Group, length: int) -> _Seq:
-        """A sequence of `group` that will sample `length` tokens."""
-        return _Seq(group, length)
-
-    def _samples_whole_batches(self) -> bool:
-        """Whether queued rows run as one batch that ends with its longest row (static)."""
-        return self.sim.fleet.static_batches
-
-    def _may_admit(self) -> bool:
-        """Whether queued rows may join the live ones at the next decode step."""
-        return len(self.live) < self.sim.cfg.rollout.hf.max_batch_size
-
-    def _apply_due(self) -> bool:
-        """Whether the staged version applies at the next batch or step boundary."""
-        return self.staged is not None
-
-    def _resume_cost_s(self) -> float:
-        """Busy time before a decode segment's steps, besides the prefill of admitted rows."""
-        return 0.0
-
-    # ---- leases and sampling --------------------------------------------------------------
-    def maybe_ask(self) -> None:
-        """Ask for leases when there is room and no request out, or the engine moved on (the
-        rule of `RolloutServer.run`; a request asks for the slots free when it is sent)."""
-        free = self.sim.cfg.rollout.max_concurrent_groups - self.active
-        if free > 0 and (self.asking == 0 or self.asked_version != self.version):
-            self.asking += 1
-            self.asked_version = self.version
-            delay = self.sim.costs.lease_s / 2
-            self.sim.after(delay, self.sim.on_lease_request, self, self.version, free)
-
-    def on_grant(self, groups: list[_Group]) -> None:
-        self.asking -= 1
-        self.active += len(groups)
-        rollout, sample = self.sim.cfg.rollout, self.sim.fleet.lengths.sample
-        for g in groups:
-            g.lengths = [sample(self.sim.rng, rollout.max_new_tokens) for _ in range(rollout.n)]
-            self.queue.extend(self._new_seq(g, length) for length in g.lengths)
-        self.maybe_ask()
-        self.kick()
-
-    def receive(self, version: int) -> None:
-        self.staged = version
-        self.kick()
-
-    def kick(self) -> None:
-        """Start whatever the engine can start now: weights first, then sampling."""
-        if self.state == "decode":
-            if self._apply_due() or (self.queue and self._may_admit()):
-                self._interrupt()
-            return
-        if self.state != "idle":
-            return
-        if self._apply_due():
-            self.state = "apply"
-            self.sim.after(self.sim.costs.apply_s, self._applied, self.staged, self.sim.now)
-        elif self.queue and self._samples_whole_batches():
-            batch = [self.queue.popleft() for _ in range(min(len(self.queue), self._room()))]
-            for s in batch:
-                s.group.versions.append(self.version)
-            c = self.sim.costs
-            dur = (
-                c.gen_batch_s
-                + c.gen_step_s * max(s.left for s in batch)
-                + c.gen_seq_step_s * sum(s.left for s in batch)
-            )
-            self.state = "batch"
-            self.sim.after(dur, self._batch_done, batch, self.sim.now)
-        elif self.queue or self.live:  # continuous: live rows resume after an apply
-            self.state, self.busy_since = "decode", self.sim.now
-            self._segment()
-
-    def _room(self) -> int:
-        return self.sim.cfg.rollout.hf.max_batch_size - len(self.live)
-
-    def _applied(self, version: int, start: float) -> None:
-        """`version` is applied (no newer one arrives meanwhile: a broadcast waits for it)."""
-        self.sim.spans.append(("apply", self.sid, start, self.sim.now))
-        self.version, self.staged, self.state = version, None, "idle"
-        self.sim.on_applied(self)
-        self.kick()
-
-    def _batch_done(self, batch: list[_Seq], start: float) -> None:
-        self.sim.spans.append(("generate", self.sid, start, self.sim.now))
-        self.state = "idle"
-        self._finish(batch)
-        self.kick()
-
-    def _finish(self, seqs: list[_Seq]) -> None:
-        """Finished samples queue for the reward workers, in order."""
-        for s in seqs:
-            i = min(range(len(self.scorers)), key=self.scorers.__getitem__)
-            self.scorers[i] = max(self.scorers[i], self.sim.now) + self.sim.costs.score_s
-            self.sim.after(self.scorers[i] - self.sim.now, self._scored, s.group)
-
-    def _scored(self, group: _Group) -> None:
-        group.left -= 1
-        if group.left == 0:
-            self.active -= 1
-            self.sim.after(self.sim.costs.deliver_s, self.sim.on_ready, group)
-            self.maybe_ask()
-
-    # continuous batching: the live rows decode in segments that end when the first row ends
-    def _segment(self) -> None:
-        prefill = self._resume_cost_s()
-        admitted = []
-        if self._may_admit():
-            admitted = [self.queue.popleft() for _ in range(min(len(self.queue), self._room()))]
-        for s in admitted:
-            s.group.versions.append(self.version)
-        self.live += admitted
-        if not self.live:
-            self.sim.spans.append(("generate", self.sid, self.busy_since, self.sim.now))
-            self.state = "idle"
-            return
-        c = self.sim.costs
-        prefill += c.gen_batch_s if admitted else 0.0
-        self.seg_start = self.sim.now + prefill
-        self.seg_cost = c.gen_step_s + c.gen_seq_step_s * len(self.live)
-        self.seg_steps = min(s.left for s in self.live)
-        self.epoch += 1
-        self.sim.after(prefill + self.seg_steps * self.seg_cost, self._segment_end, self.epoch)
-
-    def _interrupt(self) -> None:
-        """End the running segment at the next step boundary (new rows or weights wait)."""
-        if self.seg_cost <= 0:
-            return  # the segment ends now anyway
-        done = math.floor(max(0.0, self.sim.now - self.seg_start) / self.seg_cost)
-        steps = min(self.seg_steps, done + 1)
-        if steps < self.seg_steps:
-            self.seg_steps = steps
-            self.epoch += 1
-            at = self.seg_start + steps * self.seg_cost
-            self.sim.after(at - self.sim.now, self._segment_end, self.epoch)
-
-    def _segment_end(self, epoch: int) -> None:
-        if epoch != self.epoch:
-            return
-        for s in self.live:
-            s.left -= self.seg_steps
-        finished = [s for s in self.live if s.left <= 0]
-        self.live = [s for s in self.live if s.left > 0]
-        self._finish(finished)
-        if self._apply_due():
-            self.sim.spans.append(("generate", self.sid, self.busy_since, self.sim.now))
-            self.state = "idle"
-            self.kick()  # applies; `kick` after the apply resumes decoding
-        else:
-            self._segment()
-
-
 class Simulation:
     """The replay (admission, buffer), M servers and the learner, on one event queue."""
 
-    server_type: type[_Server] = _Server
+    server_type: type[Server] = Server
     """What each server is (`tools/sim_weight_updates.py` supplies its own engine rules)."""
 
     def __init__(self, fleet: Fleet, costs: Costs, seed: int = 0):
@@ -278,14 +82,14 @@ class Simulation:
         self._tie = itertools.count()
         self.admission = AdmissionController.from_config(self.cfg)
         self.servers = [self.server_type(self, i) for i in range(self.cfg.rollout.num_servers)]
-        self.held_leases: list[_LeaseRequest] = []  # in arrival order
-        self.ready: list[tuple[int, _Group]] = []  # sorted by issue index
+        self.held_leases: list[LeaseRequest] = []  # in arrival order
+        self.ready: list[tuple[int, Group]] = []  # sorted by issue index
         self.held = 0  # groups in flight plus ready (the buffer's length)
         self.issued_total = 0
         self.version = 0  # the learner's
         self.warmup = 1  # steps left out of the figures (set by `run`)
         self.fetching_since: float | None = None
-        self.broadcast_due: list[_Group] | None = None  # trained, waiting for the receivers
+        self.broadcast_due: list[Group] | None = None  # trained, waiting for the receivers
         self._train_start = 0.0
         self.step_ends: list[float] = []
         self.fetch_waits: list[float] = []
@@ -311,18 +115,18 @@ class Simulation:
         return self._result(warmup)
 
     # ---- replay ---------------------------------------------------------------------------
-    def on_lease_request(self, server: _Server, version: int, wanted: int) -> None:
+    def on_lease_request(self, server: Server, version: int, wanted: int) -> None:
         """A request supersedes the server's held one (answered empty), is granted what
         admission allows, or is held until it can be, or until `wait_timeout_s`."""
         for held in [h for h in self.held_leases if h.server is server]:
             self.held_leases.remove(held)
             self._answer(server, [])
-        request = _LeaseRequest(server, version, wanted)
+        request = LeaseRequest(server, version, wanted)
         if not self._maybe_grant(request):
             self.held_leases.append(request)
             self.after(self.cfg.replay.wait_timeout_s, self._lease_timeout, request)
 
-    def _maybe_grant(self, request: _LeaseRequest) -> bool:
+    def _maybe_grant(self, request: LeaseRequest) -> bool:
         server = request.server
         k = self.admission.grantable(request.version, request.wanted, self.held)
         if k == 0:
@@ -330,23 +134,23 @@ class Simulation:
         self.admission.on_issued(k)
         self.held += k
         n = self.cfg.rollout.n
-        groups = [_Group(self.issued_total + i, server, n) for i in range(k)]
+        groups = [Group(self.issued_total + i, server, n) for i in range(k)]
         self.issued_total += k
         self._answer(server, groups)
         return True
 
-    def _answer(self, server: _Server, groups: list[_Group]) -> None:
+    def _answer(self, server: Server, groups: list[Group]) -> None:
         self.after(self.costs.lease_s / 2, server.on_grant, groups)
 
     def _answer_held(self) -> None:
         self.held_leases = [h for h in self.held_leases if not self._maybe_grant(h)]
 
-    def _lease_timeout(self, request: _LeaseRequest) -> None:
+    def _lease_timeout(self, request: LeaseRequest) -> None:
         if request in self.held_leases:
             self.held_leases.remove(request)
             self._answer(request.server, [])
 
-    def on_ready(self, group: _Group) -> None:
+    def on_ready(self, group: Group) -> None:
         bisect.insort(self.ready, (group.index, group), key=lambda x: x[0])
         self._maybe_serve()
         self._answer_held()
@@ -375,7 +179,7 @@ class Simulation:
         self._answer_held()
         self.after(self.costs.fetch_s + self._train_time(batch), self._trained, batch, self.now)
 
-    def _train_time(self, batch: list[_Group]) -> float:
+    def _train_time(self, batch: list[Group]) -> float:
         lengths = [x for g in batch for x in g.lengths]
         p, c, f = self.costs.prompt_tokens, self.costs, self.fleet
         longest = max(lengths) if f.padded_training else statistics.fmean(lengths)
@@ -383,7 +187,7 @@ class Simulation:
         ranks = self.cfg.learner.world_size * f.rank_efficiency
         return c.train_step_s + c.train_token_s * tokens / ranks
 
-    def _trained(self, batch: list[_Group], start: float) -> None:
+    def _trained(self, batch: list[Group], start: float) -> None:
         if len(self.step_ends) >= self.warmup:
             for g in batch:
                 for v in g.versions:
@@ -392,7 +196,7 @@ class Simulation:
         self._train_start = start
         self._maybe_broadcast()
 
-    def on_applied(self, server: _Server) -> None:
+    def on_applied(self, server: Server) -> None:
         server.maybe_ask()  # a server asks again the moment its engine moves on
         self._maybe_broadcast()
 

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from asyncrl.analysis import pipeline_model as pm
+from asyncrl.analysis import pipeline_server as ps
 from asyncrl.analysis.pipeline_inputs import Costs, Fleet, Lengths
 from asyncrl.config import load_config
 
@@ -160,7 +160,7 @@ def test_one_recompute_by_hand(tools):
     f = fleet("fixed:10", "continuous", 1, *ONE_ROW, "rollout.weight_update_mode=inflight")
     s = sw._ModeSimulation(f, c, sw.RecomputeCosts(0.125, 0.0625), seed=0)
     server = s.servers[0]
-    seq = sw._Seq(pm._Group(0, server, 1), 10, 10)
+    seq = sw._Seq(ps.Group(0, server, 1), 10, 10)
     server.queue.append(seq)
     server.active = (
         f.cfg.rollout.max_concurrent_groups
@@ -288,7 +288,7 @@ def test_drain_admits_nothing_between_a_versions_arrival_and_its_apply(tools):
     server.active = (
         f.cfg.rollout.max_concurrent_groups
     )  # no lease requests: these rows are all it samples
-    a, b = (sw._Seq(pm._Group(i, server, 1), n, n) for i, n in ((0, 10), (1, 2)))
+    a, b = (sw._Seq(ps.Group(i, server, 1), n, n) for i, n in ((0, 10), (1, 2)))
     server.queue.append(a)
     server.kick()
     s.after(3.0, server.receive, 1)
