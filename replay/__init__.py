@@ -9,6 +9,8 @@ Components (one module each), built by `components.setup_replay_components` and 
 - `leases`: `LeaseDesk`, what one grant holds (evaluation prompts first, then training prompts,
   expired leases re-issued first) and the prompt stream's position for resume.
 - `buffer`: `GroupBuffer`, the samples of each lease kept together and deduplicated.
+- `intake`: `SampleIntake`, where each arriving sample goes (its group or evaluation job) and
+  the status it is acknowledged with.
 - `sample_checks`: `check_trajectory`, whether a sample can be trained on (every sample is
   checked before it is kept, for training or evaluation).
 - `group_filter`: `GroupFilter`, DAPO's dynamic sampling: a group whose samples all score

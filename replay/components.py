@@ -22,6 +22,7 @@ from replay.eval_jobs import EvalJobs
 from replay.fleet_stats import FleetStats
 from replay.group_filter import GroupFilter
 from replay.health import FleetHealth
+from replay.intake import SampleIntake
 from replay.leases import LeaseDesk, LeaseRules
 from replay.prompts import PromptSource, setup_prompt_source
 from replay.sample_checks import TokenLimits
@@ -38,6 +39,7 @@ class ReplayComponents:
     admission: AdmissionController  # how many leases may start now; freed by the desks below
     leases: LeaseDesk  # grants within admission, over the buffer and evaluation jobs
     group_filter: GroupFilter  # zero-variance groups dropped as they complete (DAPO)
+    intake: SampleIntake  # each arriving sample into its group or evaluation job
     batches: BatchDesk  # batches out of the buffer, stale groups dropped
     health: FleetHealth  # which server epochs are alive
     fleet: FleetStats  # the servers' counters, turned into each batch's fleet metrics
@@ -86,6 +88,7 @@ def setup_replay_components(
         admission=admission,
         leases=leases,
         group_filter=group_filter,
+        intake=SampleIntake(buffer, eval_jobs, group_filter, counters),
         batches=BatchDesk(rc.max_staleness, buffer, admission, fleet, counters, group_filter),
         health=health,
         fleet=fleet,

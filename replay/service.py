@@ -9,6 +9,8 @@ hands them to a `ReplayService`, whose loop drives them):
   as many as the replay's `AdmissionController` allows (`replay.admission`), evaluation prompts
   first.
 - buffer (`replay.buffer`): holds each lease's samples until the learner takes its group.
+- sample intake (`replay.intake`): where each arriving sample goes (its group or evaluation job)
+  and its Ack status; an untrainable sample (`replay.sample_checks`) is rejected alone.
 - group filter (`replay.group_filter`): with `replay.filter_groups` on, a group whose samples
   all score alike is dropped as it completes, its slot freed (DAPO's dynamic sampling).
 - batch desk (`replay.batches`): batches out of the buffer, too-stale groups dropped first.
@@ -62,7 +64,7 @@ from asyncrl.checkpoints import REPLAY_FILE
 from asyncrl.config import Config
 from asyncrl.metrics import peak_rss_mb
 from asyncrl.wire.auth import secret_from_env
-from asyncrl.wire.codec import ProtocolError, short_repr
+from asyncrl.wire.codec import short_repr
 from asyncrl.wire.protocol import (
     Ack,
     Acks,
@@ -83,21 +85,14 @@ from asyncrl.wire.protocol import (
 from asyncrl.wire.router import POLL_INTERVAL_S, RouterService
 from asyncrl.wire.serve import serve_until_signal
 from replay.access import AccessRules, Peer
-from replay.buffer import AddStatus
 from replay.checkpoint import ReplayState, read_state, write_state
 from replay.components import ReplayComponents, setup_replay_components
 from replay.counters import summarize
 from replay.eval_jobs import EvalForbidden, EvalQuotaExceeded
 from replay.held import Changes, HeldBatches, HeldLeases
 from replay.prompts import PromptSource
-from replay.sample_checks import MalformedTrajectory, check_trajectory
 
 log = logging.getLogger("asyncrl.replay")
-
-_ACK_COUNTERS = {"accepted": "accepted", "duplicate": "duplicates", "late": "late"}
-_EVAL_COUNTERS = {"accepted": "eval_samples"}
-# a sample's Ack status: where it went, or "rejected" (untrainable)
-SampleStatus = Literal[AddStatus, "rejected"]
 
 
 class ReplayService(RouterService):
@@ -121,7 +116,7 @@ class ReplayService(RouterService):
         self.admission = parts.admission
         self.leases = parts.leases
         self.batches = parts.batches
-        self.group_filter = parts.group_filter
+        self.intake = parts.intake
         self.health = parts.health
         self.fleet = parts.fleet
         self.learner_version = 0
@@ -215,7 +210,7 @@ class ReplayService(RouterService):
 
     def _on_trajectory(self, peer: Peer, traj: Trajectory) -> None:
         self.health.touch(traj.server_id, time.monotonic())
-        status, why = self._take(traj)
+        status, why = self.intake.take(traj)
         if why:  # an untrainable sample alone is its message's outcome too
             self._reject(peer, "rejected_invalid", why, reply=False)
         self._send(peer, Ack(request_id=0, traj_id=traj.traj_id, status=status))
@@ -223,30 +218,10 @@ class ReplayService(RouterService):
     def _on_trajectories(self, peer: Peer, msg: Trajectories) -> None:
         """Each sample as if it came alone; the message itself is `handled`."""
         self.health.touch(msg.server_id, time.monotonic())
-        taken = [self._take(traj, alone=False) for traj in msg.unpack()]
+        taken = [self.intake.take(traj, alone=False) for traj in msg.unpack()]
         for why in [why for _, why in taken if why][:3]:
             log.warning("rejected sample: %s", why)
         self._send(peer, Acks(traj_ids=msg.traj_ids, statuses=[status for status, _ in taken]))
-
-    def _take(self, traj: Trajectory, alone: bool = True) -> tuple[SampleStatus, str]:
-        """One sample into its group or evaluation job: (Ack status, why untrainable or "").
-        A sample of a batch gets its own checks here: a bad one fails alone."""
-        try:
-            if not alone:
-                traj.validate()
-            if self.eval_jobs.owns(traj.group_id):
-                check_trajectory(traj, self.buffer.limits)
-                status = self.eval_jobs.add(traj, time.monotonic())
-                self.counters[_EVAL_COUNTERS.get(status, _ACK_COUNTERS[status])] += 1
-            else:
-                status = self.buffer.add(traj)
-                self.counters[_ACK_COUNTERS[status]] += 1
-                if status == "accepted":  # its group may now be complete, and teach nothing
-                    self.group_filter.maybe_drop(traj.group_id)
-        except (MalformedTrajectory, ProtocolError) as e:
-            self.counters["untrainable"] += 1
-            return "rejected", f"trajectory {short_repr(traj.traj_id)}: {e}"
-        return status, ""
 
     def _on_batch_request(self, peer: Peer, req: BatchRequest) -> None:
         if req.num_groups > self.cfg.replay.capacity_groups:

@@ -52,11 +52,11 @@ def _lease(service: ReplayService, k: int, version: int = 0) -> list[PromptItem]
 
 
 def _fill(service: ReplayService, item: PromptItem, rewards, **metrics) -> None:
-    """The group's samples, with these rewards (and per-sample metrics), through `_take`."""
+    """The group's samples, with these rewards (and per-sample metrics), through the intake."""
     for i, reward in enumerate(rewards):
         metric = {k: float(v[i]) for k, v in metrics.items()}
         traj = one_token_trajectory(item.group_id, i, reward, metric)
-        assert service._take(traj) == ("accepted", "")
+        assert service.intake.take(traj) == ("accepted", "")
 
 
 def _batch(service: ReplayService, version: int = 0) -> Batch | None:
