@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import math
 import statistics
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -83,50 +84,15 @@ def fit_costs(
     latencies come from the synchronous runs' traces: an apply's end to the next batch's start
     (lease_s); a batch's end to the learner's fetch end = fetch_s + deliver_s + score_s *
     ceil(rows / reward workers); fetch_s is the 10th percentile of async runs' fetch times."""
-    gen_x: list[list[float]] = []
-    train_x: list[list[float]] = []
-    bcast_x: list[list[float]] = []
-    deliver_x: list[list[float]] = []
-    gen_y: list[float] = []
-    train_y: list[float] = []
-    bcast_y: list[float] = []
-    prompt: list[float] = []
-    apply: list[float] = []
-    lease_gaps: list[float] = []
-    deliver_gaps: list[float] = []
-    fetch_ready: list[float] = []
-    for bench in benches:
-        for mode in modes:
-            run = bench["runs"][mode]
-            cfg, steps, spans = run["config"], run["steps"], run["spans"]
-            lengths = run["response_lengths"]
-            mean_len, warm = statistics.fmean(lengths), steps[0]["time"]
-            gens = [s for s in spans if s["name"] == "generate" and s["ts"] >= warm]
-            for s in gens:
-                rows = s["args"]["batch"]
-                gen_x.append([1.0, expected_max(lengths, rows), rows * mean_len])
-                gen_y.append(s["dur"])
-            for r in steps[bench["warmup"] :]:
-                p = r["train_tokens_per_s"] * r["time_update_s"] / r["samples"]
-                prompt.append(p - r["response_len_mean"])
-                train_x.append([1.0, r["samples"] * (prompt[-1] + r["response_len_max"])])
-                train_y.append(
-                    r["step_time_s"] - r["time_fetch_batch_s"] - r["time_broadcast_weights_s"]
-                )
-                bcast_x.append([1.0, cfg["num_servers"] - 1.0])
-                bcast_y.append(r["time_broadcast_weights_s"])
-                if cfg["max_staleness"] > 0:
-                    fetch_ready.append(r["time_fetch_batch_s"])
-            if cfg["max_staleness"] == 0:  # an async apply span includes the running batch's end
-                _sync_latencies(cfg, spans, gens, warm, apply, lease_gaps, deliver_x, deliver_gaps)
-    gen = nnls(gen_x, gen_y)
-    train = nnls(train_x, train_y)
-    if len({x[1] for x in bcast_x}) > 1:  # runs with different numbers of servers
-        broadcast = nnls(bcast_x, bcast_y)
+    p = _gather_points(benches, modes)
+    gen = nnls(p.gen_x, p.gen_y)
+    train = nnls(p.train_x, p.train_y)
+    if len({x[1] for x in p.bcast_x}) > 1:  # runs with different numbers of servers
+        broadcast = nnls(p.bcast_x, p.bcast_y)
     else:
-        broadcast = np.array([statistics.fmean(bcast_y), 0.0])
-    fetch_s = float(np.percentile(fetch_ready, 10)) if fetch_ready else 0.0
-    deliver = nnls(deliver_x, deliver_gaps) if deliver_gaps else np.array([fetch_s, 0.0])
+        broadcast = np.array([statistics.fmean(p.bcast_y), 0.0])
+    fetch_s = float(np.percentile(p.fetch_ready, 10)) if p.fetch_ready else 0.0
+    deliver = nnls(p.deliver_x, p.deliver_gaps) if p.deliver_gaps else np.array([fetch_s, 0.0])
     costs = Costs(
         gen_batch_s=gen[0],
         gen_step_s=gen[1],
@@ -136,19 +102,74 @@ def fit_costs(
         fetch_s=fetch_s,
         broadcast_s=broadcast[0],
         broadcast_per_server_s=broadcast[1],
-        apply_s=statistics.fmean(apply) if apply else 0.0,
-        lease_s=statistics.median(lease_gaps) if lease_gaps else 0.0,
+        apply_s=statistics.fmean(p.apply) if p.apply else 0.0,
+        lease_s=statistics.median(p.lease_gaps) if p.lease_gaps else 0.0,
         score_s=deliver[1],
         deliver_s=max(0.0, deliver[0] - fetch_s),
-        prompt_tokens=statistics.fmean(prompt),
+        prompt_tokens=statistics.fmean(p.prompt),
     )
     report = {
-        "generation": _fit_quality(gen_x, gen_y, gen),
-        "training": _fit_quality(train_x, train_y, train),
+        "generation": _fit_quality(p.gen_x, p.gen_y, gen),
+        "training": _fit_quality(p.train_x, p.train_y, train),
         "modes": list(modes),
         "load_avg": [r["load_avg"] for bench in benches for r in bench["runs"].values()],
     }
     return costs, report
+
+
+@dataclass
+class _Points:
+    """The regression points and latency samples of every run, gathered before any fit."""
+
+    gen_x: list[list[float]] = field(default_factory=list)
+    gen_y: list[float] = field(default_factory=list)
+    train_x: list[list[float]] = field(default_factory=list)
+    train_y: list[float] = field(default_factory=list)
+    bcast_x: list[list[float]] = field(default_factory=list)
+    bcast_y: list[float] = field(default_factory=list)
+    deliver_x: list[list[float]] = field(default_factory=list)
+    deliver_gaps: list[float] = field(default_factory=list)
+    prompt: list[float] = field(default_factory=list)
+    apply: list[float] = field(default_factory=list)
+    lease_gaps: list[float] = field(default_factory=list)
+    fetch_ready: list[float] = field(default_factory=list)
+
+
+def _gather_points(benches: list[dict[str, Any]], modes: tuple[str, ...]) -> _Points:
+    """Every generation batch after the first step, every steady training step, and the
+    synchronous runs' latencies, of each bench's runs in `modes` (`fit_costs` says which)."""
+    p = _Points()
+    for bench in benches:
+        for mode in modes:
+            run = bench["runs"][mode]
+            cfg, steps, spans = run["config"], run["steps"], run["spans"]
+            lengths = run["response_lengths"]
+            mean_len, warm = statistics.fmean(lengths), steps[0]["time"]
+            gens = [s for s in spans if s["name"] == "generate" and s["ts"] >= warm]
+            for s in gens:
+                rows = s["args"]["batch"]
+                p.gen_x.append([1.0, expected_max(lengths, rows), rows * mean_len])
+                p.gen_y.append(s["dur"])
+            for r in steps[bench["warmup"] :]:
+                _add_step(p, cfg, r)
+            if cfg["max_staleness"] == 0:  # an async apply span includes the running batch's end
+                _sync_latencies(
+                    cfg, spans, gens, warm, p.apply, p.lease_gaps, p.deliver_x, p.deliver_gaps
+                )
+    return p
+
+
+def _add_step(p: _Points, cfg: dict[str, Any], r: dict[str, Any]) -> None:
+    """One steady training step's points: its prompt length, its training time against its
+    padded tokens, its broadcast against the servers, its fetch when the run is async."""
+    prompt = r["train_tokens_per_s"] * r["time_update_s"] / r["samples"]
+    p.prompt.append(prompt - r["response_len_mean"])
+    p.train_x.append([1.0, r["samples"] * (p.prompt[-1] + r["response_len_max"])])
+    p.train_y.append(r["step_time_s"] - r["time_fetch_batch_s"] - r["time_broadcast_weights_s"])
+    p.bcast_x.append([1.0, cfg["num_servers"] - 1.0])
+    p.bcast_y.append(r["time_broadcast_weights_s"])
+    if cfg["max_staleness"] > 0:
+        p.fetch_ready.append(r["time_fetch_batch_s"])
 
 
 def _fit_quality(x: list[list[float]], y: list[float], coef: np.ndarray) -> dict[str, float]:
