@@ -188,37 +188,8 @@ def plot_timeline(
     processes = sorted(visible, key=_process_order)
     fig = new_figure(size=(11, 1.2 + 0.7 * len(processes) + 0.8))
     ax = fig.axes[0]
-    legend: dict[str, tuple[Any, str]] = {}  # stage -> (its first bars, its label)
-    for row, name in enumerate(processes):
-        by_stage: dict[str, list[tuple[float, float]]] = {}
-        for span in visible[name]:
-            start = max(span["ts"], lo) - run_start
-            width = min(span["ts"] + span["dur"], hi) - run_start - start
-            stage = str(span.get("name", ""))
-            by_stage.setdefault(stage, []).append((start, width))
-            legend.setdefault(stage, (None, _span_label(span)))
-        for stage, bars in by_stage.items():
-            artist = ax.broken_barh(
-                bars, (row - 0.35, 0.7), facecolors=colours[stage], edgecolor="white", linewidth=0.3
-            )
-            if legend[stage][0] is None:
-                legend[stage] = (artist, legend[stage][1])
-    # A step's metrics row is written when it ends: a dotted line there, and the step's number
-    # centred over the interval since the previous step ended, above the process rows.
-    previous_end = lo
-    for step, t in sorted(zip(*series(rows, "time"), strict=True), key=lambda st: st[1]):
-        if lo < t <= hi:
-            ax.axvline(t - run_start, color="gray", linestyle=":", linewidth=0.8)
-            ax.text(
-                (previous_end + t) / 2 - run_start,
-                -0.62,
-                f"step {int(step)}",
-                fontsize=9,
-                color="dimgray",
-                ha="center",
-                va="center",
-            )
-            previous_end = t
+    legend = _draw_spans(ax, processes, visible, (lo, hi), run_start, colours)
+    _mark_steps(ax, rows, (lo, hi), run_start)
     ax.set_yticks(range(len(processes)), processes)
     ax.set_ylim(len(processes) - 0.5, -0.85)
     ax.set_xlim(lo - run_start, hi - run_start)
@@ -234,6 +205,57 @@ def plot_timeline(
         bbox_to_anchor=(1.01, 1.0),
     )
     return save_figure(fig, path)
+
+
+def _draw_spans(
+    ax: Any,
+    processes: list[str],
+    visible: dict[str, list[Span]],
+    window: tuple[float, float],
+    run_start: float,
+    colours: dict[str, str],
+) -> dict[str, tuple[Any, str]]:
+    """One row of bars per process, its spans cut to `window`, coloured by stage; returns
+    each stage's first bars and its label, for the legend."""
+    lo, hi = window
+    legend: dict[str, tuple[Any, str]] = {}  # stage -> (its first bars, its label)
+    for row, name in enumerate(processes):
+        by_stage: dict[str, list[tuple[float, float]]] = {}
+        for span in visible[name]:
+            start = max(span["ts"], lo) - run_start
+            width = min(span["ts"] + span["dur"], hi) - run_start - start
+            stage = str(span.get("name", ""))
+            by_stage.setdefault(stage, []).append((start, width))
+            legend.setdefault(stage, (None, _span_label(span)))
+        for stage, bars in by_stage.items():
+            artist = ax.broken_barh(
+                bars, (row - 0.35, 0.7), facecolors=colours[stage], edgecolor="white", linewidth=0.3
+            )
+            if legend[stage][0] is None:
+                legend[stage] = (artist, legend[stage][1])
+    return legend
+
+
+def _mark_steps(
+    ax: Any, rows: list[dict[str, Any]], window: tuple[float, float], run_start: float
+) -> None:
+    """A step's metrics row is written when it ends: a dotted line there, and the step's number
+    centred over the interval since the previous step ended, above the process rows."""
+    lo, hi = window
+    previous_end = lo
+    for step, t in sorted(zip(*series(rows, "time"), strict=True), key=lambda st: st[1]):
+        if lo < t <= hi:
+            ax.axvline(t - run_start, color="gray", linestyle=":", linewidth=0.8)
+            ax.text(
+                (previous_end + t) / 2 - run_start,
+                -0.62,
+                f"step {int(step)}",
+                fontsize=9,
+                color="dimgray",
+                ha="center",
+                va="center",
+            )
+            previous_end = t
 
 
 def write_chrome_trace(run_dir: Path, out_path: Path) -> Path:
