@@ -214,45 +214,14 @@ def warm_start(
     if steps <= 0:
         return
     rng = random.Random(seed)
-    prompt_cache: dict[str, list[int]] = {}
-    conversation_cache: dict[str, tuple[list[int], list[int]]] = {}
+    demonstrations = _Demonstrations(task, tokenizer, p_correct)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
-
-    def lr_factor(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
-        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, _warmup_cosine(warmup_steps, steps))
     model.train()
     start = time.perf_counter()
     for step in range(steps):
-        rows: list[tuple[list[int], list[int]]] = []
-        for _ in range(batch_size):
-            if not isinstance(task, ArithmeticTask):
-                messages = task.demonstration(rng, p_correct)
-                key = json.dumps(messages)
-                if key not in conversation_cache:
-                    conversation_cache[key] = render_conversation(tokenizer, messages)
-                rows.append(conversation_cache[key])
-                continue
-            prompt, answer = task.demonstration(rng, p_correct)
-            if prompt not in prompt_cache:
-                messages = [{"role": "user", "content": prompt}]
-                prompt_cache[prompt] = render_prompt_ids(tokenizer, messages)
-            target = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
-            rows.append(
-                (prompt_cache[prompt] + target, [0] * len(prompt_cache[prompt]) + [1] * len(target))
-            )
-        input_ids, loss_mask = _right_padded(rows, tokenizer.pad_token_id)
-        attention_mask = (loss_mask >= 0).long()
-        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
-        targets, weights = input_ids[:, 1:], (loss_mask[:, 1:] > 0).float()
-        nll = torch.nn.functional.cross_entropy(
-            logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
-        )
-        loss = (nll * weights.reshape(-1)).sum() / weights.sum()
+        rows = [demonstrations.row(rng) for _ in range(batch_size)]
+        loss = _answer_loss(model, rows, tokenizer.pad_token_id)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -262,6 +231,59 @@ def warm_start(
             elapsed = time.perf_counter() - start
             log(f"warm-start step {step + 1}/{steps} loss {loss.item():.4f} {elapsed:.1f}s")
     model.eval()
+
+
+def _warmup_cosine(warmup_steps: int, steps: int) -> Callable[[int], float]:
+    """The learning rate's factor at a step: a linear warm-up over `warmup_steps`, then a cosine
+    decay to a tenth of the peak at `steps`."""
+
+    def lr_factor(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = (step - warmup_steps) / max(1, steps - warmup_steps)
+        return 0.1 + 0.9 * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return lr_factor
+
+
+class _Demonstrations:
+    """Rows (ids, loss mask) of the task's demonstrations, each prompt or conversation rendered
+    once (`warm_start`'s docstring says which ids the loss covers)."""
+
+    def __init__(self, task: EmbeddedTask, tokenizer: PreTrainedTokenizerBase, p_correct: float):
+        self.task, self.tokenizer, self.p_correct = task, tokenizer, p_correct
+        self.prompts: dict[str, list[int]] = {}
+        self.conversations: dict[str, tuple[list[int], list[int]]] = {}
+
+    def row(self, rng: random.Random) -> tuple[list[int], list[int]]:
+        task, tokenizer = self.task, self.tokenizer
+        if not isinstance(task, ArithmeticTask):
+            messages = task.demonstration(rng, self.p_correct)
+            key = json.dumps(messages)
+            if key not in self.conversations:
+                self.conversations[key] = render_conversation(tokenizer, messages)
+            return self.conversations[key]
+        prompt, answer = task.demonstration(rng, self.p_correct)
+        if prompt not in self.prompts:
+            self.prompts[prompt] = render_prompt_ids(
+                tokenizer, [{"role": "user", "content": prompt}]
+            )
+        target = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+        return self.prompts[prompt] + target, [0] * len(self.prompts[prompt]) + [1] * len(target)
+
+
+def _answer_loss(
+    model: LlamaForCausalLM, rows: list[tuple[list[int], list[int]]], pad_id: int
+) -> torch.Tensor:
+    """The mean next-token loss over the ids whose loss mask is 1."""
+    input_ids, loss_mask = _right_padded(rows, pad_id)
+    attention_mask = (loss_mask >= 0).long()
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits[:, :-1]
+    targets, weights = input_ids[:, 1:], (loss_mask[:, 1:] > 0).float()
+    nll = torch.nn.functional.cross_entropy(
+        logits.reshape(-1, logits.size(-1)), targets.reshape(-1), reduction="none"
+    )
+    return (nll * weights.reshape(-1)).sum() / weights.sum()
 
 
 def _right_padded(
