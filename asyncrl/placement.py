@@ -149,30 +149,10 @@ def plan_placement(
     (when training) the learner ranks by the rule of the module docstring. `gpus_present`:
     what the launcher sees (`visible_gpus`); `parent_cvd`: its own `CUDA_VISIBLE_DEVICES`
     (None: unset)."""
-    lc, rc, lr, rm = cfg.launch, cfg.rollout, cfg.learner, cfg.reward.model
+    rc, lr, rm = cfg.rollout, cfg.learner, cfg.reward.model
     reward_models = cfg.reward.num_servers if rm.path is not None else 0
-    g = gpus_present if lc.gpus is None else lc.gpus
-    if g > gpus_present:
-        raise PlacementError(
-            f"launch.gpus={g} but this machine shows {gpus_present} GPU(s)"
-            + (f" (CUDA_VISIBLE_DEVICES={parent_cvd!r})" if parent_cvd is not None else "")
-        )
-    for key, device, needed in (
-        ("rollout.device", rc.device, True),
-        ("learner.device", lr.device, with_learner),
-        ("reward.model.device", rm.device, reward_models > 0),
-    ):
-        if needed and device == "cuda" and g == 0:
-            raise PlacementError(f"{key}=cuda but launch.gpus resolves to 0 (no GPU to run on)")
-    ranks = lr.world_size if with_learner and lr.device != "cpu" and g > 0 else 0
-    if ranks > g:
-        raise PlacementError(
-            f"learner.world_size={ranks} needs a GPU per rank but launch.gpus={g} "
-            "(or set learner.device=cpu)"
-        )
+    g, ranks = _gpus_and_ranks(cfg, gpus_present, with_learner, parent_cvd, reward_models)
     t, servers_on_gpu = rc.gpus_per_server, rc.device != "cpu" and g > 0
-    if servers_on_gpu and t > g:
-        raise PlacementError(f"rollout.gpus_per_server={t} exceeds launch.gpus={g}")
     learner_gpus = {f"learner_{r}": (r,) for r in range(ranks)}
     server_gpus = {
         f"server_{i}": tuple((ranks + i * t + j) % g for j in range(t)) if servers_on_gpu else ()
@@ -209,6 +189,41 @@ def plan_placement(
     used = [p for p in places if p.gpus]
     mode = "cpu" if not used else "colocated" if any(p.shared for p in used) else "disaggregated"
     return PlacementPlan(g, mode, tuple(places))
+
+
+def _gpus_and_ranks(
+    cfg: PlacementSetup,
+    gpus_present: int,
+    with_learner: bool,
+    parent_cvd: str | None,
+    reward_models: int,
+) -> tuple[int, int]:
+    """(the GPUs to place on, the learner ranks that take one each), or PlacementError naming
+    the key that asks for more than there is."""
+    lc, rc, lr, rm = cfg.launch, cfg.rollout, cfg.learner, cfg.reward.model
+    g = gpus_present if lc.gpus is None else lc.gpus
+    if g > gpus_present:
+        raise PlacementError(
+            f"launch.gpus={g} but this machine shows {gpus_present} GPU(s)"
+            + (f" (CUDA_VISIBLE_DEVICES={parent_cvd!r})" if parent_cvd is not None else "")
+        )
+    for key, device, needed in (
+        ("rollout.device", rc.device, True),
+        ("learner.device", lr.device, with_learner),
+        ("reward.model.device", rm.device, reward_models > 0),
+    ):
+        if needed and device == "cuda" and g == 0:
+            raise PlacementError(f"{key}=cuda but launch.gpus resolves to 0 (no GPU to run on)")
+    ranks = lr.world_size if with_learner and lr.device != "cpu" and g > 0 else 0
+    if ranks > g:
+        raise PlacementError(
+            f"learner.world_size={ranks} needs a GPU per rank but launch.gpus={g} "
+            "(or set learner.device=cpu)"
+        )
+    t, servers_on_gpu = rc.gpus_per_server, rc.device != "cpu" and g > 0
+    if servers_on_gpu and t > g:
+        raise PlacementError(f"rollout.gpus_per_server={t} exceeds launch.gpus={g}")
+    return g, ranks
 
 
 def _users(gpus_of: dict[str, tuple[int, ...]]) -> dict[int, int]:
