@@ -16,7 +16,7 @@ from asyncrl.config.learner import LoraConfig
 from asyncrl.metrics import write_json_atomic
 from asyncrl.placement import OWN_GPU_FRACTION, Placement, maybe_limit_gpu_memory
 from asyncrl.run_spec import RunSpec
-from asyncrl.wire.auth import RoleKey, key_from_env
+from asyncrl.wire.auth import RoleKey, key_from_env, server_role
 from rollout_servers.agents.base import AgentLoop
 from rollout_servers.agents.interactions import load_interaction_config
 from rollout_servers.agents.registry import AgentLoopRouter
@@ -124,8 +124,12 @@ def setup_engine(
     )
 
 
-def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutServer:
-    """Build the engine, agent loop, replay client and reward computer of one server."""
+def setup_rollout_server(
+    cfg: Config, spec: RunSpec, server_id: int, epoch: int = 0
+) -> RolloutServer:
+    """Build the engine, agent loop, replay client and reward computer of server `server_id`
+    at its `epoch` (its start count, `asyncrl.launch.worker.ProcessRole`): the epoch names the
+    key it expects (`server_<i>@<e>`) and so what its heartbeats carry."""
     from transformers import AutoTokenizer
 
     rc = cfg.rollout
@@ -151,17 +155,18 @@ def setup_rollout_server(cfg: Config, spec: RunSpec, server_id: int) -> RolloutS
         limits=ta,
         loops=built,
     )
-    key = key_from_env(f"server_{server_id}")
+    key = key_from_env(server_role(server_id, epoch))
     client = AsyncReplayClient(
         spec.replay_address,
         key,
         ack_timeout_s=rc.ack_timeout_s,
         max_message_bytes=int(cfg.replay.max_message_mb * 2**20),
+        heartbeat_s=cfg.launch.heartbeat_s,
     )
     rewards = setup_rewards(cfg, sandbox)
     reward_model = setup_reward_model(cfg, spec, key, rewards)
     return RolloutServer(
-        cfg, spec, server_id, engine, agent, client, rewards, sandbox, reward_model
+        cfg, spec, server_id, engine, agent, client, rewards, sandbox, reward_model, epoch=epoch
     )
 
 
@@ -184,10 +189,11 @@ def setup_reward_model(
     return CombinedReward(cfg.reward, rules, client)
 
 
-def run_server(spec: RunSpec, cfg: Config, server_id: int) -> None:
-    """Entry point of one rollout server process; SIGTERM stops it cleanly."""
+def run_server(spec: RunSpec, cfg: Config, server_id: int, epoch: int = 0) -> None:
+    """Entry point of one rollout server process (`epoch`: its start count); SIGTERM stops it
+    cleanly."""
     torch.set_num_threads(spec.threads)
-    server = setup_rollout_server(cfg, spec, server_id)
+    server = setup_rollout_server(cfg, spec, server_id, epoch)
 
     async def main() -> None:
         stop = asyncio.Event()

@@ -23,7 +23,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import os
 import time
 from collections import Counter, deque
 
@@ -31,7 +30,7 @@ import zmq
 import zmq.asyncio
 
 from asyncrl.config import LaunchConfig
-from asyncrl.wire.auth import AuthError, RoleKey, server_index
+from asyncrl.wire.auth import AuthError, RoleKey, role_epoch, server_index
 from asyncrl.wire.codec import ProtocolError
 from asyncrl.wire.protocol import (
     MAX_TRAJECTORIES_PER_MESSAGE,
@@ -55,11 +54,7 @@ MESSAGE_BYTES = 8 << 20
 """Trajectories sent together are split into messages of at most about this many array bytes,
 and of half the replay's limit (`replay.max_message_mb`) where that is less."""
 
-
-EPOCH_ENV = "ASYNCRL_SERVER_EPOCH"
-"""The server's restart count (0 when unset), set by the launcher on each restart."""
-HEARTBEAT_ENV = "ASYNCRL_HEARTBEAT_S"
-"""launch.heartbeat_s, set by the launcher (its default when unset)."""
+DEFAULT_HEARTBEAT_S: float = LaunchConfig.model_fields["heartbeat_s"].default
 
 
 class AsyncReplayClient:
@@ -71,18 +66,16 @@ class AsyncReplayClient:
         reply_timeout_s: float = 60.0,
         max_message_bytes: int = 64 << 20,
         server_id: int | None = None,
-        epoch: int | None = None,
-        heartbeat_s: float | None = None,
+        heartbeat_s: float = DEFAULT_HEARTBEAT_S,
     ):
         """`server_id` (default: the index of `auth`'s `server_<i>` role; None for another
-        role: no heartbeats), `epoch` (default: $ASYNCRL_SERVER_EPOCH, else 0) and
-        `heartbeat_s` (default: $ASYNCRL_HEARTBEAT_S, else launch.heartbeat_s's default) are
-        what the heartbeats carry and how often they leave."""
+        role: no heartbeats) and the epoch of `auth`'s role (`server_<i>@<e>`: e, else 0; the
+        replay takes a heartbeat's epoch only when that epoch's key signed it) are what the
+        heartbeats carry; they leave every `heartbeat_s` (`launch.heartbeat_s`)."""
         self.auth = auth
         self.server_id = server_index(auth.role) if server_id is None else server_id
-        self.epoch = int(os.environ.get(EPOCH_ENV, "0")) if epoch is None else epoch
-        default_s = LaunchConfig.model_fields["heartbeat_s"].default
-        self.heartbeat_s = heartbeat_s or float(os.environ.get(HEARTBEAT_ENV, default_s))
+        self.epoch = role_epoch(auth.role)
+        self.heartbeat_s = heartbeat_s
         self._heartbeat_ids: deque[int] = deque(maxlen=16)  # the latest heartbeats' request ids
         self._refused = asyncio.Event()  # the replay refused a heartbeat: this epoch is over
         self._ctx = zmq.asyncio.Context()

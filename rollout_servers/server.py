@@ -6,9 +6,9 @@ Components (built by `rollout_servers.factories.setup_rollout_server`, driven by
   agent loop; applies a weight version atomically and tags each sampled token with the version
   that produced it.
 - weight receiver (a thread over `asyncrl.weights.receiver.WeightReceiver`): joins the learner's
-  weight sync as this server's epoch (`ASYNCRL_SERVER_EPOCH`, 0 at the first start, one more
-  per restart: a restarted server rejoins without stopping the others) and hands each complete
-  version to the engine.
+  weight sync as this server's epoch (its start count, handed by the launcher: 0 at the first
+  start, one more per restart; a restarted server rejoins without stopping the others) and
+  hands each complete version to the engine.
 - replay client (`replay_client.py`): asks for prompt leases, sends trajectories and keeps them
   until the replay acknowledges them.
 - agent loops (`agents/`): one per sample, `n` per leased prompt, all concurrent.
@@ -28,7 +28,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
 import threading
 import time
 import uuid
@@ -46,6 +45,7 @@ from asyncrl.trace import SpanWriter
 from asyncrl.wire.auth import sync_key_from_env
 from asyncrl.wire.protocol import PromptItem, Trajectory
 from rollout_servers.agents.base import AgentLoop
+from rollout_servers.engine_probe import probe_engine
 from rollout_servers.engines.base import Engine, SamplingParams, SyncTarget
 from rollout_servers.replay_client import AsyncReplayClient
 from rollout_servers.rewards.combination import CombinedReward
@@ -56,9 +56,6 @@ from rollout_servers.trajectory_log import TrajectoryMetricsLog
 
 log = logging.getLogger("asyncrl.rollout")
 
-PROBES = 3  # one-token requests that must all fail before a failed group stops the server
-PROBE_PAUSE_S = 1.0  # between two of them
-PROBE_TIMEOUT_S = 120.0  # one probe's wait (a busy engine queues it behind a full batch)
 RECEIVER_FINISH_S = 4.0  # at stop, for the version being applied (the launcher's grace is 10 s)
 
 
@@ -74,9 +71,10 @@ class RolloutServer:
         rewards: RewardComputer,
         sandbox: SharedSandbox | None = None,
         reward_model: CombinedReward | None = None,
+        epoch: int = 0,
     ):
         self.cfg, self.spec, self.server_id = cfg, spec, server_id
-        self.epoch = int(os.environ.get("ASYNCRL_SERVER_EPOCH", "0"))
+        self.epoch = epoch
         """Which start of this server this is (the launcher counts restarts)."""
         self.engine, self.agent_loop, self.client, self.rewards = (
             engine,
@@ -205,26 +203,8 @@ class RolloutServer:
                 error,
                 exc_info=error,
             )
-        await self._probe_engine(prompt, error)
+        await probe_engine(self.engine, self.greedy_params, f"group {prompt.group_id}", error)
         await self.client.group_failed(prompt.group_id, f"{type(error).__name__}: {error}")
-
-    async def _probe_engine(self, prompt: PromptItem, error: Exception) -> None:
-        """Whether the engine still samples, before a failed group is blamed on its row: a
-        one-token request (token 0 is in every vocabulary), tried PROBES times a second apart
-        (a probe admitted together with the failing prompt can fail with it: a prefill that
-        ran out of device memory); RuntimeError when every try fails."""
-        params = dataclasses.replace(self.greedy_params, max_new_tokens=1)
-        for attempt in range(1, PROBES + 1):
-            try:
-                await asyncio.wait_for(self.engine.generate([0], params), PROBE_TIMEOUT_S)
-                return
-            except Exception as probe_error:
-                if attempt == PROBES:
-                    raise RuntimeError(
-                        f"the engine failed {PROBES} one-token probes after group "
-                        f"{prompt.group_id} failed ({type(error).__name__}: {error}): stopping"
-                    ) from probe_error
-                await asyncio.sleep(PROBE_PAUSE_S)
 
     async def _greedy_baseline(self, prompt: PromptItem) -> float:
         greedy = await self.agent_loop.run(prompt, self.greedy_params)

@@ -156,8 +156,10 @@ def threads_per_process(cfg: Config) -> int:
 
 def process_env(spec: RunSpec, name: str) -> dict[str, str]:
     """What every fleet process has in its environment, whichever backend starts it: its
-    thread counts, its name and run (so `ps e` or a test can tell whose process it is), and
-    its key (`asyncrl.wire.auth.auth_env`: the run secret for the replay, a role key for others)."""
+    thread counts, its name and run (so `ps e` or a test can tell whose process it is; no
+    process reads them), and its key (`asyncrl.wire.auth.auth_env`: the run secret for the
+    replay, a role key for others). Nothing else of ours: what a process is told travels in
+    its `RunSpec` and `asyncrl.launch.worker.ProcessRole` (docs/architecture.md)."""
     return (
         auth_env(read_secret(spec.run_dir), name)
         | {
@@ -180,12 +182,6 @@ def nccl_env() -> dict[str, str]:
     if "TORCH_NCCL_ASYNC_ERROR_HANDLING" in os.environ:
         return {}
     return {"TORCH_NCCL_ASYNC_ERROR_HANDLING": "2"}
-
-
-def server_env(cfg: Config, epoch: int) -> dict[str, str]:
-    """What a rollout server's replay client reads (`rollout_servers.replay_client`): its
-    epoch (restart count) and how often it sends heartbeats."""
-    return {"ASYNCRL_SERVER_EPOCH": str(epoch), "ASYNCRL_HEARTBEAT_S": str(cfg.launch.heartbeat_s)}
 
 
 def learner_env(

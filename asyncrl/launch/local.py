@@ -10,7 +10,8 @@ killed outright (Linux parent-death signal), so no process outlives a run.
 
 A rollout server that dies is restarted in place (`restarts.ServerRestarts` decides when):
 `LocalFleet.retire` SIGKILLs its process group and forgets it, `start_server` starts it again
-with the same command, its epoch in the environment, appending to the same log.
+with the same command but its next epoch (`--epoch`, `asyncrl.launch.worker`) and that epoch's
+key in its environment, appending to the same log.
 
 Every check (`LocalFleet.failures`) polls every child and stamps the ones it sees ended for the
 first time (`failures.Ending`); between checks `LocalFleet.wait` sleeps on a pidfd per running
@@ -42,10 +43,10 @@ from asyncrl.launch.fleet import (
     process_env,
     replay_answers,
     replay_health,
-    server_env,
     threads_per_process,
     wait_for_replay,
 )
+from asyncrl.launch.worker import ProcessRole
 from asyncrl.placement import PlacementPlan, launch_placement, placement_env
 from asyncrl.run_spec import RunSpec
 from asyncrl.weights.shm import sweep_dead_segments
@@ -156,16 +157,18 @@ class LocalFleet:
         name = f"server_{index}"
         # that epoch's key: only the launcher can start a later epoch (`asyncrl.wire.auth`)
         key = auth_env(read_secret(self.spec.run_dir), name, epoch)
-        self._start_again(name, f"restarted as epoch {epoch}", key)
+        argv = with_epoch(self.commands[name][0], epoch)
+        self._start_again(name, f"restarted as epoch {epoch}", argv, key)
 
     def start_reward_model(self, index: int, epoch: int) -> None:
         """Reward-model server `index` again, with the command it was first started with."""
-        self._start_again(f"reward_model_{index}", f"restarted ({epoch})", {})
+        name = f"reward_model_{index}"
+        self._start_again(name, f"restarted ({epoch})", self.commands[name][0], {})
 
-    def _start_again(self, name: str, note: str, env: dict[str, str]) -> None:
-        """`name`'s first command again (its environment updated by `env`), appending to its
-        log after a line that says so."""
-        argv, first_env = self.commands[name]
+    def _start_again(self, name: str, note: str, argv: list[str], env: dict[str, str]) -> None:
+        """`name` again with `argv` and its first environment updated by `env`, appending to
+        its log after a line that says so."""
+        first_env = self.commands[name][1]
         log_path = Path(self.spec.run_dir) / "logs" / f"{name}.log"
         with log_path.open("a") as log:
             log.write(f"---- asyncrl: {name} {note} ----\n")
@@ -198,6 +201,12 @@ class LocalFleet:
             _signal_group(p.popen, signal.SIGKILL)  # also reaps stray grandchildren
             reap(p.popen, p.name)
         sweep_dead_segments(started=self.started_pids)
+
+
+def with_epoch(argv: list[str], epoch: int) -> list[str]:
+    """A server's command `argv` with its epoch (the value after `--epoch`) set to `epoch`."""
+    at = argv.index("--epoch") + 1
+    return [*argv[:at], str(epoch), *argv[at + 1 :]]
 
 
 REAP_TIMEOUT_S = 30.0
@@ -294,16 +303,12 @@ def local_commands(
     (when the plan has them). Each gets the CUDA_VISIBLE_DEVICES of its placement; a learner
     rank on GPUs of its own numbering has LOCAL_RANK=0 (its first GPU is its cuda:0), as under
     Ray."""
-    commands = [("replay", [*worker, "replay", spec_path], process_env(spec, "replay"))]
-    for i in range(len(spec.reward_model_addresses)):
-        name = f"reward_model_{i}"
-        argv = [*worker, "reward_model", spec_path, "--index", str(i)]
-        commands.append((name, argv, process_env(spec, name)))
-    for i in range(cfg.rollout.num_servers):
-        name = f"server_{i}"
-        argv = [*worker, "server", spec_path, "--index", str(i)]
-        env = process_env(spec, name) | server_env(cfg, epoch=0)
-        commands.append((name, argv, env))
+    roles = [
+        ProcessRole("replay"),
+        *(ProcessRole("reward_model", i) for i in range(len(spec.reward_model_addresses))),
+        *(ProcessRole("server", i, epoch=0) for i in range(cfg.rollout.num_servers)),
+    ]
+    commands = [(r.name, [*worker, *r.argv(spec_path)], process_env(spec, r.name)) for r in roles]
     world = cfg.learner.world_size
     for place in plan.places:
         if place.role == "learner":
@@ -311,5 +316,6 @@ def local_commands(
             env = process_env(spec, place.name) | learner_env(
                 rank, world, cfg.launch.host, spec.learner_master_port, local_rank
             )
-            commands.append((place.name, [*worker, "learner", spec_path], env))
+            argv = [*worker, *ProcessRole("learner").argv(spec_path)]
+            commands.append((place.name, argv, env))
     return [(n, argv, env | placement_env(plan.place(n))) for n, argv, env in commands]

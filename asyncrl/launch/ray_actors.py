@@ -16,7 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from asyncrl.config import Config
 from asyncrl.launch.fleet import log_tail, replay_answers, replay_health
-from asyncrl.launch.worker import run_process
+from asyncrl.launch.worker import ProcessRole, run_process
 from asyncrl.run_spec import RunSpec
 from asyncrl.wire.auth import RoleKey
 from asyncrl.wire.protocol import ServerHealth
@@ -59,9 +59,12 @@ class FleetProcess:
         """`count` distinct ports free on this node now (`asyncrl.wire.sockets.free_ports`)."""
         return free_ports(host, count)
 
-    def run(self, role: str, spec: RunSpec, cfg: Config, index: int, env: dict[str, str]) -> int:
+    def run(self, who: ProcessRole, spec: RunSpec, cfg: Config, env: dict[str, str]) -> int:
+        """Run `who`'s role here; `env` is what a local process would get in its environment
+        at its start and an actor cannot (set once it exists): a learner rank's torchrun
+        variables, a restarted server's key (`asyncrl.wire.auth.auth_env`)."""
         os.environ.update(env)
-        return run_process(role, spec, cfg, index)
+        return run_process(who, spec, cfg)
 
     def log_tail(self) -> str:
         return log_tail(self.log_path)

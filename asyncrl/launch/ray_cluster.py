@@ -20,7 +20,7 @@ and weight-sync ports on its node, and the launcher builds the `RunSpec` from th
 it, with the config, to every actor by value (a run directory need not be shared for that).
 
 Failures: as under the local launcher (`asyncrl.launch.failures`), the first member to die
-is named and the deaths after it are listed. A check stamps each run that has returned or
+is named and the deaths after it are listed (each member is a `ray_members.RayMember`). A check stamps each run that has returned or
 failed (an actor's death fails its run), and `RayFleet.wait` wakes on the first such report
 (`ray.wait`). Ray reports a killed actor later than the errors its death causes in its peers,
 so deaths whose logs are on this machine are ordered by their logs' last writes (a follower
@@ -28,7 +28,8 @@ writes its traceback after the death that caused it); others in the order Ray re
 
 Restarts (`restarts.ServerRestarts` decides when): `RayFleet.retire` kills a dead or hung server's
 actor (`ray.kill`), which frees its bundle, and `start_server` creates a new actor in that
-bundle and runs the server role in it with its epoch in the environment.
+bundle and runs the server role in it as its next epoch (`asyncrl.launch.worker.ProcessRole`),
+with that epoch's key in its environment.
 
 Stopping (at the end, on Ctrl-C, on a failure): SIGTERM to each running actor's process (by a
 zero-CPU task pinned to its node), so roles stop as they do locally and write their stats;
@@ -46,7 +47,6 @@ import signal
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
 
 import ray
 from ray.exceptions import GetTimeoutError, RayError
@@ -54,14 +54,12 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from asyncrl.config import Config
-from asyncrl.launch.failures import Ending, death_order, log_written_at
+from asyncrl.launch.failures import death_order
 from asyncrl.launch.fleet import (
     LaunchError,
     client_key,
     learner_env,
-    log_tail,
     process_env,
-    server_env,
     wait_for_replay,
 )
 from asyncrl.launch.ray_actors import (
@@ -73,6 +71,7 @@ from asyncrl.launch.ray_actors import (
     signal_processes,
 )
 from asyncrl.launch.ray_connect import connect
+from asyncrl.launch.ray_members import RayMember, ray_reason
 from asyncrl.launch.ray_placement import (
     Seat,
     Slot,
@@ -82,85 +81,13 @@ from asyncrl.launch.ray_placement import (
     reserved,
     spec_for_seat,
 )
+from asyncrl.launch.worker import ProcessRole
 from asyncrl.placement import placement_env
 from asyncrl.run_spec import RunSpec
 from asyncrl.weights.shm import sweep_dead_segments
 from asyncrl.wire.auth import auth_env, read_secret
 from asyncrl.wire.protocol import ServerHealth
 from asyncrl.wire.sockets import tcp_address
-
-
-@dataclass
-class RayMember:
-    """One fleet process as Ray runs it: its actor, where it runs, and how its role ended."""
-
-    seat: Seat
-    actor: Any  # the FleetProcess handle
-    log_path: Path  # on the actor's node
-    essential_until_end: bool = True  # its end before the learner finishes is a failure
-    where: Location | None = None
-    running: Any = None  # ObjectRef of the role's run, once started
-    locating: Any = None  # ObjectRef of its `locate` while a restarted actor is not located
-    exit_code: int | None = None  # the role's code once it returned
-    died: str | None = None  # why the actor or its call failed, if it did
-    ending: Ending | None = None  # stamped by the check that saw its run return or fail
-
-    @property
-    def name(self) -> str:
-        return self.seat.name
-
-    @property
-    def at(self) -> Location:
-        """Where it runs (known once `locate_actors` has returned)."""
-        if self.where is None:
-            raise LaunchError(f"Ray actor {self.name} has not been located")
-        return self.where
-
-    @property
-    def ended(self) -> bool:
-        return self.exit_code is not None or self.died is not None
-
-    @property
-    def failed(self) -> bool:
-        """Ended with an error, or ended while the run still needed it."""
-        return self.ended and (self.exit_code != 0 or self.essential_until_end)
-
-    @property
-    def who(self) -> str:
-        node = f"node {self.where.node_ip}, pid {self.where.pid}" if self.where else "not placed"
-        return f"Ray actor {self.name} ({node})"
-
-    def settle(self, check: int, now: float) -> None:
-        """Record how the role ended, once its run has returned or failed, and when (as Ray
-        reported it to this check)."""
-        try:
-            self.exit_code = ray.get(self.running)
-        except RayError as e:
-            self.died = ray_reason(e)
-        how = f"died: {self.died}" if self.died else f"exited with code {self.exit_code}"
-        written = log_written_at(self.log_path)
-        # Ray reports a killed actor's death later than the errors it causes in its peers (seen
-        # under load: learner_0 before the server_0 that was killed), so where the log is on
-        # this machine the deaths are ordered by it alone (all as one check), else as reported
-        self.ending = Ending(how, now, 0 if written is not None else check, written)
-
-    def last_log_lines(self) -> str:
-        tail = log_tail(self.log_path)
-        if not tail and self.died is None:  # a log on another node: ask the live actor
-            with contextlib.suppress(RayError):
-                tail = ray.get(self.actor.log_tail.remote(), timeout=10)
-        if not tail:
-            return f"its log is {self.log_path} on its node"
-        return f"last lines of {self.log_path}:\n{tail}"
-
-
-def ray_reason(e: RayError) -> str:
-    """Why Ray says an actor or a call failed, without the ids and the generic advice."""
-    text = str(e).strip()
-    _, found, reason = text.partition("The actor is dead because ")
-    if found:
-        return reason.split(" Some common causes")[0].strip()
-    return "\n".join(text.splitlines()[:8])
 
 
 @dataclass
@@ -200,9 +127,9 @@ class RayFleet:
         create_actor(self, seat, slot, self.cfg)
         m = self.members[-1]
         m.locating = m.actor.locate.remote()
-        spec, env = spec_for_seat(self.spec, self.cfg, seat), server_env(self.cfg, epoch)
-        env |= auth_env(read_secret(self.spec.run_dir), f"server_{index}", epoch)  # its key
-        m.running = m.actor.run.remote("server", spec, self.cfg, index, env)
+        spec = spec_for_seat(self.spec, self.cfg, seat)
+        key = auth_env(read_secret(self.spec.run_dir), f"server_{index}", epoch)  # its epoch's
+        m.running = m.actor.run.remote(ProcessRole("server", index, epoch), spec, self.cfg, key)
 
     def server_health(self) -> list[ServerHealth] | None:
         """Asked from the replay's node (the launcher may not reach a loopback address); None
@@ -396,7 +323,7 @@ def run_roles(fleet: RayFleet, cfg: Config) -> None:
     and the learner ranks (with their torchrun-style environment)."""
     spec = fleet.spec
     replay = fleet.member("replay")
-    replay.running = replay.actor.run.remote("replay", spec, cfg, 0, {})
+    replay.running = replay.actor.run.remote(ProcessRole("replay"), spec, cfg, {})
     probe = replay_answers_on_node.options(scheduling_strategy=on_node(replay.at.node_id))
 
     def answers() -> bool:
@@ -415,8 +342,5 @@ def run_roles(fleet: RayFleet, cfg: Config) -> None:
             # Ray shows each rank only its own GPUs, so its device is always cuda:0
             env = learner_env(seat.index, world, spec.sync_host, spec.learner_master_port, 0)
             m.essential_until_end = False  # learner ranks finishing (code 0) ends the run
-        if seat.role == "server":
-            env = server_env(cfg, epoch=0)
-        m.running = m.actor.run.remote(
-            seat.role, spec_for_seat(spec, cfg, seat), cfg, seat.index, env
-        )
+        who = ProcessRole(seat.role, seat.index if seat.role == "server" else 0)
+        m.running = m.actor.run.remote(who, spec_for_seat(spec, cfg, seat), cfg, env)

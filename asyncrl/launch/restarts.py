@@ -107,7 +107,7 @@ class ServerRestarts:
     server is dead when its process ends (a hung one costs its callers `reward.model.timeout_s`
     per request, scored 0 and counted; its budget comes back once its process has run for
     the healthy stretch below). Restart k+1 starts `restart_backoff_s * 2**k` after the
-    death it follows, as the next epoch (`ASYNCRL_SERVER_EPOCH`, which only goes up). A server
+    death it follows, as the next epoch (`worker.ProcessRole`, which only goes up). A server
     reported alive for `HEALTHY_RESET_TIMEOUTS * launch.server_timeout_s` in a row gets its
     budget back (k from 0 again). A server whose restarts are used up is dropped and the run
     goes on with the others of its kind; only when none is left does it fail (LaunchError

@@ -10,9 +10,14 @@ The launcher makes a random 32-byte run secret and writes it to `run_dir/run.sec
                 carry epoch e
     client      may evaluate and read stats (`asyncrl eval`, the launcher's progress, tools)
 
-A process gets only what it needs, in its environment (never on its command line): the replay
-gets the run secret (it checks every role); a learner rank or a rollout server gets its role's
-key. `asyncrl eval --address` reads the secret from `--run-dir` or `--secret-file`.
+A process gets only what it needs, in its environment (never on its command line, which any
+user can read in /proc/<pid>/cmdline, nor in run_dir/launch.json): the replay gets the run
+secret (it checks every role); a learner rank or a rollout server gets its role's key.
+`asyncrl eval --address` reads the secret from `--run-dir` or `--secret-file`. These secrets
+are the only values of our own that travel in the environment (docs/architecture.md,
+"Environment variables: the process boundary only"); a server's epoch, which names its role,
+comes on its command line (`asyncrl.launch.worker`) and picks the key it expects
+(`key_from_env`).
 
 The weight-sync joins, on learner rank 0's TCPStore (which torch cannot authenticate), are
 sealed with a sync key per server epoch, `HMAC-SHA256(learner key, "asyncrl weight sync
@@ -57,7 +62,6 @@ from pathlib import Path
 ROLES = ("learner", "server", "client")
 """The kinds of role; a server's role names its index, and its epoch from the first restart on:
 `server_0`, `server_1`, `server_1@1`, ... (`server_role`)."""
-EPOCH_ENV = "ASYNCRL_SERVER_EPOCH"  # a rollout server's epoch, set by the launcher
 SECRET_FILE = "run.secret"
 SECRET_ENV = "ASYNCRL_RUN_SECRET"  # the run secret, hex (the replay; a user's shell)
 KEY_ENV = "ASYNCRL_AUTH_KEY"  # "<role>:<key hex>" (a learner rank or a rollout server)
@@ -235,11 +239,10 @@ def secret_from_env() -> bytes:
 
 
 def key_from_env(role: str) -> RoleKey:
-    """This process's role key: from $ASYNCRL_AUTH_KEY, or derived from $ASYNCRL_RUN_SECRET.
-    A server's role is that of its epoch ($ASYNCRL_SERVER_EPOCH, `server_role`)."""
-    index = server_index(role)
-    if index is not None:
-        role = server_role(index, int(os.environ.get(EPOCH_ENV, "0")))
+    """The key of `role`, this process's: from $ASYNCRL_AUTH_KEY, or derived from
+    $ASYNCRL_RUN_SECRET. A server names the role of its epoch (`server_role(index, epoch)`,
+    the epoch from its command line), so a key handed for another epoch is refused."""
+    role_kind(role)
     text = os.environ.get(KEY_ENV)
     if not text:
         if os.environ.get(SECRET_ENV):
@@ -255,15 +258,15 @@ def auth_env(secret: bytes, process: str, epoch: int = 0) -> dict[str, str]:
     """What a fleet process named `process` (replay, reward_model_<i>, server_<i>,
     learner_<rank>) gets in its environment: the run secret for the replay and the reward-model
     servers (they check every role's key), its role's key for the others (a server's: that of
-    its `epoch`, with the epoch and its weight-sync key: `sync_key`; see the module
-    docstring)."""
+    its `epoch`, with its weight-sync key: `sync_key`; see the module docstring). The epoch
+    itself is no secret: it goes on the server's command line (`asyncrl.launch.worker`)."""
     if process == "replay" or process.startswith("reward_model_"):
         return {SECRET_ENV: secret.hex()}
     if process.startswith("server_"):
         role = server_role(int(process.rpartition("_")[2]), epoch)
         sync = sync_key(role_key(secret, "learner"), role).hex()
         own = role_key(secret, role).key.hex()
-        return {KEY_ENV: f"{role}:{own}", EPOCH_ENV: str(epoch), SYNC_KEY_ENV: sync}
+        return {KEY_ENV: f"{role}:{own}", SYNC_KEY_ENV: sync}
     role = process.rpartition("_")[0] or process
     key = role_key(secret, role)
     return {KEY_ENV: f"{role}:{key.key.hex()}"}

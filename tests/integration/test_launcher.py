@@ -211,16 +211,17 @@ def test_a_retired_server_is_killed_even_when_stopped_and_starts_again_as_its_ne
 ):
     """What `restarts.ServerRestarts` asks of the local fleet: `retire` SIGKILLs a hung (here:
     stopped) server and its children and forgets it, so its end is no failure; `start_server`
-    runs the same command again with the epoch and that epoch's key (`asyncrl.wire.auth`) in its
-    environment, appending to its log."""
+    runs the same command again with the next epoch on its command line (`--epoch`,
+    `asyncrl.launch.worker`) and that epoch's key (`asyncrl.wire.auth`) in its environment,
+    appending to its log."""
     write_secret(tmp_path, new_secret())
     fleet = LocalFleet(RunSpec(str(tmp_path), "", "", "", 0, 0, 1))
     code = (
-        "import os, time; key = os.environ.get('ASYNCRL_AUTH_KEY', '-').partition(':')[0]; "
-        "print('epoch', os.environ['ASYNCRL_SERVER_EPOCH'], key, flush=True); "
+        "import os, sys, time; key = os.environ.get('ASYNCRL_AUTH_KEY', '-').partition(':')[0]; "
+        "print('epoch', sys.argv[sys.argv.index('--epoch') + 1], key, flush=True); "
     )
-    argv = [sys.executable, "-c", code + "os.system('sleep 60'); time.sleep(60)"]
-    first = fleet.start("server_0", argv, {"ASYNCRL_SERVER_EPOCH": "0"})
+    argv = [sys.executable, "-c", code + "os.system('sleep 60'); time.sleep(60)", "--epoch", "0"]
+    first = fleet.start("server_0", argv, {})
     try:
         time.sleep(0.5)
         grandchildren = psutil.Process(first.popen.pid).children(recursive=True)

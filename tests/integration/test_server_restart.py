@@ -52,7 +52,6 @@ def _client(address: str, epoch: int) -> AsyncReplayClient:
         address,
         KEYRING.key(server_role(0, epoch)),
         ack_timeout_s=30.0,
-        epoch=epoch,
         heartbeat_s=0.2,
     )
 

@@ -64,12 +64,11 @@ class _Client:
 
 
 def _run(tmp_path, monkeypatch, epoch: int, engine: _Engine, for_s: float) -> _Client:
-    monkeypatch.setenv("ASYNCRL_SERVER_EPOCH", str(epoch))
     monkeypatch.setenv(SYNC_KEY_ENV, "00" * 32)
     cfg = load_config(None, ["launch.startup_timeout_s=1.5"])
     spec = RunSpec(str(tmp_path), "unused", "tcp://127.0.0.1:1", "127.0.0.1", 1, 0, 1)
     client = _Client()
-    server = RolloutServer(cfg, spec, 0, engine, None, client, _Rewards())  # type: ignore[arg-type]
+    server = RolloutServer(cfg, spec, 0, engine, None, client, _Rewards(), epoch=epoch)  # type: ignore[arg-type]
 
     async def main() -> None:
         stop = asyncio.Event()
