@@ -38,6 +38,10 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollout_servers.engines.base import Engine
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
@@ -72,13 +76,14 @@ async def all_at_once(one, prompts, n: int, warmup: bool = False) -> int:
 async def timed(run_once, rounds: int) -> tuple[float, int]:
     """Best (seconds, tokens) of `rounds` timed rounds after a warm-up (a one-request round)."""
     await run_once(warmup=True)
-    best = None
+    best: tuple[float, int] | None = None
     for _ in range(rounds):
         start = time.perf_counter()
         tokens = await run_once()
         took = time.perf_counter() - start
         if best is None or tokens / took > best[1] / best[0]:
             best = (took, tokens)
+    assert best is not None, "timed needs rounds >= 1"
     return best
 
 
@@ -111,6 +116,7 @@ async def bench_bare_vllm(model: str, prompts, params, n: int, rounds: int, seed
             TokensPrompt(prompt_token_ids=ids), request, request_id=uuid.uuid4().hex
         ):
             final = out
+        assert final is not None, "vLLM ended a request without an output"
         return len(final.outputs[0].token_ids)
 
     async def once(warmup: bool = False) -> int:
@@ -159,6 +165,7 @@ async def bench_family(family: str, model: str, tokenizer, prompts, params, args
     bare = bench_bare_vllm if family == "vllm" else bench_bare_sglang
     results[f"{family} bare"] = await bare(model, prompts, params, n, rounds, seed)
     report(f"{family} bare", results)
+    engine: Engine
     if family == "vllm":
         from asyncrl.config import VLLMConfig
         from rollout_servers.engines.vllm import VLLMEngine
@@ -363,11 +370,11 @@ def print_table(results: dict[str, tuple[float, int]]) -> None:
     for family in ("vllm", "sglang"):
         if f"{family} bare" not in results:
             continue
-        bare = results[f"{family} bare"][1] / results[f"{family} bare"][0]
+        bare_tps = results[f"{family} bare"][1] / results[f"{family} bare"][0]
         for name in (f"{family} engine", f"{family} rollout"):
             tps = results[name][1] / results[name][0]
             print(
-                f"overhead of {name} over bare {family}: {100 * (1 - tps / bare):+.1f}% "
+                f"overhead of {name} over bare {family}: {100 * (1 - tps / bare_tps):+.1f}% "
                 "(target <= 10%)"
             )
 

@@ -36,11 +36,12 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's asyncrl and rollout_servers
 
-SMOLLM2_SHAPE = {
+SMOLLM2_SHAPE: dict[str, Any] = {
     "hidden_size": 576,
     "intermediate_size": 1536,
     "num_hidden_layers": 30,
@@ -184,7 +185,7 @@ def bench_generate(model_dir, device, dtype, prompts, max_new, rounds, seed):
     return best_of(once, rounds)
 
 
-def run(args, save: Callable[[list[Figure]], None]) -> list[Figure]:
+def run(args, save: Callable[[list[Figure]], object]) -> list[Figure]:
     """Every model x rows x impl; `save` gets the figures so far after each one (a run cut
     short by a timeout keeps what it measured)."""
     figures: list[Figure] = []

@@ -78,6 +78,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 # this checkout's asyncrl and learner (not an installed one), and the worker module
@@ -98,7 +99,7 @@ from bench_learner_report import report  # noqa: E402
 from asyncrl.wire.sockets import free_port  # noqa: E402
 
 DEFAULT_MODEL = REPO / "models" / "smollm2-135m-instruct"
-CONFIGS = {
+CONFIGS: dict[str, dict[str, Any]] = {
     "fp32-padded": {"packing": False, "dtype": "float32"},
     "bf16-padded": {"packing": False, "dtype": "bfloat16"},
     "fp32-packed-rows": {"packing": True, "share_prompts": False, "dtype": "float32"},

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 SMOLLM2_SHAPE = {
@@ -62,7 +64,7 @@ def shape_config(name: str, layers: int = 0):
     """The LlamaConfig of `SHAPES[name]` (tied embeddings), `layers` deep when given."""
     from transformers import LlamaConfig
 
-    shape = dict(SHAPES[name])
+    shape: dict[str, Any] = dict(SHAPES[name])
     if layers:
         shape["num_hidden_layers"] = layers
     return LlamaConfig(**shape, tie_word_embeddings=True, pad_token_id=0)

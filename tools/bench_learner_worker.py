@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))  # this checkout's asyncrl and learner, not an installed one
@@ -78,7 +79,7 @@ def memory_figures(device: torch.device) -> dict:
     """Peak memory of this process (on CUDA: since the last `reset_peak_memory_stats`):
     `peak_mem_mib` is the figure configurations are compared by (device memory on CUDA,
     resident memory on CPU)."""
-    out = {"peak_rss_mb": peak_rss_mb()}
+    out: dict[str, Any] = {"peak_rss_mb": peak_rss_mb()}
     if device.type == "cuda":
         out["peak_mem_mib"] = torch.cuda.max_memory_allocated(device) / 2**20
         out["peak_reserved_mib"] = torch.cuda.max_memory_reserved(device) / 2**20
@@ -190,9 +191,10 @@ def bare_worker(job: dict) -> None:
         torch.cuda.set_device(device)
     batch, _ = load_batch(job, device)
     start = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(
+    model: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
         job["model"], dtype=torch.float32, attn_implementation="sdpa"
-    ).to(device)
+    )
+    model.to(device)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
     setup_s = time.perf_counter() - start
@@ -343,6 +345,7 @@ def receive_versions(model_path: str, group, dtype: torch.dtype, reps: int) -> d
 
     def apply_received():
         got = received.pop()
+        assert got is not None, "the receiver closed before the version arrived"
         start = time.perf_counter()
         with torch.no_grad():
             for key, tensor in got.weights:

@@ -392,6 +392,7 @@ def main() -> int:
     if args.modes is None:
         report_sync_async(results)
     else:
+        assert cfg is not None  # the modes name at least one run
         bench["prefill"] = measure_prefill(model, threads_per_process(cfg))
         bench["decode"] = measure_decode(model, threads_per_process(cfg))
         report_modes(results, bench)

@@ -23,6 +23,7 @@ import itertools
 import multiprocessing as mp
 import threading
 import time
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
@@ -35,10 +36,13 @@ from asyncrl.wire.replay_client import EVAL_PART_BYTES, eval_parts
 from asyncrl.wire.sockets import decode_signed, free_port, tcp_address
 from asyncrl.wire.validation import ProtocolError
 
+if TYPE_CHECKING:
+    from multiprocessing.synchronize import Event
+
 SECRET = bytes(range(32))
 
 
-def _serve(cfg: Config, address: str, stop: mp.Event) -> None:
+def _serve(cfg: Config, address: str, stop: Event) -> None:
     from replay.service import setup_replay_service
 
     service = setup_replay_service(cfg, address, None, secret=SECRET)
@@ -82,7 +86,7 @@ def _flood(
 ) -> None:
     """Maximal parts back to back, signed as a client, each of one of 64 jobs (the `base`
     parts renamed), and every 20th a `junk_mb` message; answers are read and counted."""
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(address)
     key = keys.key("client")
     jobs = [f"flood{j:02d}" for j in range(64)]
@@ -131,7 +135,7 @@ def main() -> None:
     child.start()
     keys = Keyring(SECRET, cfg.rollout.num_servers)
     server = keys.key("server_0")
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.connect(address)
     before = _stats(sock, keys)
     if args.part == "prompts":
@@ -142,7 +146,8 @@ def main() -> None:
         base = {f"flood{j:02d}": _lists_part(f"flood{j:02d}", True, in_bound) for j in range(4)}
         what = "one prompt of empty lists"
     print(f"a maximal part: {sum(map(len, base['flood00']))} bytes, {what}")
-    stop, replies = threading.Event(), {}
+    stop = threading.Event()
+    replies: dict[str, Any] = {}
     flood_args = (address, keys, base, stop, args.junk_mb, replies)
     flood = threading.Thread(target=_flood, args=flood_args)
     flood.start()

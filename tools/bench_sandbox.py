@@ -125,6 +125,7 @@ def old_code_reward():
     with open(path, "w") as f:
         f.write(source)
     spec = importlib.util.spec_from_file_location("old_reward_sandbox", path)
+    assert spec is not None and spec.loader is not None  # a .py path always has both
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # its dataclasses look themselves up there
     spec.loader.exec_module(module)
@@ -135,7 +136,7 @@ async def reward_part(runs: int, jobs: int) -> None:
     extra = {"test_cases": {"asserts": ASSERTS}}
     shared = SharedSandbox(SandboxConfig(max_concurrent=1))
     rc = RewardComputer(30.0, num_workers=1, sandbox=shared)
-    variants = {}
+    variants: dict[str, Callable[[], Awaitable[None]]] = {}
 
     async def new() -> None:
         score, _ = await rc.score("code", SOLUTION, "", extra)

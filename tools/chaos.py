@@ -103,12 +103,12 @@ def fleet_members(run_dir: str | Path) -> dict[str, Member]:
     """The run's fleet processes by name (the newest when a restart left two)."""
     want = os.path.realpath(run_dir)
     found: dict[int, tuple[str, int, int]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        env = _proc_env(pid)
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        env = _proc_env(entry)
         name = env.get("ASYNCRL_PROCESS")
         if name and os.path.realpath(env.get("ASYNCRL_RUN_DIR", "")) == want:
             try:
-                found[int(pid)] = (name, *_parent_and_start(pid))
+                found[int(entry)] = (name, *_parent_and_start(entry))
             except (OSError, IndexError):
                 continue
     members: dict[str, Member] = {}

@@ -193,8 +193,8 @@ def main(argv: list[str]) -> int:
         "learner": learner_figures,
     }
     if len(argv) == 2 and argv[0] == "gpu-tests":
-        for path in gpu_test_files(Path(argv[1])):
-            print(path)
+        for test_file in gpu_test_files(Path(argv[1])):
+            print(test_file)
         return 0
     if len(argv) != 3 or argv[0] not in kinds:
         print(__doc__, file=sys.stderr)

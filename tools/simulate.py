@@ -124,7 +124,7 @@ def fit_mode_costs(bench: dict[str, Any]) -> tuple[Costs, RecomputeCosts]:
 
 
 def predict_modes(
-    bench: dict[str, Any], engine: str, seeds: int = 3, steps: int = 80
+    bench: dict[str, Any], engine: Batching, seeds: int = 3, steps: int = 80
 ) -> dict[str, ModeMeans]:
     """Each mode of a `--modes` record, simulated with the record's fleet (its exact response
     lengths, `engine` batching, training on real tokens) and `fit_mode_costs`."""
@@ -235,7 +235,7 @@ def cmd_validate(args: argparse.Namespace) -> None:
         )
 
 
-CONFIG_KEYS = ("num_servers", "n", "train_batch_size", "max_concurrent_groups")
+CONFIG_KEYS: tuple[str, ...] = ("num_servers", "n", "train_batch_size", "max_concurrent_groups")
 CONFIG_KEYS += ("max_new_tokens", "max_staleness")
 
 

@@ -89,17 +89,17 @@ def main() -> None:
             shown = f"{took:.1f} s" if took is not None else "not reached"
             print(f"run {i + 1}/{args.runs} {name}: {shown} ({steps} steps)", flush=True)
     print(f"\ntime to a {args.window}-step mean reward of {args.target}, from process start:")
-    medians = {}
+    medians: dict[str, float | None] = {}
     for name, times in results.items():
         ok = [t for t in times if t is not None]
         medians[name] = statistics.median(ok) if ok else None
         shown = ", ".join("-" if t is None else f"{t:.1f}" for t in times)
         med = f"{medians[name]:.1f} s" if medians[name] is not None else "n/a"
         print(f"  {name:>10}: median {med}  runs [{shown}]")
-    names = list(medians)
-    if len(names) == 2 and all(medians.values()):
+    names, found = list(medians), [m for m in medians.values() if m]
+    if len(names) == 2 and len(found) == 2:
         a, b = names
-        print(f"  ratio {b}/{a}: {medians[b] / medians[a]:.2f}")
+        print(f"  ratio {b}/{a}: {found[1] / found[0]:.2f}")
 
 
 if __name__ == "__main__":

@@ -217,6 +217,12 @@ class _Campaign:
         self.report.rss_start_mb = self.process.rss_mb()
         self.report.rss_warm_mb = 0.0
 
+    @property
+    def live(self) -> Clients:
+        """The current replay process's sockets (from `start` until they are folded in)."""
+        assert self.clients is not None, "no replay process is running"
+        return self.clients
+
     def _stats_request(self) -> P.StatsRequest:
         self._probes += 1  # a fresh request id: a late answer to an earlier one is not taken
         return P.StatsRequest(request_id=1_000_000 + self._probes)
@@ -284,7 +290,7 @@ class _Campaign:
                 continue
             if not self._room():
                 return  # a fresh replay (or none): the rest of this case would mean nothing
-            key = self.clients.send(frames, (case.index, case.description), self.rng)
+            key = self.live.send(frames, (case.index, case.description), self.rng)
             self.report.fuzzed += 1
             self.recent[key] = (case.index, case.description)
             if len(self.recent) > 4096:
@@ -296,10 +302,10 @@ class _Campaign:
         while True:
             if self.process.exit_code() is not None:
                 return self.healthy()
-            self.clients.collect(0)
-            if not self.clients.full:
+            self.live.collect(0)
+            if not self.live.full:
                 return True
-            if not self.clients.collect(0.05) and time.monotonic() > deadline:
+            if not self.live.collect(0.05) and time.monotonic() > deadline:
                 return self.healthy()
 
     def total_sent(self) -> int:
@@ -324,7 +330,7 @@ class _Campaign:
             if self.stopped:
                 break
             if index % 50 == 0 and self.healthy() and self.rng.random() < 0.2:
-                self.clients.recycle(self.rng)
+                self.live.recycle(self.rng)
             if not self.report.rss_warm_mb and self.report.fuzzed >= self.cfg.messages // 10:
                 self.report.rss_warm_mb = self.process.rss_mb()
             if self.cfg.progress and self.report.fuzzed >= next_progress:
@@ -348,14 +354,14 @@ class _Campaign:
     # ---- the end ----------------------------------------------------------------------------
     def finish(self) -> None:
         """Every answer, a round trip, the counters, the accounting, the memory; then stop."""
-        self.clients.drain(quiet_s=self.cfg.answer_timeout_s, timeout_s=300)
+        self.live.drain(quiet_s=self.cfg.answer_timeout_s, timeout_s=300)
         self.healthy()
         if self.stopped:
             return
-        self.clients.write_off(older_than_s=0.0)
+        self.live.write_off(older_than_s=0.0)
 
         def ask(msg: Any) -> Any:
-            return self.clients.ask(msg, self.ask_timeout_s)
+            return self.live.ask(msg, self.ask_timeout_s)
 
         ctx = self.ctx
         self.report.round_trip = round_trip(
@@ -364,8 +370,8 @@ class _Campaign:
         stats = ask(self._stats_request())
         if isinstance(stats, P.Stats):
             self.report.counters = stats.counters
-            self.report.replies = Counter(self.clients.replies)
-            self.report.accounting = check_accounting(stats.counters, self.clients.sent)
+            self.report.replies = Counter(self.live.replies)
+            self.report.accounting = check_accounting(stats.counters, self.live.sent)
         else:
             self.report.accounting = [f"no Stats answer at the end ({stats!r:.200})"]
         if self.process.exit_code() is None:

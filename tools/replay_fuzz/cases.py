@@ -72,9 +72,10 @@ def generate_case(seed: int, index: int, ctx: Context) -> Case:
         msgs, what = SCENARIOS[scenario][1](rng, ctx, name)
         return Case(index, family, f"{scenario}: {what}", [_frames(m) for m in msgs])
     types = registered_types()
+    wire_name = {cls: name for name, cls in types.items()}
     cls = rng.choice(ACCEPTED) if rng.random() < 0.75 else rng.choice(list(types.values()))
     frames = _frames(valid_message(cls, rng, ctx, name))
-    what = f"valid {cls.TYPE}"
+    what = f"valid {wire_name[cls]}"
     if family == "bytes":
         frames, what = mutate_bytes(frames, rng)
     elif family == "frames":
@@ -83,7 +84,7 @@ def generate_case(seed: int, index: int, ctx: Context) -> Case:
         frames, what = mutate_header(frames, rng, list(types))
     elif family == "arrays":
         frames, what = mutate_arrays(frames, rng)
-    return Case(index, family, f"{cls.TYPE}: {what}", [frames])
+    return Case(index, family, f"{wire_name[cls]}: {what}", [frames])
 
 
 def writes_outside(frames: Frames, cwd: Path, scratch: Path) -> bool:

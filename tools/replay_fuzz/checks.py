@@ -22,7 +22,7 @@ def check_accounting(counters: dict[str, float], sent: int) -> list[str]:
     problems = []
     if c["received"] != sent - 1:
         problems.append(f"received {c['received']} != {sent - 1} messages sent before the stats")
-    if not accounted(c):
+    if not accounted(counters):
         parts = ", ".join(f"{k} {c[k]}" for k in OUTCOMES if c[k])
         problems.append(f"received {c['received']} != the sum of its outcomes ({parts})")
     if c["handler_errors"]:

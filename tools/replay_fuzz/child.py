@@ -64,7 +64,7 @@ class RecordingReplay(ReplayService):
         """Writes down a handler exception, which `RouterService._handle` then counts and
         contains."""
         try:
-            return super()._dispatch(body)  # type: ignore[misc]
+            return super()._dispatch(body)
         except Exception as e:
             self.record("contained", e, [self.recent[-1]])
             raise

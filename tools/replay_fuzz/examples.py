@@ -156,7 +156,7 @@ def valid_value(tp: Any, rng: random.Random) -> Any:
         return [valid_value(args[0], rng) for _ in range(rng.randint(0, 3))]
     if origin is dict:
         return {valid_value(args[0], rng): valid_value(args[1], rng) for _ in range(3)}
-    if is_dataclass(tp):
+    if isinstance(tp, type) and is_dataclass(tp):
         return tp(**{k: valid_value(v, rng) for k, v in field_types(tp).items()})
     simple: dict[Any, Callable[[], Any]] = {  # small, positive, non-empty: inside any bound
         type(None): lambda: None,
