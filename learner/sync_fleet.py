@@ -50,12 +50,14 @@ import logging
 import re
 import time
 from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from asyncrl.config import Config
+from asyncrl.config.weight_transport import TransportChoice
 from asyncrl.metrics import JsonlWriter
 from asyncrl.run_spec import RunSpec
 from asyncrl.weights.group import SyncGroup, answer, learner_member_store, read_place
@@ -76,55 +78,70 @@ EPOCHS_POLL_S = 1.0
 """How often a join asks the replay again (a server restarted while it waited)."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class SyncFleetSpec:
+    """What learner rank 0's weight sync is told, read once (`from_config`)."""
+
+    host: str  # the sync host: the store and every member's group listen there
+    port: int  # the store's port, on which each server epoch joins
+    num_servers: int  # rollout.num_servers: the first version joins epoch 0 of each
+    device: torch.device  # where learner rank 0's weights are
+    bucket_bytes: int  # learner.bucket_mb, in bytes: the size of a bucket
+    timeout_s: float  # a later join waits this long (launch.server_timeout_s)
+    first_join_s: float  # the first version's join waits this long (launch.startup_timeout_s)
+    op_timeout_s: float | None = None  # a member's collective may take this long (None: timeout_s)
+    give_up_s: float = float("inf")  # a member silent this long in the replay's report is given up
+    transport: TransportChoice = "auto"  # launch.weight_transport (each member's: `_join`)
+
+    @classmethod
+    def from_config(cls, cfg: Config, spec: RunSpec, device: torch.device) -> SyncFleetSpec:
+        """Learner rank 0's for a run: the sync port of `spec`, the launch section's timeouts."""
+        return cls(
+            host=spec.sync_host,
+            port=spec.sync_port,
+            num_servers=cfg.rollout.num_servers,
+            device=device,
+            bucket_bytes=int(cfg.learner.bucket_mb * 2**20),
+            timeout_s=cfg.launch.server_timeout_s,
+            first_join_s=cfg.launch.startup_timeout_s,
+            op_timeout_s=max(cfg.launch.server_timeout_s, cfg.launch.startup_timeout_s),
+            give_up_s=min(cfg.launch.sync_give_up_s, cfg.launch.server_timeout_s),
+            transport=cfg.launch.weight_transport,
+        )
+
+
 class SyncFleet:
     """The members of the weight sync and the broadcast of each version to them."""
 
     def __init__(
         self,
-        host: str,
-        port: int,
-        num_servers: int,
-        device: torch.device,
-        bucket_bytes: int,
-        server_epochs: Callable[[], dict[int, int]],
-        timeout_s: float,
-        first_join_s: float,
-        events: JsonlWriter | None = None,
-        op_timeout_s: float | None = None,
-        health: Callable[[], list[ServerHealth]] | None = None,
-        give_up_s: float = float("inf"),
-        declare_dead: Callable[[int, int, str], None] | None = None,
-        transport: str = "auto",
         *,
+        spec: SyncFleetSpec,
+        server_epochs: Callable[[], dict[int, int]],
         learner_key: RoleKey,
+        events: JsonlWriter | None = None,
+        health: Callable[[], list[ServerHealth]] | None = None,
+        declare_dead: Callable[[int, int, str], None] | None = None,
     ):
         """`server_epochs`: server id -> epoch of each server alive now (the replay's view).
-        `timeout_s`: a later join waits this long; `first_join_s`: the first version's join;
-        `op_timeout_s`: a member's collective (default `timeout_s`). `health`: the replay's
-        report of every server (`ReplayClient.server_health`), asked while a wait lasts; a
-        member silent for `give_up_s` is given up. `declare_dead(server, epoch, reason)`: told
-        of every member dropped. `transport`: `launch.weight_transport` (each member's is
-        chosen at its join from where it is and where this process is:
-        `asyncrl.weights.transports.choose_transport`). `learner_key`: the learner's role key,
-        from which each member's sync key is derived: every entry of a join is sealed with it
-        (`asyncrl.weights.sealed_store`; a process without the run's keys can neither read nor forge
-        one)."""
-        self.host, self.num_servers, self.device = host, num_servers, device
+        `learner_key`: the learner's role key, from which each member's sync key is derived:
+        every entry of a join is sealed with it (`asyncrl.weights.sealed_store`: a process
+        without the run's keys can neither read nor forge one). `events`: the record of joins
+        and drops. `health`: the replay's report of every server (`ReplayClient.server_health`),
+        asked while a wait lasts (None: a member is waited for up to the op bound).
+        `declare_dead(server, epoch, reason)`: told of every member dropped."""
+        self.spec, self.timeout_s = spec, spec.timeout_s
+        self.op_timeout_s = spec.op_timeout_s or spec.timeout_s
         self.server_epochs, self.events = server_epochs, events
-        self.health, self.give_up_s, self.declare_dead = health, give_up_s, declare_dead
-        self.timeout_s, self.first_join_s = timeout_s, first_join_s
-        self.op_timeout_s = op_timeout_s or timeout_s
-        self.transport, self.place = transport, place_of(device)
-        self.learner_key = learner_key
+        self.health, self.declare_dead = health, declare_dead
+        self.place, self.learner_key = place_of(spec.device), learner_key
         sweep_dead_segments()  # what a SIGKILLed learner before this one left in /dev/shm
         self._version_bytes = 0  # of the version being sent (whether /dev/shm can hold one)
         self._promised_shm = 0  # bytes of /dev/shm slots promised at joins, not yet made
-        bind_collectives_to(host)
-        timeout = datetime.timedelta(seconds=timeout_s)
-        self.store = setup_store(host, port, None, True, timeout)
-        self.broadcaster: WeightBroadcaster[tuple[int, int]] = WeightBroadcaster(
-            {}, bucket_bytes, device
-        )
+        bind_collectives_to(spec.host)
+        timeout = datetime.timedelta(seconds=spec.timeout_s)
+        self.store = setup_store(spec.host, spec.port, None, True, timeout)
+        self.broadcaster = WeightBroadcaster[tuple[int, int]]({}, spec.bucket_bytes, spec.device)
         if health is not None:
             self.broadcaster.give_up = self._silent_members
         self._tried: dict[int, int] = {}  # server id -> newest epoch asked to join
@@ -229,15 +246,16 @@ class SyncFleet:
                 out[(server, epoch)] = f"epoch {seen.epoch} replaces it"
             elif not seen.alive:
                 out[(server, epoch)] = "the replay declared it dead"
-            elif seen.silent_s >= self.give_up_s:
-                why = f"silent for {seen.silent_s:.1f} s (launch.sync_give_up_s {self.give_up_s:g})"
+            elif seen.silent_s >= self.spec.give_up_s:
+                bound = self.spec.give_up_s
+                why = f"silent for {seen.silent_s:.1f} s (launch.sync_give_up_s {bound:g})"
                 out[(server, epoch)] = why
         return out
 
     def maybe_join(self, version: int) -> None:
         """Join every server epoch newer than the one held, each waited for up to the bound
         (module docstring); all of them at once."""
-        bound = self.first_join_s if self._first else self.timeout_s
+        bound = self.spec.first_join_s if self._first else self.timeout_s
         waiting = self._wanted(version, first=self._first)
         self._first = False
         deadline = time.monotonic() + bound
@@ -271,7 +289,7 @@ class SyncFleet:
         by a newer epoch is dropped."""
         listed = self.server_epochs()
         if first:
-            listed = {server: 0 for server in range(self.num_servers)} | listed
+            listed = {server: 0 for server in range(self.spec.num_servers)} | listed
         wanted = {s: e for s, e in listed.items() if e > self._tried.get(s, -1)}
         for server, epoch in wanted.items():
             self._replace(server, epoch, version)
@@ -293,9 +311,11 @@ class SyncFleet:
             place = read_place(store)
             # /dev/shm as it is now, less the slots promised to members joined since the last
             # version (made at the next one): N servers need N versions of room
-            free = shm_free_bytes() - self._promised_shm
+            free = shm_free_bytes()
+            free = None if free is None else free - self._promised_shm
             here = dataclasses.replace(self.place, shm_free=free)
-            transport, why = choose_transport(here, place, self.transport, self._version_bytes)
+            wanted = self.spec.transport
+            transport, why = choose_transport(here, place, wanted, self._version_bytes)
         except ValueError as e:  # a garbled place (ProtocolError), or no transport
             self._abandon(server, epoch, version, str(e))
             return
@@ -305,8 +325,9 @@ class SyncFleet:
         try:
             # connecting is bounded by the join bound: a server that died between `ready` and
             # the rendezvous must not hold the learner for the long op bound
+            host, device = self.spec.host, self.spec.device
             group = SyncGroup(
-                self.host, 0, 0, 2, self.device, self.timeout_s, store=store, transport=transport
+                host, 0, 0, 2, device, self.timeout_s, store=store, transport=transport
             )
         except Exception as e:  # it left between `ready` and the rendezvous: its own failure
             self._event("not_joined", server, epoch, version, _reason(e, self.timeout_s))
@@ -325,30 +346,16 @@ class SyncFleet:
         self._event("not_joined", server, epoch, version, reason)
 
     def _event(
-        self,
-        event: str,
-        server: int,
-        epoch: int,
-        version: int,
-        reason: str = "",
-        transport: str = "",
+        self, event: str, server: int, epoch: int, version: int, reason: str, transport: str = ""
     ) -> None:
+        """Log a join or a drop, and record it in `events` (module docstring)."""
         level = logging.INFO if event == "joined" else logging.WARNING
         why = f": {reason}" if reason else ""
         line = "weight sync: server %d epoch %d %s at version %d%s"
         log.log(level, line, server, epoch, event, version, why)
         if self.events is not None:
-            self.events.write(
-                {
-                    "time": time.time(),
-                    "event": event,
-                    "server": server,
-                    "epoch": epoch,
-                    "version": version,
-                    "reason": reason,
-                    "transport": transport,
-                }
-            )
+            record = dict(time=time.time(), event=event, server=server, epoch=epoch)
+            self.events.write(record | dict(version=version, reason=reason, transport=transport))
 
 
 def _reason(error: BaseException, timeout_s: float) -> str:
@@ -361,24 +368,15 @@ def _reason(error: BaseException, timeout_s: float) -> str:
 
 
 def setup_sync_fleet(cfg: Config, spec: RunSpec, device: torch.device, replay) -> SyncFleet:
-    """Learner rank 0's fleet for a run: its store on the sync port, the replay's view of which
-    servers are alive, the launch section's timeouts."""
+    """Learner rank 0's fleet for a run (`SyncFleetSpec.from_config`), asking `replay` which
+    servers are alive and telling it which are dropped."""
     return SyncFleet(
-        spec.sync_host,
-        spec.sync_port,
-        cfg.rollout.num_servers,
-        device,
-        int(cfg.learner.bucket_mb * 2**20),
-        replay.server_epochs,
-        cfg.launch.server_timeout_s,
-        cfg.launch.startup_timeout_s,
-        JsonlWriter(Path(spec.run_dir) / "sync_members.jsonl"),
-        op_timeout_s=max(cfg.launch.server_timeout_s, cfg.launch.startup_timeout_s),
-        health=replay.server_health,
-        give_up_s=min(cfg.launch.sync_give_up_s, cfg.launch.server_timeout_s),
-        declare_dead=replay.declare_dead,
-        transport=cfg.launch.weight_transport,
+        spec=SyncFleetSpec.from_config(cfg, spec, device),
+        server_epochs=replay.server_epochs,
         learner_key=key_from_env("learner"),
+        events=JsonlWriter(Path(spec.run_dir) / "sync_members.jsonl"),
+        health=replay.server_health,
+        declare_dead=replay.declare_dead,
     )
 
 

@@ -26,6 +26,7 @@ from asyncrl.config.renamed import refuse_renamed_keys
 from asyncrl.config.replay import FilterGroupsConfig, ReplayConfig
 from asyncrl.config.reward import OverlongBufferConfig, RewardConfig, check_overlong_budget
 from asyncrl.config.rollout import LOOPBACK_HOSTS, RolloutConfig, ToolAgentConfig, check_openai_bind
+from asyncrl.config.weight_transport import TransportChoice, refusal
 
 __all__ = [
     "AlgorithmConfig",
@@ -180,7 +181,7 @@ class LaunchConfig(_Section):
     """Replay service port; 0 picks a free one."""
     weight_sync_port: int = Field(0, ge=0, le=65535)
     """Weight broadcast rendezvous port; 0 picks a free one."""
-    weight_transport: Literal["auto", "cuda_ipc", "shm", "nccl", "gloo"] = "auto"
+    weight_transport: TransportChoice = "auto"
     """How each version reaches each rollout server (docs/gpus.md). `auto` picks per server at
     its join: `cuda_ipc` when it shares learner rank 0's GPU, `shm` (a shared-memory staging
     buffer) when it shares the host otherwise, `nccl` between GPUs of different hosts, `gloo`
@@ -238,18 +239,13 @@ class Config(_Section):
 
     @pydantic.model_validator(mode="after")
     def _check_weight_transport(self) -> Config:
-        """A forced transport that needs GPUs on both ends, with either end on the CPU."""
-        wanted = self.launch.weight_transport
-        cpu = [
-            k
-            for k, d in (("rollout", self.rollout.device), ("learner", self.learner.device))
-            if d == "cpu"
-        ]
-        if wanted in ("cuda_ipc", "nccl") and cpu:
-            raise ValueError(
-                f"launch.weight_transport={wanted} needs both ends on GPUs, but "
-                f"{cpu[0]}.device=cpu: use auto (shm on one host, gloo across hosts)"
-            )
+        """A forced transport that the config alone shows cannot work (an end on the CPU), with
+        the refusal each join would give (`asyncrl.config.weight_transport`)."""
+        ends = (("rollout", self.rollout.device), ("learner", self.learner.device))
+        cpu = [f"{section}.device=cpu" for section, device in ends if device == "cpu"]
+        why = refusal(self.launch.weight_transport, {"both_gpus": not cpu})
+        if why is not None:
+            raise ValueError(f"{why}; here {cpu[0]}")
         return self
 
     @pydantic.model_validator(mode="after")

@@ -37,15 +37,9 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
+from asyncrl.config.weight_transport import Transport, is_staged
 from asyncrl.weights.sealed_store import SealedStore
-from asyncrl.weights.transports import (
-    SyncAnswer,
-    SyncPlace,
-    Transport,
-    pack_message,
-    place_of,
-    unpack_message,
-)
+from asyncrl.weights.transports import SyncAnswer, SyncPlace, pack_message, place_of, unpack_message
 from asyncrl.wire.auth import RoleKey, server_role, sync_key
 from asyncrl.wire.binds import bind_collectives_to, setup_store
 
@@ -125,6 +119,12 @@ class SyncGroup:
         else:
             gloo = dist.ProcessGroupGloo(store, rank, world_size, self.timeout)
             self._pg = gloo  # type: ignore[assignment]  # (as above)
+
+    @property
+    def staged(self) -> bool:
+        """Whether versions reach this member through a slot it maps (`cuda_ipc`, `shm`),
+        the group carrying only control tensors; else through the group's collectives."""
+        return is_staged(self.transport)
 
     def broadcast(self, tensor: torch.Tensor) -> None:
         """Broadcast `tensor` in place from rank 0."""

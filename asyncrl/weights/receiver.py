@@ -23,7 +23,6 @@ from asyncrl.weights.sync import SHUTDOWN
 from asyncrl.weights.transports import (
     HANDLE_FRAME,
     HEADER,
-    STAGED,
     SlotHandle,
     bucket_view,
     open_slot,
@@ -69,7 +68,7 @@ class WeightReceiver:
 
     def receive(self) -> ReceivedVersion | None:
         """Block until the next version arrives; None when the learner shuts the group down."""
-        if self.group.transport in STAGED:
+        if self.group.staged:
             return self._receive_staged()
         header = torch.zeros(HEADER, dtype=torch.int64, device=self.group.device)
         self.group.broadcast(header)

@@ -36,12 +36,12 @@ def host_id() -> str:
     return f"{boot}/{socket.gethostname()}"
 
 
-def shm_free_bytes() -> int:
-    """Bytes free in /dev/shm, -1 when this machine has none."""
+def shm_free_bytes() -> int | None:
+    """Bytes free in /dev/shm, None when this machine has none."""
     try:
         st = os.statvfs(SHM_DIR)
     except OSError:
-        return -1
+        return None
     return st.f_bavail * st.f_frsize
 
 

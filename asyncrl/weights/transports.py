@@ -46,6 +46,7 @@ from typing import Literal, TypeVar
 
 import torch
 
+from asyncrl.config.weight_transport import Need, Transport, TransportChoice, refusal
 from asyncrl.weights.layout import Bucket
 from asyncrl.weights.shm import (
     SEGMENT_NAME,
@@ -59,9 +60,6 @@ from asyncrl.weights.shm import (
 )
 from asyncrl.wire.codec import ProtocolError, check, decode, encode, message, struct
 
-Transport = Literal["cuda_ipc", "shm", "nccl", "gloo"]
-STAGED: frozenset[str] = frozenset({"cuda_ipc", "shm"})
-"""Transports whose data goes through a slot the server maps, not through a collective."""
 ALIGN = 256
 """Byte alignment of each bucket in a slot (CUDA's, and a multiple of every element size)."""
 HANDLE_FRAME = 1024
@@ -75,7 +73,7 @@ class SyncPlace:
     host: str  # this machine: its boot id and hostname (equal: the same kernel and /dev/shm)
     device: Literal["cpu", "cuda"]  # where its weights live
     gpu: str  # the GPU's UUID ("" on CPU): equal UUIDs are one physical device
-    shm_free: int  # bytes free in /dev/shm (-1: there is none)
+    shm_free: int | None  # bytes free in /dev/shm (None: there is none)
     shm: str  # which /dev/shm ("device:inode"; "" when none): containers of one host differ
     ipc_ns: str  # its IPC namespace ("" when unknown): CUDA IPC needs the same one
 
@@ -142,41 +140,42 @@ def place_of(device: torch.device) -> SyncPlace:
 
 
 def choose_transport(
-    learner: SyncPlace, server: SyncPlace, wanted: str, version_bytes: int
+    learner: SyncPlace, server: SyncPlace, wanted: TransportChoice, version_bytes: int
 ) -> tuple[Transport, str]:
     """The transport for one server and why (module docstring); `wanted` is
     `launch.weight_transport`. Raises ValueError, naming that key, when the forced one cannot
-    join these two places."""
+    join these two places (the refusals of `asyncrl.config.weight_transport`, which the config
+    check gives too)."""
     same_host = learner.host == server.host and learner.shm == server.shm != ""
     same_ipc = same_host and learner.ipc_ns == server.ipc_ns
     same_gpu = same_ipc and learner.gpu != "" and learner.gpu == server.gpu
     both_cuda = learner.device == server.device == "cuda"
-    room = learner.shm_free >= version_bytes
-    if wanted == "auto":
-        if same_gpu:
-            return "cuda_ipc", "it shares learner rank 0's GPU"
-        if same_host and both_cuda and learner.gpu != server.gpu:
-            return "nccl", "it is on another GPU of learner rank 0's host"
-        if same_host and room:
-            return "shm", "it shares learner rank 0's host"
-        if same_host:
-            why = f"/dev/shm has {learner.shm_free} bytes free, a version needs {version_bytes}"
-            return "gloo", f"shared memory is too small ({why})"
-        if both_cuda:
-            return "nccl", "it is on another host, both on GPUs"
-        return "gloo", "it is on another host, not both on GPUs"
-    no_shm = f"/dev/shm ({learner.shm_free} bytes free) cannot hold a version ({version_bytes})"
-    refusals = {
-        "cuda_ipc": None if same_gpu else "the server is not on learner rank 0's GPU and IPC space",
-        "shm": None if same_host and room else f"no shared /dev/shm with the server, or {no_shm}",
-        "nccl": None if both_cuda and learner.gpu != server.gpu else "NCCL needs two GPUs",
-        "gloo": None,
-    }
-    if wanted not in refusals:
-        raise ValueError(f"launch.weight_transport={wanted!r} is not a transport")
-    if refusals[wanted] is not None:
-        raise ValueError(f"launch.weight_transport={wanted} cannot be used: {refusals[wanted]}")
-    return wanted, "launch.weight_transport names it"  # type: ignore[return-value]
+    room = learner.shm_free is not None and learner.shm_free >= version_bytes
+    free = "no /dev/shm" if learner.shm_free is None else f"{learner.shm_free} bytes free"
+    if wanted != "auto":
+        met: dict[Need, bool] = {
+            "both_gpus": both_cuda,
+            "same_gpu": same_gpu,
+            "other_gpus": learner.gpu != server.gpu,
+            "shm_room": same_host and room,
+        }
+        why = refusal(wanted, met)
+        if why is None:
+            return wanted, "launch.weight_transport names it"
+        shm = f" (/dev/shm: {free}, a version: {version_bytes} bytes)" if wanted == "shm" else ""
+        raise ValueError(why + shm)
+    if same_gpu:
+        return "cuda_ipc", "it shares learner rank 0's GPU"
+    if same_host and both_cuda and learner.gpu != server.gpu:
+        return "nccl", "it is on another GPU of learner rank 0's host"
+    if same_host and room:
+        return "shm", "it shares learner rank 0's host"
+    if same_host:
+        why = f"/dev/shm: {free}, a version needs {version_bytes}"
+        return "gloo", f"shared memory is too small ({why})"
+    if both_cuda:
+        return "nccl", "it is on another host, both on GPUs"
+    return "gloo", "it is on another host, not both on GPUs"
 
 
 def slot_offsets(buckets: list[Bucket]) -> tuple[list[int], int]:
@@ -247,7 +246,9 @@ class CudaSlot:
         del self.tensor  # torch keeps the block until every importer has let go of it
 
 
-def make_slot(transport: str, nbytes: int, device: torch.device, tag: str) -> HostSlot | CudaSlot:
+def make_slot(
+    transport: Transport, nbytes: int, device: torch.device, tag: str
+) -> HostSlot | CudaSlot:
     """A learner-side slot for a staged transport (`device`: learner rank 0's)."""
     if transport == "cuda_ipc":
         return CudaSlot(nbytes, device)

@@ -30,7 +30,7 @@ from sync_peers import (
 from asyncrl.metrics import JsonlWriter, read_jsonl
 from asyncrl.weights.shm import SHM_DIR
 from asyncrl.wire.sockets import free_port
-from learner.sync_fleet import SyncFleet
+from learner.sync_fleet import SyncFleet, SyncFleetSpec
 
 pytestmark = pytest.mark.integration
 
@@ -45,17 +45,20 @@ class Fleet:
         self.tmp, self.port = tmp, free_port()
         self.listed: dict[int, int] = {}
         self.procs: dict[tuple[int, int], subprocess.Popen] = {}
+        spec = SyncFleetSpec(
+            host="127.0.0.1",
+            port=self.port,
+            num_servers=num_servers,
+            device=torch.device("cpu"),
+            bucket_bytes=BUCKET_BYTES,
+            timeout_s=TIMEOUT_S,
+            first_join_s=first_join_s,
+        )
         self.fleet = SyncFleet(
-            "127.0.0.1",
-            self.port,
-            num_servers,
-            torch.device("cpu"),
-            BUCKET_BYTES,
-            lambda: dict(self.listed),
-            TIMEOUT_S,
-            first_join_s,
-            JsonlWriter(tmp / "sync_members.jsonl"),
+            spec=spec,
+            server_epochs=lambda: dict(self.listed),
             learner_key=LEARNER_KEY,
+            events=JsonlWriter(tmp / "sync_members.jsonl"),
         )
 
     def start(

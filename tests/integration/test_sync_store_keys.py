@@ -30,7 +30,7 @@ from sync_peers import BUCKET_BYTES, LEARNER_KEY, SPECS, version_checksum, versi
 from asyncrl.metrics import JsonlWriter, read_jsonl
 from asyncrl.weights.transports import place_of
 from asyncrl.wire.sockets import free_port
-from learner.sync_fleet import SyncFleet
+from learner.sync_fleet import SyncFleet, SyncFleetSpec
 
 pytestmark = pytest.mark.integration
 
@@ -103,17 +103,20 @@ def wait_received(out: Path, versions: list[int]) -> None:
 def test_a_keyless_process_can_neither_read_forge_nor_abandon_a_join(tmp_path):
     listed = {0: 0}
     port = free_port()
+    spec = SyncFleetSpec(
+        host="127.0.0.1",
+        port=port,
+        num_servers=1,
+        device=torch.device("cpu"),
+        bucket_bytes=BUCKET_BYTES,
+        timeout_s=10.0,
+        first_join_s=60.0,
+    )
     fleet = SyncFleet(
-        "127.0.0.1",
-        port,
-        1,
-        torch.device("cpu"),
-        BUCKET_BYTES,
-        lambda: dict(listed),
-        10.0,
-        60.0,
-        JsonlWriter(tmp_path / "sync_members.jsonl"),
+        spec=spec,
+        server_epochs=lambda: dict(listed),
         learner_key=LEARNER_KEY,
+        events=JsonlWriter(tmp_path / "sync_members.jsonl"),
     )
     peers: list[subprocess.Popen] = []
     try:

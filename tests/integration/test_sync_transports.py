@@ -28,7 +28,7 @@ from asyncrl.weights.sync import specs_of
 from asyncrl.wire.sockets import free_port
 from learner.delivery import delivery_probe
 from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters
-from learner.sync_fleet import SyncFleet
+from learner.sync_fleet import SyncFleet, SyncFleetSpec
 
 pytestmark = pytest.mark.integration
 
@@ -78,17 +78,20 @@ def test_every_version_reaches_the_engine_exactly(
     model_path, tmp_path, learner_device, server_device, transport, lora
 ):
     port, out = free_port("127.0.0.1"), tmp_path / "engine.jsonl"
+    spec = SyncFleetSpec(
+        host="127.0.0.1",
+        port=port,
+        num_servers=1,
+        device=torch.device(learner_device),
+        bucket_bytes=4096,  # several buckets
+        timeout_s=60.0,
+        first_join_s=120.0,
+    )
     fleet = SyncFleet(
-        "127.0.0.1",
-        port,
-        1,
-        torch.device(learner_device),
-        4096,  # several buckets
-        lambda: {0: 0},
-        60.0,
-        120.0,
-        JsonlWriter(tmp_path / "sync_members.jsonl"),
+        spec=spec,
+        server_epochs=lambda: {0: 0},
         learner_key=LEARNER_KEY,
+        events=JsonlWriter(tmp_path / "sync_members.jsonl"),
     )
     env = {**os.environ, "PYTHONPATH": f"{ROOT}:{ROOT / 'tests' / 'integration'}"}
     script = ROOT / "tests" / "integration" / "engine_peer.py"

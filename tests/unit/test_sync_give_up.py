@@ -14,7 +14,7 @@ from asyncrl.config import Config
 from asyncrl.wire.auth import role_key
 from asyncrl.wire.protocol import DeclareDead, Heartbeat, LeaseRequest, ServerHealth
 from asyncrl.wire.sockets import free_port
-from learner.sync_fleet import SyncFleet
+from learner.sync_fleet import SyncFleet, SyncFleetSpec
 from replay.health import FleetHealth
 
 
@@ -77,10 +77,19 @@ class _Replay:
 
 def test_the_members_given_up_are_the_silent_the_dead_and_the_replaced():
     replay = _Replay()
+    spec = SyncFleetSpec(
+        host="127.0.0.1",
+        port=free_port(),
+        num_servers=5,
+        device=torch.device("cpu"),
+        bucket_bytes=1 << 20,
+        timeout_s=5.0,
+        first_join_s=5.0,
+        give_up_s=10.0,
+    )
     fleet = SyncFleet(
-        "127.0.0.1", free_port(), 5, torch.device("cpu"), 1 << 20, dict, 5.0, 5.0,
-        health=replay, give_up_s=10.0, learner_key=role_key(b"s" * 32, "learner"),
-    )  # fmt: skip
+        spec=spec, server_epochs=dict, learner_key=role_key(b"s" * 32, "learner"), health=replay
+    )
     for key in [(0, 0), (1, 0), (2, 1), (3, 0), (4, 2)]:
         fleet.broadcaster.members[key] = None  # only the keys are read
     replay.report = [

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from asyncrl.weights.sync import ParamSpec, layout_hash, plan_buckets, specs_of, weights_checksum
+from asyncrl.weights.layout import ParamSpec, layout_hash, plan_buckets, specs_of, weights_checksum
 
 
 def test_buckets_respect_size_and_dtype_and_keep_order():
@@ -90,7 +90,8 @@ def test_a_dead_servers_cuda_slot_waits_for_its_next_epoch_and_goes_at_shutdown(
     """torch never frees a CUDA block an importer that died still held open: rather than leak
     a version of GPU memory per restart, the learner keeps a dead epoch's CUDA slot and gives
     it to the same server's next epoch; at shutdown every slot goes."""
-    import asyncrl.weights.sync as weight_sync
+    import asyncrl.weights.staged_slots as staged_slots
+    from asyncrl.weights.fanout import Fanout
     from asyncrl.weights.transports import CudaSlot
 
     class FakeCudaSlot(CudaSlot):  # the bookkeeping of a CUDA slot, in host memory
@@ -100,20 +101,19 @@ def test_a_dead_servers_cuda_slot_waits_for_its_next_epoch_and_goes_at_shutdown(
         def close(self) -> None:
             self.closed = True
 
-    monkeypatch.setattr(weight_sync, "make_slot", lambda t, n, d, tag: FakeCudaSlot(n, d))
+    monkeypatch.setattr(staged_slots, "make_slot", lambda t, n, d, tag: FakeCudaSlot(n, d))
 
     class Group:
-        transport = "cuda_ipc"
+        transport, staged = "cuda_ipc", True
 
         def abort(self) -> None:
             pass
 
-    sender = weight_sync.WeightBroadcaster({}, 1024, torch.device("cpu"))
-    fan = weight_sync._Fanout({(0, 0): Group(), (1, 0): Group()})
-    first = sender._slots_for(fan, [(0, 0), (1, 0)], 1024)
-    sender.close_slots(keep=[(1, 0)])  # server 0 epoch 0 died
+    slots = staged_slots.StagedSlots(torch.device("cpu"))
+    first = slots.for_version(Fanout({(0, 0): Group(), (1, 0): Group()}), 1024)
+    slots.close(keep=[(1, 0)])  # server 0 epoch 0 died
     assert not first[(0, 0)].closed  # kept: its reader may never have let go
-    again = sender._slots_for(weight_sync._Fanout({(0, 1): Group()}), [(0, 1)], 1024)
+    again = slots.for_version(Fanout({(0, 1): Group()}), 1024)
     assert again[(0, 1)] is first[(0, 0)]  # the restarted server gets it back
-    sender.close_slots(keep_spares=False)
+    slots.close(keep_spares=False)
     assert first[(0, 0)].closed and first[(1, 0)].closed

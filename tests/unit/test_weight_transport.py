@@ -66,7 +66,8 @@ def test_auto_picks_the_cheapest_transport_that_joins_the_two_places(learner, se
         (place(), place(host="b"), "shm", "no shared /dev/shm"),
         (place(shm=10), place(), "shm", "cannot hold a version"),
         (GPU0, GPU0, "nccl", "needs two GPUs"),
-        (GPU0, place(), "nccl", "needs two GPUs"),
+        (GPU0, place(), "nccl", "needs both ends on GPUs"),
+        (GPU0, place(), "cuda_ipc", "needs both ends on GPUs"),
     ],
 )
 def test_a_forced_transport_that_cannot_work_is_refused_naming_the_key(
