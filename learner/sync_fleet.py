@@ -1,6 +1,6 @@
 """Learner rank 0's side of the weight sync: who receives each version.
 
-Every rollout server epoch (a server's n-th start, `ASYNCRL_SERVER_EPOCH`) is a member with a
+Every rollout server epoch (its n-th start, counted from 0 by the launcher) is a member with a
 2-member group of its own (`asyncrl.weights.sync`), keyed (server id, epoch). Why one group per
 server and not one group of all: a group re-formed under a new epoch needs every live member to
 stop and rendezvous again, and one hung member blocks a collective for all; separate groups keep

@@ -41,7 +41,8 @@ TIMEOUT_S = 3.0  # launch.server_timeout_s: a member's collective, and a later j
 class Fleet:
     """A `SyncFleet` on a free port, its receiver processes and the replay's (fake) list."""
 
-    def __init__(self, tmp: Path, num_servers: int = 2, first_join_s: float = 60.0):
+    def __init__(self, tmp: Path, num_servers: int = 2, first_join_s: float = 60.0, **bounds):
+        """`bounds`: more fields of the fleet's `SyncFleetSpec` (`op_timeout_s`, `give_up_s`)."""
         self.tmp, self.port = tmp, free_port()
         self.listed: dict[int, int] = {}
         self.procs: dict[tuple[int, int], subprocess.Popen] = {}
@@ -53,6 +54,7 @@ class Fleet:
             bucket_bytes=BUCKET_BYTES,
             timeout_s=TIMEOUT_S,
             first_join_s=first_join_s,
+            **bounds,
         )
         self.fleet = SyncFleet(
             spec=spec,
@@ -283,8 +285,7 @@ def test_a_server_gone_between_ready_and_connecting_costs_the_join_bound_not_the
     get (`startup_timeout_s`: a draining server may take that long to take a version)."""
     from asyncrl.weights.group import member_store
 
-    f = Fleet(tmp_path)
-    f.fleet.op_timeout_s = 120.0
+    f = Fleet(tmp_path, op_timeout_s=120.0)
     try:
         f.start(0, 0)
         f.listed[1] = 0
@@ -309,11 +310,9 @@ def test_a_silent_member_is_given_up_at_the_give_up_bound_not_the_op_timeout(tmp
 
     from asyncrl.wire.protocol import ServerHealth
 
-    f = Fleet(tmp_path)
+    f = Fleet(tmp_path, op_timeout_s=120.0, give_up_s=5.0)
     silent, declared = {0: 0.0, 1: 0.0}, []
-    f.fleet.op_timeout_s = 120.0
     f.fleet.health = lambda: [ServerHealth(s, 0, True, silent[s], 0) for s in (0, 1)]
-    f.fleet.give_up_s = 5.0
     f.fleet.declare_dead = lambda *args: declared.append(args)
     f.fleet.broadcaster.give_up = f.fleet._silent_members
     try:
