@@ -35,12 +35,12 @@ from transformers import (
 from asyncrl.config import LearnerConfig
 from asyncrl.weights.sync import ParamSpec
 from asyncrl.wire.binds import bind_collectives_to, setup_store
+from learner.flex_attention import register_flex_attention
 from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters, is_adapted
 from learner.packing import (
     FLEX_ATTENTION,
     PACKED_ATTENTION,
     choose_packed_attention,
-    register_flex_attention,
     register_packed_attention,
 )
 

@@ -1,6 +1,7 @@
 """KL terms against the frozen reference policy: the per-token estimators (in the reward or as a
-loss, `algorithm.kl_penalty` / `algorithm.kl_loss_type`) and the controllers of the in-reward
-coefficient (`algorithm.kl_ctrl`). Pure tensor functions and plain state, as `learner.losses`.
+loss, the `estimator` of `algorithm.kl_in_reward` / `algorithm.kl_loss`) and the controllers of
+the in-reward coefficient (the `fixed` and `adaptive` variants of `algorithm.kl_in_reward`,
+`asyncrl.algorithms.kl`). Pure tensor functions and plain state, as `learner.losses`.
 """
 
 from __future__ import annotations
@@ -69,10 +70,12 @@ def _kl_value(diff: torch.Tensor, canonical: str) -> torch.Tensor:
 
 
 class FixedKLController:
-    """A constant KL coefficient; `update` leaves it unchanged."""
+    """A constant KL coefficient; `update` leaves it unchanged. `estimator`: the `kl_penalty`
+    kind the penalty uses."""
 
-    def __init__(self, coef: float) -> None:
+    def __init__(self, coef: float, estimator: str = "kl") -> None:
         self.value = float(coef)
+        self.estimator = estimator
 
     def update(self, current_kl: float, n_steps: int) -> None:
         """The coefficient is fixed: nothing to adapt."""
@@ -82,14 +85,19 @@ class AdaptiveKLController:
     """Adaptive KL coefficient (Ziegler et al. 2019), steering the KL towards `target`:
 
     e = clip(current_kl / target - 1, -0.2, 0.2),   coef <- coef (1 + e n_steps / horizon)
+
+    `estimator`: the `kl_penalty` kind the penalty uses.
     """
 
-    def __init__(self, init_coef: float, target: float, horizon: float) -> None:
+    def __init__(
+        self, init_coef: float, target: float, horizon: float, estimator: str = "kl"
+    ) -> None:
         if target <= 0 or horizon <= 0:
             raise ValueError("AdaptiveKLController needs target > 0 and horizon > 0")
         self.value = float(init_coef)
         self.target = float(target)
         self.horizon = float(horizon)
+        self.estimator = estimator
 
     def update(self, current_kl: float, n_steps: int) -> None:
         error = min(max(current_kl / self.target - 1.0, -0.2), 0.2)

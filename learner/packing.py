@@ -9,7 +9,8 @@ compute alone (a causal prompt does not depend on what follows it). Three attent
 implementations run packed rows (`learner.fsdp.attention_implementation` picks one per device):
 - `packed_attention` ("asyncrl_packed", CPU): segments of one shape run as one batched SDPA
   call over gathered keys. Shares prompts. Exact.
-- `flex_packed_attention` ("asyncrl_flex", CUDA): PyTorch's FlexAttention, compiled, under
+- `learner.flex_attention.flex_packed_attention` ("asyncrl_flex", CUDA): PyTorch's
+  FlexAttention, compiled, under
   one block mask per forward built from each token's segment and the prompt segment it sees
   (`PackedRows.flex_block_mask`); no [N, N] mask, no gathered keys. Shares prompts.
   FlexAttention has no backward on CPU (torch 2.13), so it trains on CUDA only.
@@ -26,17 +27,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass, field
-from typing import cast
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask
 from transformers import AttentionInterface
 
 PACKED_ATTENTION = "asyncrl_packed"
 """Name of `packed_attention` in transformers' AttentionInterface."""
 FLEX_ATTENTION = "asyncrl_flex"
-"""Name of `flex_packed_attention` in transformers' AttentionInterface."""
+"""Name of `learner.flex_attention.flex_packed_attention` in transformers' AttentionInterface."""
 FLASH_ATTENTION = "flash_attention_2"
 """transformers' flash-attn implementation (varlen on `cu_seq_lens_*`; no prompt sharing)."""
 SHARING_ATTENTIONS = (PACKED_ATTENTION, FLEX_ATTENTION)
@@ -75,9 +75,9 @@ class PackedRows:
     flex_mask: _MaskSlot = field(default_factory=_MaskSlot, repr=False, compare=False)
 
     def flex_block_mask(self) -> BlockMask:
-        """The block mask of `flex_packed_attention`, built on the first call and kept: one per
-        forward (a PackedRows lives for one forward), shared by every layer and by the
-        recomputation of checkpointed layers. It covers the row padded to a multiple of
+        """The block mask of `learner.flex_attention.flex_packed_attention`, built on the first
+        call and kept: one per forward (a PackedRows lives for one forward), shared by every
+        layer and by the recomputation of checkpointed layers. It covers the row padded to a multiple of
         FLEX_BLOCK; a pad token sees only pad tokens and no real token sees a pad token."""
         if self.flex_mask.mask is None:
             self.flex_mask.mask = _document_block_mask(self.segment_ids, self.prefix_ids)
@@ -331,48 +331,6 @@ def register_packed_attention() -> str:
     return PACKED_ATTENTION
 
 
-def flex_packed_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    packed_rows: PackedRows | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
-    """The attention of `packed_attention` (same signature and result) by FlexAttention under
-    `packed_rows.flex_block_mask()`: no dense mask, no gathered keys, and blocks that no query
-    sees are skipped. Queries, keys and values are zero-padded to the mask's length and the
-    pad's outputs dropped. Compiled on CUDA (the first call compiles; eager FlexAttention
-    materializes the full score matrix); eager elsewhere, where it has no backward.
-    Grouped-query attention is FlexAttention's `enable_gqa`. No dropout: FlexAttention has
-    none, and a model that asks for it is refused."""
-    if packed_rows is None:
-        raise ValueError(
-            f"attention {FLEX_ATTENTION!r} needs packed inputs (learner.packing.pack_rows); "
-            "this model was set up for packed sequences"
-        )
-    if dropout:
-        raise ValueError(f"attention {FLEX_ATTENTION!r} has no dropout (asked: {dropout})")
-    refuse_unsupported(FLEX_ATTENTION, packed_rows, kwargs)
-    mask = packed_rows.flex_block_mask()
-    n, pad = query.shape[2], mask.shape[-1] - query.shape[2]
-    if pad:
-        query, key, value = (F.pad(t, (0, 0, 0, pad)) for t in (query, key, value))
-    out = _maybe_compiled(flex_attention, query.device)(
-        query,
-        key,
-        value,
-        block_mask=mask,
-        scale=scaling,
-        enable_gqa=key.shape[1] != query.shape[1],
-    )
-    out = cast(torch.Tensor, out)  # [1, heads, N + pad, dim]
-    return out[:, :, :n].transpose(1, 2).contiguous(), None
-
-
 def _document_block_mask(segment_ids: torch.Tensor, prefix_ids: torch.Tensor) -> BlockMask:
     """FlexAttention block mask over the packed row padded to a multiple of FLEX_BLOCK: query q
     sees key k when they are in one segment and k <= q, or when k is in q's prefix segment
@@ -402,9 +360,3 @@ def _maybe_compiled(fn, device: torch.device):
 @functools.cache
 def _compiled(fn):
     return torch.compile(fn)
-
-
-def register_flex_attention() -> str:
-    """Make `flex_packed_attention` available to transformers models as FLEX_ATTENTION."""
-    AttentionInterface.register(FLEX_ATTENTION, flex_packed_attention)
-    return FLEX_ATTENTION

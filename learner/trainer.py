@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from asyncrl.algorithms.advantages import ESTIMATORS, compute_advantages, outcome_token_rewards
-from asyncrl.config import AlgorithmConfig, Config
+from asyncrl.config import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.metrics import StageTimer
 from asyncrl.placement import maybe_limit_gpu_memory
@@ -38,17 +38,12 @@ from asyncrl.weights.probe import DeliveryProbe
 from learner.batch import TrainBatch, from_message, share_batch
 from learner.checkpoint import load_checkpoint, save_checkpoint, save_final_weights
 from learner.coordinator import Coordinator, Follower, StepOutcome, Weights
+from learner.corrections import off_policy_corrections
 from learner.delivery import delivery_probe, wants_probe
 from learner.forward import policy_forward, value_forward
 from learner.fsdp import hf_config, setup_distributed, setup_model, sync_specs, sync_tensors
-from learner.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from learner.kl import kl_penalty
 from learner.leader import setup_leader
-from learner.losses import (
-    importance_weights,
-    mismatch_kl,
-    normalize_importance_weights,
-    rejection_mask,
-)
 from learner.optim import lr_factor, set_lr, setup_optimizer
 from learner.precision import with_concrete_dtype
 from learner.update import UpdateInputs, Updater, recompute
@@ -79,19 +74,15 @@ class Learner:
         self.specs = sync_specs(self.model, self.sync_dtype)  # LoRA: the adapters only
         self.temperature = cfg.rollout.temperature or 1.0
         algo = cfg.algorithm
-        self.needs_proximal = algo.decoupled or algo.is_level != "off" or algo.reject_level != "off"
         self.ref_model = None
-        if algo.use_kl_in_reward or algo.use_kl_loss:
+        if algo.needs_reference:
             self.ref_model = setup_model(spec.model_path, device, lc, trainable=False)
         self.critic = self.critic_optimizer = None
         if ESTIMATORS[algo.adv_estimator].needs_critic:
             self.critic = setup_model(spec.model_path, device, lc, head="value")
             self.critic_optimizer = setup_optimizer(self.critic, lc.critic_lr, lc)
-        self.kl_ctrl = (
-            AdaptiveKLController(algo.kl_coef, algo.kl_target, algo.kl_horizon)
-            if algo.kl_ctrl == "adaptive"
-            else FixedKLController(algo.kl_coef)
-        )
+        self.kl_ctrl = algo.kl_in_reward.controller()
+        """The in-reward KL's coefficient (`learner.kl`); None: no KL in the reward."""
         self.updater = Updater(
             self.model,
             self.optimizer,
@@ -134,7 +125,7 @@ class Learner:
         def logp(model, b):
             return policy_forward(model, b, self.temperature, False, layout)[0]
 
-        if self.needs_proximal:
+        if self.cfg.algorithm.needs_proximal:
             out["proximal"] = recompute(self.model, batch, logp, *args)
         if self.ref_model is not None:
             out["ref"] = recompute(self.ref_model, batch, logp, *args)
@@ -155,9 +146,9 @@ class Learner:
         proximal = logprobs.get("proximal")
         metrics: dict[str, float] = {}
         token_rewards = None
-        if algo.use_kl_in_reward:
+        if self.kl_ctrl is not None:
             current = proximal if proximal is not None else behaviour
-            kl = kl_penalty(current, logprobs["ref"], algo.kl_penalty) * mask
+            kl = kl_penalty(current, logprobs["ref"], self.kl_ctrl.estimator) * mask
             token_rewards = outcome_token_rewards(batch.rewards, mask) - self.kl_ctrl.value * kl
             seq_kl = float((kl.sum(-1) / mask.sum(-1).clamp(min=1)).mean())
             metrics.update(kl_in_reward=seq_kl, kl_coef=self.kl_ctrl.value)
@@ -190,7 +181,7 @@ class Learner:
             proximal,
             weights,
             keep,
-            logprobs.get("ref") if algo.use_kl_loss else None,
+            logprobs.get("ref") if algo.kl_loss.needs_reference else None,
             returns,
             logprobs.get("values"),
         )
@@ -259,7 +250,7 @@ class Learner:
             self.world,
             (self.model, self.optimizer, self.critic, self.critic_optimizer),
             self.coordinator,
-            {"kl_coef": self.kl_ctrl.value},
+            {"kl_coef": None if self.kl_ctrl is None else self.kl_ctrl.value},
             self.cfg.trainer.keep_checkpoints,
             self.cfg.trainer.resume_from,
         )
@@ -268,7 +259,8 @@ class Learner:
         """Restore a `save_checkpoint` directory; returns its version."""
         modules = (self.model, self.optimizer, self.critic, self.critic_optimizer)
         trainer = load_checkpoint(path, modules)
-        self.kl_ctrl.value = trainer["kl_coef"]
+        if self.kl_ctrl is not None and trainer.get("kl_coef") is not None:
+            self.kl_ctrl.value = trainer["kl_coef"]
         return int(trainer["version"])
 
     def run(self) -> None:
@@ -338,49 +330,6 @@ class Learner:
         outcome = StepOutcome(version, batch, timer, step_time, checksum)
         self.coordinator.log(version + 1, stats, outcome)
         return True
-
-
-def off_policy_corrections(
-    algo: AlgorithmConfig,
-    proximal: torch.Tensor,
-    behaviour: torch.Tensor,
-    mask: torch.Tensor,
-    metrics: dict[str, float],
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """(importance weights, rejection mask) behaviour -> proximal over the WHOLE batch, as
-    `algorithm` asks (None: not asked), with their metrics added to `metrics`. Every rank holds
-    the whole batch and the same proximal log-probs, so every rank computes the same."""
-    weights = keep = None
-    metrics["proximal_behaviour_kl"] = float(mismatch_kl(proximal, behaviour, mask))
-    if algo.is_level != "off":
-        weights = importance_weights(proximal, behaviour, mask, algo.is_level, algo.is_cap)
-        raw = importance_weights(proximal, behaviour, mask, algo.is_level, None)
-        n = mask.sum().clamp(min=1)
-        metrics.update(
-            is_weight_mean=float((raw * mask).sum() / n),
-            is_weight_max=float((raw * mask).max()),
-            is_truncated_frac=float(((raw > weights) * mask).sum() / n),
-        )
-        if algo.is_batch_normalize:  # the whole batch, every rank alike: see its doc
-            weights, norm = normalize_importance_weights(weights, mask, algo.is_level)
-            metrics.update(
-                is_batch_norm_factor=float(norm),
-                is_norm_weight_max=float((weights * mask).max()),
-            )
-    if algo.reject_level != "off":
-        keep, rs = rejection_mask(
-            proximal,
-            behaviour,
-            mask,
-            algo.reject_level,
-            algo.reject_metric,
-            algo.reject_low,
-            algo.reject_high,
-            algo.reject_agg,
-        )
-        metrics["masked_token_frac"] = float(rs["rejected_fraction"])
-        metrics["masked_seq_frac"] = float(rs["rejected_sequences"] / rs["sequences"].clamp(min=1))
-    return weights, keep
 
 
 def setup_learner(

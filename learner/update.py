@@ -21,18 +21,13 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from asyncrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs
+from asyncrl.algorithms.policy_losses import PolicyLossInputs
 from asyncrl.config import AlgorithmConfig, LearnerConfig
 from learner.batch import TrainBatch
+from learner.corrections import behaviour_weighted
 from learner.forward import layout_of, policy_forward, value_forward
 from learner.fsdp import set_gradient_sync
-from learner.kl import kl_penalty
-from learner.losses import (
-    aggregate_denominator,
-    aggregate_loss,
-    behaviour_weighted,
-    value_token_loss,
-)
+from learner.losses import aggregate_denominator, aggregate_loss, value_token_loss
 from learner.micro_batches import MicroBatch, plan_micro_batches
 from learner.update_metrics import UPDATE_METRICS, MetricSums, MicroStep, combine_mini_batches
 
@@ -80,7 +75,7 @@ class UpdateInputs:
 
     advantages: torch.Tensor
     old_logprobs: torch.Tensor  # behaviour log-probs (the engine's)
-    proximal: torch.Tensor | None  # recomputed before the update (decoupled PPO, IS, rejection)
+    proximal: torch.Tensor | None  # recomputed before the update (a correction, a rejection)
     is_weights: torch.Tensor | None  # behaviour -> proximal importance weights
     keep: torch.Tensor | None  # rejection mask (1 keeps the token)
     ref_logprobs: torch.Tensor | None  # frozen reference policy (KL loss)
@@ -109,7 +104,6 @@ class Updater:
         self.temperature = temperature
         self.layout = layout_of(lc, device)
         self.world, self.rank, self.device = world, rank, device
-        self.policy_loss = POLICY_LOSSES[algo.policy_loss]
         self.metrics = UPDATE_METRICS
         """The policy update's metrics (`learner.update_metrics`)."""
 
@@ -207,12 +201,14 @@ class Updater:
             ent_num, _ = aggregate_loss(-entropy, m, algo.loss_agg_mode, horizon)
             loss = loss + algo.entropy_coeff * ent_num
         kl_tok = None
-        if inputs.ref_logprobs is not None:
-            kl_tok = kl_penalty(logp, inputs.ref_logprobs[idx], algo.kl_loss_type)
+        if inputs.ref_logprobs is not None and (
+            kl := algo.kl_loss.per_token(logp, inputs.ref_logprobs[idx])
+        ):
+            kl_tok, coef = kl
             kl_num, _ = aggregate_loss(kl_tok, m, algo.loss_agg_mode, horizon)
-            loss = loss + algo.kl_loss_coef * kl_num
+            loss = loss + coef * kl_num
         (loss * scale).backward()
-        anchor = inputs.proximal if algo.decoupled else inputs.old_logprobs
+        anchor = inputs.proximal if algo.correction.decoupled else inputs.old_logprobs
         assert anchor is not None, "decoupled: the proximal log-probs were recomputed"
         return MicroStep(
             m,
@@ -226,31 +222,26 @@ class Updater:
         )
 
     def _policy_loss(self, logp, idx, inputs: UpdateInputs, m):
-        """The token loss of `algorithm.policy_loss` (`asyncrl.algorithms.policy_losses`) with the
-        correction `decoupled` asks for, whatever the loss:
+        """The token loss of `algorithm.policy_loss` (`asyncrl.algorithms.policy_losses`) with
+        the correction `algorithm.correction` asks for, whatever the loss:
 
-        - decoupled=false: the ratio is taken against the behaviour log-probs (the engine's), as
-          in verl's bypass mode; config validation refuses is_level here (a second correction).
-        - decoupled=true: the ratio is taken against the proximal log-probs and the token losses
-          are weighted by behaviour -> proximal importance weights: `inputs.is_weights`
-          (is_level token or sequence, truncated at is_cap), else untruncated token weights
-          (AReaL's decoupled PPO; `learner.losses.behaviour_weighted`).
+        - not decoupled (`none`): the ratio is taken against the behaviour log-probs (the
+          engine's), as in verl's bypass mode;
+        - decoupled (`decoupled`, `truncated_is`): the ratio is taken against the proximal
+          log-probs and the token losses are weighted by behaviour -> proximal importance
+          weights: `inputs.is_weights` (the variant's batch weights, as `truncated_is`
+          computes them), else untruncated token weights (AReaL's decoupled PPO;
+          `learner.corrections.behaviour_weighted`).
         """
         a = self.algo
         behaviour = inputs.old_logprobs[idx]
         proximal = None
-        if a.decoupled:
+        if a.correction.decoupled:
             assert inputs.proximal is not None
             proximal = inputs.proximal[idx]
-        loss, stats = self.policy_loss(
+        loss, stats = a.policy_loss.loss(
             PolicyLossInputs(
-                logp,
-                behaviour if proximal is None else proximal,
-                inputs.advantages[idx],
-                m,
-                a.clip_ratio_low,
-                a.clip_ratio_high,
-                a.clip_ratio_c,
+                logp, behaviour if proximal is None else proximal, inputs.advantages[idx], m
             )
         )
         if proximal is None:

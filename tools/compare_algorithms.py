@@ -21,13 +21,17 @@ from asyncrl.config import load_config
 from asyncrl.launch.run import launch
 from asyncrl.metrics import read_jsonl
 
-DECOUPLED_TIS = ["algorithm.decoupled=true", "algorithm.is_level=token", "algorithm.is_cap=2.0"]
+DECOUPLED_TIS = [
+    "algorithm.correction.type=truncated_is",
+    "algorithm.correction.level=token",
+    "algorithm.correction.cap=2.0",
+]
 MINI4 = ["learner.ppo_mini_batch_size=4"]  # 4 optimizer steps per batch (16 groups)
 REJECT = [
-    "algorithm.reject_level=token",
-    "algorithm.reject_metric=ratio",
-    "algorithm.reject_low=0.5",
-    "algorithm.reject_high=2.0",
+    "algorithm.rejection.type=token",
+    "algorithm.rejection.metric=ratio",
+    "algorithm.rejection.low=0.5",
+    "algorithm.rejection.high=2.0",
 ]
 
 SUITES = {

@@ -47,7 +47,7 @@ from compare_algorithms import REJECT
 from study_report import cell_finished, report
 
 ROOT = Path(__file__).resolve().parents[1]
-DECOUPLED = ["algorithm.decoupled=true"]
+DECOUPLED = ["algorithm.correction.type=decoupled"]
 ICEPOP = [*DECOUPLED, *REJECT]  # token rejection on the ratio outside [0.5, 2]
 INFLIGHT = ["rollout.weight_update_mode=inflight"]
 
@@ -67,7 +67,7 @@ class Variant:
 
 
 VARIANTS: dict[str, Variant] = {
-    "none": Variant(("algorithm.decoupled=false",), sync=True),
+    "none": Variant(("algorithm.correction.type=none",), sync=True),
     "tis": Variant(tuple(TIS)),
     # 4 optimizer steps per batch (16 groups) and 2 epochs: the clip has something to act on
     "decoupled_mb": Variant(
@@ -75,20 +75,20 @@ VARIANTS: dict[str, Variant] = {
     ),
     "icepop": Variant(tuple(ICEPOP)),
     # in-flight weight updates against drain mode, with the same correction, at staleness 2
-    "inflight_none": Variant(("algorithm.decoupled=false", *INFLIGHT), stalenesses=(2,)),
+    "inflight_none": Variant(("algorithm.correction.type=none", *INFLIGHT), stalenesses=(2,)),
     "inflight_tis": Variant((*TIS, *INFLIGHT), stalenesses=(2,)),
     # verl's variants (docs/algorithms.md), at the stalenesses where the corrections must act:
     # TIS with the weights normalised to mean 1 over the batch (rollout_is_batch_normalize)
-    "tis_bn": Variant((*TIS, "algorithm.is_batch_normalize=true"), stalenesses=(4, 8)),
+    "tis_bn": Variant((*TIS, "algorithm.correction.batch_normalize=true"), stalenesses=(4, 8)),
     # TIS plus sequence rejection on the max per-token k3 (rollout_rs=seq_max_k3): 0.2 drops a
     # sequence with any token ratio outside about [0.5, 1.8] (IcePop masks [0.5, 2] token by token)
     "tis_k3max": Variant(
         (
             *TIS,
-            "algorithm.reject_level=sequence",
-            "algorithm.reject_metric=k3",
-            "algorithm.reject_agg=max",
-            "algorithm.reject_high=0.2",
+            "algorithm.rejection.type=sequence",
+            "algorithm.rejection.metric=k3",
+            "algorithm.rejection.agg=max",
+            "algorithm.rejection.high=0.2",
         ),
         stalenesses=(4, 8),
     ),

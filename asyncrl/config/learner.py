@@ -6,12 +6,32 @@ as one thing.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Literal
 
-import pydantic
 from pydantic import Field
 
-from asyncrl.algorithms.policy_losses import POLICY_LOSSES
+from asyncrl.algorithms.corrections import (
+    OFF_POLICY_CORRECTIONS,
+    REJECTIONS,
+    DecoupledCorrection,
+    NoCorrection,
+    NoRejection,
+    SequenceRejection,
+    TokenRejection,
+    TruncatedIS,
+)
+from asyncrl.algorithms.estimators import ESTIMATORS
+from asyncrl.algorithms.kl import (
+    KL_IN_REWARD,
+    KL_LOSSES,
+    AdaptiveKLInReward,
+    FixedKLInReward,
+    NoKLInReward,
+    NoKLLoss,
+    ReferenceKLLoss,
+)
+from asyncrl.algorithms.policy_losses import POLICY_LOSSES, GSPOLoss, PPOLoss
+from asyncrl.algorithms.variants import VariantOf
 from asyncrl.config.base import Section
 
 
@@ -123,136 +143,77 @@ class LearnerConfig(Section):
     """Checksum the weights at every sync on both sides (for tests; costs a pass over the bytes)."""
 
 
-KLKind = Literal[
-    "kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"
-]
-REJECT_AGGREGATIONS = ("mean", "sum", "max")
-
-
-def rejection_problem(level: str, metric: str, agg: str) -> str | None:
-    """Why a rejection at `level` on `metric` aggregated by `agg` means nothing (None: it is
-    fine). The aggregation acts on k1/k2/k3 over a sequence's sampled tokens (verl's rollout_rs
-    `seq_mean_k*`, `seq_sum_k*`, `seq_max_k2|3`); the sequence ratio is the product of its token
-    ratios already; the max of k1 (= -log r, of either sign) bounds no divergence and verl has
-    no `seq_max_k1`."""
-    if agg not in REJECT_AGGREGATIONS:
-        return f"unknown aggregation {agg!r}; valid: {', '.join(REJECT_AGGREGATIONS)}"
-    if agg == "mean":
-        return None
-    if level != "sequence":
-        return f"{agg} aggregates a sequence's tokens: it needs reject_level=sequence"
-    if metric == "ratio":
-        return "the sequence ratio is already the product of its token ratios (use k1 with sum)"
-    if metric == "k1" and agg == "max":
-        return "the max of k1 bounds no divergence (verl has no seq_max_k1): use k2 or k3"
-    return None
-
-
 class AlgorithmConfig(Section):
+    """What the learner optimises: the advantage estimator and the variants of the policy loss,
+    the off-policy correction, the rejection mask and the KL terms. Each variant is a mapping
+    with its `type` and only its own fields, or just its name (`algorithm.policy_loss=gspo`);
+    a field another variant has is refused naming the key (`asyncrl.algorithms.variants`)."""
+
     adv_estimator: str = "grpo"
-    """Advantage estimator, a name in `asyncrl.algorithms.estimators.ESTIMATORS` (verl's names: gae, grpo,
-    rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax). `gae` trains a critic;
-    `remax` samples a greedy baseline."""
+    """Advantage estimator, a name in `asyncrl.algorithms.estimators.ESTIMATORS` (verl's names:
+    gae, grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, remax). `gae` trains a
+    critic; `remax` samples a greedy baseline."""
     norm_adv_by_std: bool = True
     """GRPO: divide by the group's std (false gives Dr.GRPO)."""
     gamma: float = Field(1.0, ge=0.0, le=1.0)
     """Discount for gae and reinforce_plus_plus."""
     lam: float = Field(1.0, ge=0.0, le=1.0)
     """GAE lambda."""
-    policy_loss: str = "ppo"
-    """A name in `asyncrl.algorithms.policy_losses.POLICY_LOSSES`: `ppo` (token-level clipped ratio),
-    `gspo` (sequence-level, length-normalised ratio), or a loss declared with `@policy_loss`."""
-    clip_ratio_low: float = Field(0.2, ge=0, le=1)
-    """Clip: ratio lower bound is 1 - this."""
-    clip_ratio_high: float = Field(0.2, ge=0)
-    """Clip: ratio upper bound is 1 + this (raise it for clip-higher / DAPO)."""
-    clip_ratio_c: float | None = Field(3.0, gt=1.0)
-    """Dual-clip bound for negative advantages (None disables it)."""
+    policy_loss: Annotated[
+        PPOLoss | GSPOLoss, VariantOf(POLICY_LOSSES, "algorithm.policy_loss", "ppo")
+    ] = PPOLoss()
+    """The policy loss, a variant in `asyncrl.algorithms.policy_losses.POLICY_LOSSES`: `ppo`
+    (token-level clipped ratio: clip_ratio_low, clip_ratio_high, clip_ratio_c), `gspo`
+    (sequence-level, length-normalised ratio: clip_ratio_low, clip_ratio_high), or a loss
+    declared with `@policy_loss`."""
     loss_agg_mode: Literal[
         "token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"
     ] = "token-mean"
     """How token losses become one number (normalised over the whole batch, all ranks)."""
-    decoupled: bool = False
-    """Decoupled PPO: clip around a proximal policy recomputed by the learner before the update,
-    and weight tokens by behaviour -> proximal importance weights. Off by default: in the
-    staleness study (docs/off_policy.md, tiny task, two seeds) no correction ended above plain
-    PPO clipped against the behaviour policy, at any staleness."""
-    is_level: Literal["off", "token", "sequence"] = "off"
-    """Truncated importance sampling behaviour -> proximal (needs decoupled=true; off with
-    decoupled: untruncated token-level weights, as AReaL)."""
-    is_cap: float | None = Field(2.0, gt=0)
-    """Cap of the truncated importance weight (None: no truncation)."""
-    is_batch_normalize: bool = False
-    """Divide the (truncated) importance weights by their mean over the whole batch, per token
-    or per sequence as is_level says, so they average 1 (verl's rollout_is_batch_normalize;
-    needs is_level)."""
-    reject_level: Literal["off", "token", "sequence"] = "off"
-    """Rejection mask on behaviour-vs-proximal divergence: drop tokens or whole sequences."""
-    reject_metric: Literal["ratio", "k1", "k2", "k3"] = "ratio"
-    """Quantity the rejection bounds apply to."""
-    reject_agg: Literal["mean", "sum", "max"] = "mean"
-    """reject_level=sequence with k1/k2/k3: the mean, sum or max of the metric over the
-    sequence's sampled tokens (verl's rollout_rs seq_mean_k*, seq_sum_k*, seq_max_k2|3)."""
-    reject_low: float | None = None
-    """Reject when the metric is below this."""
-    reject_high: float | None = None
-    """Reject when the metric is above this."""
-    use_kl_in_reward: bool = False
-    """Subtract kl_coef x KL(policy || reference) from the per-token reward."""
-    kl_penalty: KLKind = "kl"
-    """Estimator of the in-reward KL."""
-    kl_ctrl: Literal["fixed", "adaptive"] = "fixed"
-    """Fixed coefficient, or the adaptive controller of Ziegler et al. (2019)."""
-    kl_coef: float = Field(0.001, ge=0)
-    """(Initial) coefficient of the in-reward KL."""
-    kl_target: float = Field(0.1, gt=0)
-    """Adaptive controller: target KL."""
-    kl_horizon: int = Field(10000, ge=1)
-    """Adaptive controller: horizon."""
-    use_kl_loss: bool = False
-    """Add kl_loss_coef x KL(policy || reference) to the loss (GRPO style)."""
-    kl_loss_coef: float = Field(0.001, ge=0)
-    """Coefficient of the KL loss."""
-    kl_loss_type: KLKind = "low_var_kl"
-    """Estimator of the KL loss."""
+    correction: Annotated[
+        NoCorrection | DecoupledCorrection | TruncatedIS,
+        VariantOf(OFF_POLICY_CORRECTIONS, "algorithm.correction", "none"),
+    ] = NoCorrection()
+    """The off-policy correction, a variant in
+    `asyncrl.algorithms.corrections.OFF_POLICY_CORRECTIONS`: `none` (PPO clipped against the
+    behaviour policy, verl's bypass mode), `decoupled` (AReaL's decoupled PPO: clip around a
+    proximal policy recomputed before the update, untruncated behaviour -> proximal token
+    weights) or `truncated_is` (decoupled with truncated weights: level, cap,
+    batch_normalize). `none` by default: in the staleness study (docs/off_policy.md, tiny
+    task, two seeds) no correction ended above it, at any staleness."""
+    rejection: Annotated[
+        NoRejection | TokenRejection | SequenceRejection,
+        VariantOf(REJECTIONS, "algorithm.rejection", "none"),
+    ] = NoRejection()
+    """Rejection mask on behaviour-vs-proximal divergence, a variant in
+    `asyncrl.algorithms.corrections.REJECTIONS`: `none`, `token` (metric, low, high) or
+    `sequence` (metric, agg, low, high)."""
+    kl_in_reward: Annotated[
+        NoKLInReward | FixedKLInReward | AdaptiveKLInReward,
+        VariantOf(KL_IN_REWARD, "algorithm.kl_in_reward", "none"),
+    ] = NoKLInReward()
+    """KL(policy || reference) subtracted from the per-token reward, a variant in
+    `asyncrl.algorithms.kl.KL_IN_REWARD`: `none`, `fixed` (coef, estimator) or `adaptive`
+    (coef, estimator, target, horizon: Ziegler et al. 2019)."""
+    kl_loss: Annotated[
+        NoKLLoss | ReferenceKLLoss, VariantOf(KL_LOSSES, "algorithm.kl_loss", "none")
+    ] = NoKLLoss()
+    """KL(policy || reference) added to the loss, a variant in
+    `asyncrl.algorithms.kl.KL_LOSSES`: `none` or `reference` (coef, estimator; GRPO style)."""
     entropy_coeff: float = Field(0.0, ge=0)
     """Entropy bonus coefficient."""
     value_clip: float = Field(0.5, gt=0)
     """gae: clip range of the value loss around the old values."""
 
-    @pydantic.field_validator("policy_loss")
-    @classmethod
-    def _registered_policy_loss(cls, value: str) -> str:
-        """Refused at start-up, before any process starts, naming the losses there are."""
-        if value not in POLICY_LOSSES:
-            raise ValueError(
-                f"algorithm.policy_loss={value!r} is not a registered policy loss: "
-                f"{POLICY_LOSSES.names()}"
-            )
-        return value
+    @property
+    def needs_proximal(self) -> bool:
+        """The learner recomputes the proximal policy's log-probs before the update."""
+        return self.correction.needs_proximal or self.rejection.needs_proximal
 
-    @pydantic.model_validator(mode="after")
-    def _meaningful_correction(self) -> AlgorithmConfig:
-        """Refuse what would silently do nothing or mean nothing, naming the keys."""
-        if self.is_batch_normalize and self.is_level == "off":
-            raise ValueError(
-                "algorithm.is_batch_normalize=true needs algorithm.is_level=token|sequence: "
-                "there are no truncated importance weights to normalise"
-            )
-        if self.reject_agg != "mean":
-            why = rejection_problem(self.reject_level, self.reject_metric, self.reject_agg)
-            if why is not None:
-                raise ValueError(
-                    f"algorithm.reject_agg={self.reject_agg} with algorithm.reject_level="
-                    f"{self.reject_level} and algorithm.reject_metric={self.reject_metric}: {why}"
-                )
-        return self
-
-    @pydantic.field_validator("is_level", "reject_level", mode="before")
-    @classmethod
-    def _yaml_off(cls, value: Any) -> Any:
-        """YAML reads a bare `off` (in a file or as `algorithm.is_level=off`) as false."""
-        return "off" if value is False else value
+    @property
+    def needs_reference(self) -> bool:
+        """The learner keeps a frozen reference policy."""
+        return self.kl_in_reward.needs_reference or self.kl_loss.needs_reference
 
 
 def check_algorithm(
@@ -260,14 +221,6 @@ def check_algorithm(
 ) -> None:
     """The algorithm's fit with the rest of the run: `rollout.n` (`group_size`),
     `learner.ppo_mini_batch_size` and `data.train_batch_size`; ValueError naming the key."""
-    if algo.is_level != "off" and not algo.decoupled:
-        raise ValueError(
-            f"algorithm.is_level={algo.is_level!r} needs algorithm.decoupled=true: without it "
-            "the PPO ratio is already taken against the behaviour policy (verl's bypass "
-            "mode), and importance weights on top would correct the same lag twice"
-        )
-    from asyncrl.algorithms.estimators import ESTIMATORS
-
     if (est := ESTIMATORS.get(algo.adv_estimator)) is None:
         raise ValueError(
             f"algorithm.adv_estimator={algo.adv_estimator!r} is not a registered "

@@ -14,9 +14,56 @@ RENAMED_KEYS = {
     "launch.ray.server_num_gpus": "launch.gpus",
     "launch.ray.learner_num_gpus": "launch.gpus",
     **{f"rollout.{key}": f"rollout.tool_agent.{key}" for key in ToolAgentConfig.model_fields},
+    # the flat algorithm keys became typed variants (asyncrl.algorithms.variants)
+    **{
+        f"algorithm.{key}": f"algorithm.policy_loss.{key}"
+        for key in ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c")
+    },
+    "algorithm.decoupled": "algorithm.correction.type",
+    "algorithm.is_level": "algorithm.correction.level",
+    "algorithm.is_cap": "algorithm.correction.cap",
+    "algorithm.is_batch_normalize": "algorithm.correction.batch_normalize",
+    "algorithm.reject_level": "algorithm.rejection.type",
+    **{
+        f"algorithm.reject_{key}": f"algorithm.rejection.{key}"
+        for key in ("metric", "agg", "low", "high")
+    },
+    "algorithm.use_kl_in_reward": "algorithm.kl_in_reward.type",
+    "algorithm.kl_ctrl": "algorithm.kl_in_reward.type",
+    "algorithm.kl_penalty": "algorithm.kl_in_reward.estimator",
+    "algorithm.kl_coef": "algorithm.kl_in_reward.coef",
+    "algorithm.kl_target": "algorithm.kl_in_reward.target",
+    "algorithm.kl_horizon": "algorithm.kl_in_reward.horizon",
+    "algorithm.use_kl_loss": "algorithm.kl_loss.type",
+    "algorithm.kl_loss_coef": "algorithm.kl_loss.coef",
+    "algorithm.kl_loss_type": "algorithm.kl_loss.estimator",
 }
 """Keys that moved, old dotted name -> new one. A config (file or override) that still uses the
 old name is refused with a message naming the new one, rather than `unknown key`."""
+
+INTO_VARIANT = {
+    "algorithm.clip_ratio_c": "ppo",
+    "algorithm.decoupled": "decoupled or truncated_is",
+    "algorithm.is_level": "truncated_is",
+    "algorithm.is_cap": "truncated_is",
+    "algorithm.is_batch_normalize": "truncated_is",
+    "algorithm.reject_level": "token or sequence",
+    "algorithm.reject_metric": "token or sequence",
+    "algorithm.reject_agg": "sequence",
+    "algorithm.reject_low": "token or sequence",
+    "algorithm.reject_high": "token or sequence",
+    "algorithm.use_kl_in_reward": "fixed or adaptive",
+    "algorithm.kl_ctrl": "fixed or adaptive",
+    "algorithm.kl_penalty": "fixed or adaptive",
+    "algorithm.kl_coef": "fixed or adaptive",
+    "algorithm.kl_target": "adaptive",
+    "algorithm.kl_horizon": "adaptive",
+    "algorithm.use_kl_loss": "reference",
+    "algorithm.kl_loss_coef": "reference",
+    "algorithm.kl_loss_type": "reference",
+}
+"""Old keys whose new home is a field of some variants only (or the variant's `type`) -> those
+variants: the refusal says which `type` to set (`asyncrl.algorithms.variants`)."""
 
 
 def refuse_renamed_keys(tree: dict[str, Any]) -> None:
@@ -27,9 +74,18 @@ def refuse_renamed_keys(tree: dict[str, Any]) -> None:
         for part in old.split("."):
             node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
         if node is not _MISSING:
-            found.append(f"{old} was renamed: use {new}")
+            found.append(f"{old} was renamed: use {new}{_variant_hint(new, old)}")
     if found:
         raise ValueError("; ".join(found))
+
+
+def _variant_hint(new: str, old: str) -> str:
+    """ " with algorithm.correction.type=truncated_is" where the new key is a variant's field."""
+    if old not in INTO_VARIANT:
+        return ""
+    parent, leaf = new.rsplit(".", 1)
+    types = INTO_VARIANT[old]
+    return f" ({types})" if leaf == "type" else f" with {parent}.type={types}"
 
 
 _MISSING = object()

@@ -91,10 +91,15 @@ def test_a_renamed_key_is_refused_naming_its_new_name(old, new, tmp_path):
 
 
 def test_every_renamed_key_points_to_a_key_that_exists():
+    """In the variant the refusal names, when the new key is a field of some variants only."""
     from asyncrl.config import RENAMED_KEYS, Config
+    from asyncrl.config.renamed import INTO_VARIANT
 
-    for new in RENAMED_KEYS.values():
+    for old, new in RENAMED_KEYS.items():
         node = Config()
+        parent = new.rsplit(".", 1)[0]
+        if old in INTO_VARIANT and not new.endswith(".type"):
+            node = load_config(None, [f"{parent}.type={INTO_VARIANT[old].split()[0]}"])
         for part in new.split("."):
             assert part in type(node).model_fields, new
             node = getattr(node, part)

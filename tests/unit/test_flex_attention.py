@@ -1,4 +1,4 @@
-"""FlexAttention on packed rows (`learner.packing.flex_packed_attention`): the same outputs and
+"""FlexAttention on packed rows (`learner.flex_attention.flex_packed_attention`): the same outputs and
 gradients as the per-segment SDPA and as padded per-row SDPA, its block mask built once per
 forward, and the rule that picks a packed attention per device.
 
@@ -21,6 +21,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import learner.packing as packing
 from asyncrl.config import LearnerConfig
 from learner.batch import TrainBatch
+from learner.flex_attention import flex_packed_attention, register_flex_attention
 from learner.fsdp import _log_choice, attention_implementation
 from learner.packing import (
     FLASH_ATTENTION,
@@ -28,10 +29,8 @@ from learner.packing import (
     FLEX_BLOCK,
     PACKED_ATTENTION,
     choose_packed_attention,
-    flex_packed_attention,
     pack_rows,
     packed_attention,
-    register_flex_attention,
 )
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -3,18 +3,16 @@ import math
 import pytest
 import torch
 
+from learner.corrections import decoupled_ppo_token_loss, importance_weights, rejection_mask
 from learner.kl import AdaptiveKLController, FixedKLController, kl_penalty
 from learner.losses import (
     AGGREGATION_MODES,
     aggregate_denominator,
     aggregate_loss,
-    decoupled_ppo_token_loss,
     entropy_from_logits,
     gspo_token_loss,
-    importance_weights,
     mismatch_kl,
     ppo_clip_token_loss,
-    rejection_mask,
 )
 
 

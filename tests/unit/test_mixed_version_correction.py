@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
-from learner.losses import decoupled_ppo_token_loss, importance_weights, rejection_mask
+from learner.corrections import decoupled_ppo_token_loss, importance_weights, rejection_mask
 
 PROMPT = [5, 6, 7, 8]
 SWITCH, LENGTH = 10, 16  # tokens 0..9 by version 0, 10..15 by version 1

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from asyncrl.config import AlgorithmConfig, ConfigError, LearnerConfig, load_config
+from learner.corrections import importance_weights
 from learner.losses import (
     MAX_GSPO_LOG_RATIO,
     gspo_token_loss,
-    importance_weights,
     ppo_clip_token_loss,
     value_token_loss,
 )
@@ -28,19 +28,35 @@ def _accepted(decoupled: bool, is_level: str) -> bool:
     return decoupled or is_level == "off"
 
 
+def _correction(decoupled: bool, is_level: str) -> list[str]:
+    """The old keys' combination in the new spelling (`algorithm.correction`)."""
+    if is_level != "off":
+        return ["algorithm.correction.type=truncated_is", f"algorithm.correction.level={is_level}"]
+    return [f"algorithm.correction.type={'decoupled' if decoupled else 'none'}"]
+
+
+def _algo(policy_loss: str, decoupled: bool, is_level: str, **clip: float) -> AlgorithmConfig:
+    loss = {"type": policy_loss, **clip}
+    if policy_loss == "gspo":
+        loss.pop("clip_ratio_c", None)
+    correction: dict = {"type": "decoupled" if decoupled else "none"}
+    if is_level != "off":
+        correction = {"type": "truncated_is", "level": is_level, "cap": CAP}
+    return AlgorithmConfig(policy_loss=loss, correction=correction)
+
+
 @pytest.mark.parametrize("policy_loss, decoupled, is_level", COMBOS)
 def test_config_accepts_importance_weights_only_with_a_proximal_policy(
     policy_loss, decoupled, is_level
 ):
-    overrides = [
-        f"algorithm.policy_loss={policy_loss}",
-        f"algorithm.decoupled={str(decoupled).lower()}",
-        f"algorithm.is_level={is_level}",
-    ]
     if _accepted(decoupled, is_level):
-        load_config(None, overrides)
-    else:  # the ratio is already against the behaviour policy: weights would correct twice
-        with pytest.raises(ConfigError, match="needs algorithm.decoupled=true"):
+        cfg = load_config(
+            None, [f"algorithm.policy_loss={policy_loss}", *_correction(decoupled, is_level)]
+        )
+        assert cfg.algorithm.correction.decoupled == decoupled
+    else:  # weights without a proximal policy cannot be spelled: the old keys are refused
+        overrides = ["algorithm.decoupled=false", f"algorithm.is_level={is_level}"]
+        with pytest.raises(ConfigError, match="algorithm.is_level was renamed"):
             load_config(None, overrides)
 
 
@@ -92,11 +108,10 @@ def _verl_expected(policy_loss, decoupled, is_level, logp, proximal, behaviour, 
 def test_update_loss_matches_verl_for_every_accepted_combination(
     policy_loss, decoupled, is_level, seed
 ):
-    algo = AlgorithmConfig(
-        policy_loss=policy_loss,
-        decoupled=decoupled,
-        is_level=is_level,
-        is_cap=CAP,
+    algo = _algo(
+        policy_loss,
+        decoupled,
+        is_level,
         clip_ratio_low=CLIP_LOW,
         clip_ratio_high=CLIP_HIGH,
         clip_ratio_c=CLIP_C,
@@ -134,12 +149,13 @@ def test_gspo_applies_the_importance_weights():
     logp, proximal, behaviour, adv, mask = _batch(0)
     w = torch.full_like(mask, 0.5)
     inputs = UpdateInputs(adv, behaviour, proximal, w, None, None, None, None)
-    algo = AlgorithmConfig(policy_loss="gspo", decoupled=True, is_level="token")
+    algo = _algo("gspo", True, "token")
     updater = Updater(
         None, None, algo, LearnerConfig(micro_batch_size=4), 1.0, 1, 0, torch.device("cpu")
     )
     got, _ = updater._policy_loss(logp, torch.arange(2), inputs, mask)
-    plain, _ = gspo_token_loss(logp, proximal, adv, mask, algo.clip_ratio_low, algo.clip_ratio_high)
+    pl = algo.policy_loss
+    plain, _ = gspo_token_loss(logp, proximal, adv, mask, pl.clip_ratio_low, pl.clip_ratio_high)
     torch.testing.assert_close(got, plain * 0.5)
 
 

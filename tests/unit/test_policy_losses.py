@@ -1,14 +1,24 @@
-"""Policy losses are declared once (`asyncrl.algorithms.policy_losses.POLICY_LOSSES`): config validation
-and the learner's update read that declaration, so a new loss is one `@policy_loss`."""
+"""Policy losses are declared once (`asyncrl.algorithms.policy_losses.POLICY_LOSSES`): config
+validation and the learner's update read that declaration, so a new loss, with fields of its
+own, is one `@policy_loss` class."""
 
 from __future__ import annotations
+
+from typing import Literal
 
 import pytest
 import torch
 
-from asyncrl.algorithms.policy_losses import POLICY_LOSSES, PolicyLossInputs, policy_loss
+from asyncrl.algorithms.policy_losses import (
+    POLICY_LOSSES,
+    GSPOLoss,
+    PolicyLoss,
+    PolicyLossInputs,
+    PPOLoss,
+    policy_loss,
+)
 from asyncrl.config import AlgorithmConfig, ConfigError, LearnerConfig, load_config
-from learner.losses import gspo_policy_loss, importance_weights, ppo_policy_loss
+from learner.corrections import importance_weights
 from learner.update import UpdateInputs, Updater
 
 TOY = "toy_reinforce"
@@ -16,25 +26,39 @@ TOY = "toy_reinforce"
 
 @pytest.fixture
 def toy_loss():
-    """One declaration: REINFORCE without a ratio, l_t = -A_t logp_t, and its own stat."""
+    """One declaration: REINFORCE without a ratio, l_t = -scale A_t logp_t, with a field of
+    its own (scale) and its own stat."""
 
-    @policy_loss(TOY)
-    def toy(x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        m = (x.mask > 0).to(x.logp.dtype)
-        return -x.advantages * x.logp * m, {"clipped_tokens": torch.zeros(())}
+    @policy_loss
+    class ToyReinforce(PolicyLoss):
+        type: Literal["toy_reinforce"] = "toy_reinforce"
+        scale: float = 1.0
 
-    yield
+        def loss(self, x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+            m = (x.mask > 0).to(x.logp.dtype)
+            return -self.scale * x.advantages * x.logp * m, {"clipped_tokens": torch.zeros(())}
+
+    yield ToyReinforce
     POLICY_LOSSES.unregister(TOY)
 
 
-def test_the_builtins_are_declared_by_path_and_resolve_to_the_learners_functions():
+def test_the_builtins_are_declared_and_carry_only_their_own_fields():
     assert POLICY_LOSSES.names() == ["ppo", "gspo"]
-    assert POLICY_LOSSES["ppo"] is ppo_policy_loss
-    assert POLICY_LOSSES["gspo"] is gspo_policy_loss
+    assert POLICY_LOSSES["ppo"] is PPOLoss and POLICY_LOSSES["gspo"] is GSPOLoss
+    assert "clip_ratio_c" in PPOLoss.model_fields and "clip_ratio_c" not in GSPOLoss.model_fields
+    with pytest.raises(
+        ConfigError,
+        match="algorithm.policy_loss.clip_ratio_c is not a field of algorithm.policy_loss.type=gspo",
+    ):
+        load_config(
+            None, ["algorithm.policy_loss.type=gspo", "algorithm.policy_loss.clip_ratio_c=2"]
+        )
 
 
 def test_config_validation_accepts_a_declared_loss_and_names_the_declared_ones(toy_loss):
-    assert load_config(None, [f"algorithm.policy_loss={TOY}"]).algorithm.policy_loss == TOY
+    cfg = load_config(None, [f"algorithm.policy_loss.type={TOY}", "algorithm.policy_loss.scale=2"])
+    assert isinstance(cfg.algorithm.policy_loss, toy_loss) and cfg.algorithm.policy_loss.scale == 2
+    assert load_config(None, [f"algorithm.policy_loss={TOY}"]).algorithm.policy_loss.scale == 1
     message = (
         f"algorithm.policy_loss='nope' is not a registered policy loss: ['ppo', 'gspo', '{TOY}']"
     )
@@ -43,7 +67,7 @@ def test_config_validation_accepts_a_declared_loss_and_names_the_declared_ones(t
 
 
 def _updater(**algo) -> Updater:
-    config = AlgorithmConfig(**algo)
+    config = AlgorithmConfig.model_validate(algo)
     lc = LearnerConfig(micro_batch_size=4)
     return Updater(None, None, config, lc, 1.0, 1, 0, torch.device("cpu"))
 
@@ -62,11 +86,12 @@ def _inputs():
 
 def test_the_update_applies_the_declared_loss(toy_loss):
     logp, inputs, mask = _inputs()
-    got, stats = _updater(policy_loss=TOY)._policy_loss(logp, torch.arange(2), inputs, mask)
-    expected = -inputs.advantages * logp * mask  # no ratio, no clip: the toy's own formula
+    loss = {"type": TOY, "scale": 2.0}
+    got, stats = _updater(policy_loss=loss)._policy_loss(logp, torch.arange(2), inputs, mask)
+    expected = -2.0 * inputs.advantages * logp * mask  # no ratio, no clip: the toy's own formula
     torch.testing.assert_close(got, expected)
     (grad,) = torch.autograd.grad(got.sum(), logp)
-    torch.testing.assert_close(grad, -inputs.advantages * mask)
+    torch.testing.assert_close(grad, -2.0 * inputs.advantages * mask)
     ppo, _ = _updater(policy_loss="ppo")._policy_loss(logp, torch.arange(2), inputs, mask)
     assert not torch.allclose(got, ppo)
     assert float(stats["clipped_tokens"]) == 0.0
@@ -76,7 +101,7 @@ def test_decoupled_weights_a_declared_loss_as_any_other(toy_loss):
     """With decoupled=true the update hands the loss the proximal log-probs and multiplies in
     the untruncated behaviour -> proximal token weights, whatever the loss."""
     logp, inputs, mask = _inputs()
-    updater = _updater(policy_loss=TOY, decoupled=True)
+    updater = _updater(policy_loss=TOY, correction="decoupled")
     got, _ = updater._policy_loss(logp, torch.arange(2), inputs, mask)
     assert inputs.proximal is not None
     w = importance_weights(inputs.proximal, inputs.old_logprobs, mask, "token", None)

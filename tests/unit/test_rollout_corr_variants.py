@@ -1,6 +1,6 @@
 """verl's rollout-correction variants (issue 31, point 5), each against a formula written here
 from verl's code (`kl_penalty` in core_algos; `compute_rollout_correction_weights` and
-`compute_rollout_rejection_mask` in rollout_corr_helper), not from `learner.losses`:
+`compute_rollout_rejection_mask` in rollout_corr_helper), not from `learner.corrections`:
 the "+" KL kinds (k3+: k3's value, k2's gradient), the batch normalisation of the importance
 weights (and its independence of micro-batching), sequence rejection on the sum or the max of
 k1/k2/k3, and the config errors of the combinations that mean nothing."""
@@ -14,13 +14,18 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from asyncrl.algorithms.kl import FixedKLInReward, ReferenceKLLoss
 from asyncrl.config import AlgorithmConfig, ConfigError, LearnerConfig, load_config
 from learner.batch import TrainBatch
+from learner.corrections import (
+    importance_weights,
+    normalize_importance_weights,
+    off_policy_corrections,
+    rejection_mask,
+)
 from learner.forward import policy_forward
 from learner.fsdp import attention_implementation
 from learner.kl import kl_penalty
-from learner.losses import importance_weights, normalize_importance_weights, rejection_mask
-from learner.trainer import off_policy_corrections
 from learner.update import UpdateInputs, Updater
 
 CPU = torch.device("cpu")
@@ -71,10 +76,21 @@ def test_k3_without_plus_keeps_its_own_gradient():
 
 
 def test_the_config_takes_plus_kinds_for_the_kl_loss_and_the_reward_not_for_rejection():
-    cfg = load_config(None, ["algorithm.kl_loss_type=k3+", "algorithm.kl_penalty=low_var_kl+"])
-    assert (cfg.algorithm.kl_loss_type, cfg.algorithm.kl_penalty) == ("k3+", "low_var_kl+")
-    with pytest.raises(ConfigError, match="reject_metric"):  # a mask has no gradient
-        load_config(None, ["algorithm.reject_metric=k3+"])
+    cfg = load_config(
+        None,
+        [
+            "algorithm.kl_loss.type=reference",
+            "algorithm.kl_loss.estimator=k3+",
+            "algorithm.kl_in_reward.type=fixed",
+            "algorithm.kl_in_reward.estimator=low_var_kl+",
+        ],
+    )
+    algo = cfg.algorithm
+    assert isinstance(algo.kl_loss, ReferenceKLLoss)
+    assert isinstance(algo.kl_in_reward, FixedKLInReward)
+    assert (algo.kl_loss.estimator, algo.kl_in_reward.estimator) == ("k3+", "low_var_kl+")
+    with pytest.raises(ConfigError, match="rejection.metric"):  # a mask has no gradient
+        load_config(None, ["algorithm.rejection.type=token", "algorithm.rejection.metric=k3+"])
 
 
 # ---- batch normalisation of the importance weights --------------------------------------------
@@ -170,7 +186,9 @@ def test_normalised_weights_give_one_loss_whatever_the_micro_batching(level):
     `Learner.compute_advantages` calls it before the update, on every rank alike); the
     update's loss and gradient are then
     those of one big micro-batch whether it runs in 1 or 3 micro-batches."""
-    algo = AlgorithmConfig(decoupled=True, is_level=level, is_cap=2.0, is_batch_normalize=True)
+    algo = AlgorithmConfig(
+        correction={"type": "truncated_is", "level": level, "cap": 2.0, "batch_normalize": True}
+    )
     batch = _tiny_batch()
     mask = batch.loss_mask[:, 1:]
     g = torch.Generator().manual_seed(3)
@@ -191,7 +209,7 @@ def test_normalised_weights_give_one_loss_whatever_the_micro_batching(level):
         metrics: dict[str, float] = {}
         weights, _ = off_policy_corrections(algo, proximal, behaviour, mask, metrics)
         assert weights is not None and metrics["is_batch_norm_factor"] != 1.0
-        raw = importance_weights(proximal, behaviour, mask, level, algo.is_cap)
+        raw = importance_weights(proximal, behaviour, mask, level, 2.0)
         # a mean over the first micro-batch alone would differ: the test has teeth
         part, _ = normalize_importance_weights(raw[:1], mask[:1], level)
         assert not torch.allclose(part, weights[:1])
@@ -254,20 +272,32 @@ def test_sum_and_max_differ_from_the_mean_on_a_long_mild_sequence():
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["algorithm.reject_level=token", "algorithm.reject_agg=sum"], "reject_level=sequence"),
-        (["algorithm.reject_level=off", "algorithm.reject_agg=max"], "reject_level=sequence"),
         (
-            ["algorithm.reject_level=sequence", "algorithm.reject_metric=ratio"]
-            + ["algorithm.reject_agg=sum"],
+            ["algorithm.rejection.type=token", "algorithm.rejection.agg=sum"],
+            "algorithm.rejection.agg is not a field of algorithm.rejection.type=token",
+        ),
+        (
+            ["algorithm.rejection.type=none", "algorithm.rejection.agg=max"],
+            "algorithm.rejection.agg is not a field of algorithm.rejection.type=none",
+        ),
+        (
+            ["algorithm.rejection.type=sequence", "algorithm.rejection.metric=ratio"]
+            + ["algorithm.rejection.agg=sum"],
             "product of its token ratios",
         ),
         (
-            ["algorithm.reject_level=sequence", "algorithm.reject_metric=k1"]
-            + ["algorithm.reject_agg=max"],
+            ["algorithm.rejection.type=sequence", "algorithm.rejection.metric=k1"]
+            + ["algorithm.rejection.agg=max"],
             "seq_max_k1",
         ),
-        (["algorithm.reject_agg=median"], "reject_agg"),
-        (["algorithm.is_batch_normalize=true"], "is_batch_normalize=true needs algorithm.is_level"),
+        (
+            ["algorithm.rejection.type=sequence", "algorithm.rejection.agg=median"],
+            "algorithm.rejection.agg",
+        ),
+        (
+            ["algorithm.correction.batch_normalize=true"],
+            "algorithm.correction.batch_normalize is not a field of algorithm.correction.type=none",
+        ),
     ],
 )
 def test_meaningless_combinations_are_refused_naming_the_keys(overrides, match):
@@ -281,18 +311,18 @@ def test_the_meaningful_combinations_load():
         load_config(
             None,
             [
-                "algorithm.reject_level=sequence",
-                "algorithm.reject_metric=k3",
-                f"algorithm.reject_agg={agg}",
-                "algorithm.reject_high=1.0",
+                "algorithm.rejection.type=sequence",
+                "algorithm.rejection.metric=k3",
+                f"algorithm.rejection.agg={agg}",
+                "algorithm.rejection.high=1.0",
             ],
         )
     load_config(
         None,
         [
-            "algorithm.decoupled=true",
-            "algorithm.is_level=sequence",
-            "algorithm.is_batch_normalize=true",
+            "algorithm.correction.type=truncated_is",
+            "algorithm.correction.level=sequence",
+            "algorithm.correction.batch_normalize=true",
         ],
     )
     with pytest.raises(ValueError, match="sequence level|reject_level=sequence"):
