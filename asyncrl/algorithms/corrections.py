@@ -146,7 +146,7 @@ class Rejection(Variant):
         return None
 
 
-REJECTIONS: Registry[type[Rejection]] = Registry("rejection", "asyncrl.algorithms.corrections")
+REJECTIONS: Registry[type[Rejection]] = Registry("rejection", "asyncrl.algorithms.rejections")
 """`algorithm.rejection` names one of these."""
 
 

@@ -38,7 +38,9 @@ class KLInReward(Variant):
         return None
 
 
-KL_IN_REWARD: Registry[type[KLInReward]] = Registry("KL in the reward", "asyncrl.algorithms.kl")
+KL_IN_REWARD: Registry[type[KLInReward]] = Registry(
+    "KL in the reward", "asyncrl.algorithms.kl_in_reward"
+)
 """`algorithm.kl_in_reward` names one of these."""
 
 
@@ -103,7 +105,7 @@ class KLLoss(Variant):
         return None
 
 
-KL_LOSSES: Registry[type[KLLoss]] = Registry("KL loss", "asyncrl.algorithms.kl")
+KL_LOSSES: Registry[type[KLLoss]] = Registry("KL loss", "asyncrl.algorithms.kl_losses")
 """`algorithm.kl_loss` names one of these."""
 
 

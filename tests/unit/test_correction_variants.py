@@ -71,3 +71,29 @@ def test_the_learner_applies_a_declared_correction(toy_correction):
     updater = Updater(None, None, cfg.algorithm, LearnerConfig(), 1.0, 1, 0, torch.device("cpu"))
     got, _ = updater._policy_loss(logp, torch.arange(1), inputs, mask)
     torch.testing.assert_close(got.detach(), torch.tensor([[-2.0, 0.8, 0.0]]))
+
+
+def test_the_kl_variants_build_what_the_learner_uses():
+    """kl_in_reward's controller carries its estimator and coefficient; none builds nothing and
+    needs no reference model."""
+    algo = load_config(
+        None,
+        [
+            "algorithm.kl_in_reward={type: adaptive, coef: 0.2, target: 1.0, horizon: 10}",
+            "algorithm.kl_loss={type: reference, coef: 0.05, estimator: k3+}",
+        ],
+    ).algorithm
+    ctl = algo.kl_in_reward.controller()
+    assert (ctl.value, ctl.estimator, ctl.target, ctl.horizon) == (0.2, "kl", 1.0, 10.0)
+    ctl.update(current_kl=2.0, n_steps=5)  # e = clip(2 / 1 - 1, -0.2, 0.2) = 0.2
+    assert ctl.value == pytest.approx(0.2 * (1 + 0.2 * 5 / 10))
+    logp, ref = torch.tensor([[-1.0]]), torch.tensor([[-1.5]])
+    kl, coef = algo.kl_loss.per_token(logp, ref)
+    assert coef == 0.05
+    torch.testing.assert_close(kl, torch.tensor([[math.exp(-0.5) + 0.5 - 1.0]]))  # k3's value
+    assert algo.needs_reference
+    default = load_config(None, []).algorithm
+    assert (
+        default.kl_in_reward.controller() is None and default.kl_loss.per_token(logp, ref) is None
+    )
+    assert not default.needs_reference and not default.needs_proximal
