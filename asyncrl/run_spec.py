@@ -9,6 +9,11 @@ path.
 The spec also carries the run's placement (`asyncrl.placement.PlacementPlan`): each process
 reads its own (`own_place`) for its share of a shared GPU's memory, and `launch.json` keeps it
 for people and tools.
+
+What differs between the processes of a run is no field here: a process's role, index and (a
+rollout server's) epoch travel in its `asyncrl.launch.worker.ProcessRole`, on its command line.
+The spec is written once per run, while a server's epoch changes at each of its restarts.
+Secrets travel in neither (`asyncrl.wire.auth`).
 """
 
 from __future__ import annotations
