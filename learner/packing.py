@@ -299,8 +299,8 @@ def choose_packed_attention(
       in every layer instead of n times, which outweighs flash-attn's faster kernel; flash-attn
       has no fp32 kernel);
     - any other device: the per-segment SDPA (exact; FlexAttention has no backward on CPU).
-    `forced` (one of the three names) overrides the rule, for tests and benchmarks; flash-attn
-    is refused where it cannot run."""
+    `forced` (one of the three names: `learner.packed_attention` when not auto) overrides the
+    rule, for tests and benchmarks; flash-attn is refused where it cannot run."""
     if forced is not None:
         if forced not in (PACKED_ATTENTION, FLEX_ATTENTION, FLASH_ATTENTION):
             raise ValueError(
