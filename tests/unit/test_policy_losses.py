@@ -98,7 +98,7 @@ def test_the_update_applies_the_declared_loss(toy_loss):
 
 
 def test_decoupled_weights_a_declared_loss_as_any_other(toy_loss):
-    """With decoupled=true the update hands the loss the proximal log-probs and multiplies in
+    """With correction=decoupled the update hands the loss the proximal log-probs and multiplies in
     the untruncated behaviour -> proximal token weights, whatever the loss."""
     logp, inputs, mask = _inputs()
     updater = _updater(policy_loss=TOY, correction="decoupled")
