@@ -12,9 +12,10 @@ sub-packages, each importing only those listed before it (tests/unit/test_layout
   HMAC on every message; `wire.binds`: torch's stores listening on the run's host only;
   `wire.replay_client`: the blocking client of the replay.
 - `weights/`: `weights.sync`, the bucketed broadcast of weights from learner rank 0 to the rollout
-  servers, over the `weights.transports` it chooses between; `weights.receiver`, the servers'
-  side; `weights.group` and `weights.sealed_store`, the joins; `weights.lora`: the layout of LoRA
-  adapters on that wire.
+  servers (its jobs: `weights.fanout` to the members, `weights.staged_slots`, `weights.packing`
+  into buckets), over the `weights.transports` it chooses between; `weights.receiver`, the
+  servers' side; `weights.group` and `weights.sealed_store`, the joins; `weights.lora`: the
+  layout of LoRA adapters on that wire.
 - `data/`: verl-schema rows (`asyncrl.data.rows`; `asyncrl.data.prompts`: `PromptReader`,
   `render_prompt_ids`, the `TASKS` registry) and GSM8K's preparation (`asyncrl.data.gsm8k`).
 - `algorithms/`: `algorithms.estimators`, the advantage estimators, each declared once in

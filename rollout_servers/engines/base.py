@@ -29,8 +29,8 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:  # the launcher checks agent-loop names through this module: no torch import
     import torch
 
+    from asyncrl.config.weight_transport import Transport
     from asyncrl.weights.probe import DeliveryProbe
-    from asyncrl.weights.transports import Transport
 
 log = logging.getLogger("asyncrl.rollout")
 
