@@ -19,9 +19,10 @@ sub-packages, each importing only those listed before it (tests/unit/test_layout
 - `data/`: verl-schema rows (`asyncrl.data.rows`; `asyncrl.data.prompts`: `PromptReader`,
   `render_prompt_ids`, the `TASKS` registry) and GSM8K's preparation (`asyncrl.data.gsm8k`).
 - `algorithms/`: `algorithms.estimators`, the advantage estimators, each declared once in
-  `ESTIMATORS` (torch-free); `algorithms.advantages`: their tensor math;
-  `algorithms.policy_losses`: the policy losses, each declared once in `POLICY_LOSSES` (their
-  tensor math in `learner.losses`).
+  `ESTIMATORS` (torch-free); `algorithms.advantages`: their tensor math; the algorithm's config
+  variants (`algorithms.variants`), each family a registry of classes declared once:
+  `algorithms.policy_losses` (`POLICY_LOSSES`), `algorithms.corrections`
+  (`OFF_POLICY_CORRECTIONS`, `REJECTIONS`) and `algorithms.kl` (`KL_IN_REWARD`, `KL_LOSSES`).
 And a few modules of their own: `checkpoints` (the layout of a checkpoint directory),
 `evaluation` (pass@k and the evaluation job), `registry` (the one `Registry` class behind every
 family users extend), `placement`, `cpu`, `dtypes`, and `metrics`, `trace`, `loggers`,

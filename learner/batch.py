@@ -13,7 +13,7 @@ from dataclasses import dataclass, fields
 import torch
 import torch.distributed as dist
 
-from asyncrl.wire.protocol import Batch
+from asyncrl.wire.samples import Batch
 
 
 @dataclass

@@ -21,9 +21,9 @@ from typing import Protocol
 import torch
 
 from asyncrl.metrics import StageTimer
+from asyncrl.weights.layout import ParamSpec
 from asyncrl.weights.probe import DeliveryProbe
-from asyncrl.weights.sync import ParamSpec
-from asyncrl.wire.protocol import Batch
+from asyncrl.wire.samples import Batch
 from learner.batch import TrainBatch
 
 

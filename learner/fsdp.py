@@ -33,7 +33,7 @@ from transformers import (
 )
 
 from asyncrl.config import LearnerConfig
-from asyncrl.weights.sync import ParamSpec
+from asyncrl.weights.layout import ParamSpec
 from asyncrl.wire.binds import bind_collectives_to, setup_store
 from learner.flex_attention import register_flex_attention
 from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters, is_adapted

@@ -25,10 +25,11 @@ from asyncrl.loggers import MetricsLogger, setup_loggers
 from asyncrl.metrics import JsonlWriter, peak_rss_mb, write_json_atomic
 from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
-from asyncrl.weights.sync import weights_checksum
+from asyncrl.weights.layout import weights_checksum
 from asyncrl.wire.auth import key_from_env
-from asyncrl.wire.protocol import Batch, PromptItem
+from asyncrl.wire.protocol import PromptItem
 from asyncrl.wire.replay_client import ReplayClient
+from asyncrl.wire.samples import Batch
 from learner.coordinator import StepOutcome, Weights
 from learner.sync_fleet import SyncFleet, as_sent, sent_tensors, setup_sync_fleet
 from learner.version_stats import oldest_versions, version_stats

@@ -12,8 +12,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from asyncrl.config.learner import LoraConfig
+from asyncrl.weights.layout import ParamSpec
 from asyncrl.weights.lora import adapter_targets, merged_weight
-from asyncrl.weights.sync import ParamSpec
 
 PREFIX = "base_model.model."  # where peft puts the Hugging Face model
 

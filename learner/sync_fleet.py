@@ -13,8 +13,7 @@ ready within the bound is answered `abandon` and left out (it fails; the launche
 as the next epoch, which is joined then). The first version joins epoch 0 of every configured
 server (or a newer epoch the replay lists), waiting up to `launch.startup_timeout_s` (servers
 still loading their model); later joins wait up to `launch.server_timeout_s`. A new member
-receives that version in full (every version is the full weights), so a restarted server is
-brought to the current weights, then gets every later version.
+receives that version in full (every version is the full weights), then every later one.
 
 A server may also restart while the learner waits for a batch, and with one server (the
 default) no batch comes until it has weights: the restarted epoch takes no lease before its
@@ -61,10 +60,11 @@ from asyncrl.config.weight_transport import TransportChoice
 from asyncrl.metrics import JsonlWriter
 from asyncrl.run_spec import RunSpec
 from asyncrl.weights.group import SyncGroup, answer, learner_member_store, read_place
+from asyncrl.weights.layout import ParamSpec
 from asyncrl.weights.probe import DeliveryProbe
 from asyncrl.weights.sealed_store import SealedStore
 from asyncrl.weights.shm import shm_free_bytes, sweep_dead_segments
-from asyncrl.weights.sync import ParamSpec, WeightBroadcaster
+from asyncrl.weights.sync import WeightBroadcaster
 from asyncrl.weights.transports import choose_transport, place_of
 from asyncrl.wire.auth import RoleKey, key_from_env
 from asyncrl.wire.binds import bind_collectives_to, setup_store

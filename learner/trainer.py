@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from asyncrl.algorithms.advantages import ESTIMATORS, compute_advantages, outcome_token_rewards
+from asyncrl.algorithms.advantages import compute_advantages, outcome_token_rewards
+from asyncrl.algorithms.estimators import ESTIMATORS
 from asyncrl.config import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.metrics import StageTimer

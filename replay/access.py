@@ -20,7 +20,6 @@ from typing import Any
 
 from asyncrl.wire.auth import Keyring, RoleKey, role_epoch, role_kind, server_index
 from asyncrl.wire.protocol import (
-    BatchRequest,
     CheckpointRequest,
     DeclareDead,
     EvalPoll,
@@ -29,11 +28,10 @@ from asyncrl.wire.protocol import (
     Heartbeat,
     LeaseRequest,
     StatsRequest,
-    Trajectories,
-    Trajectory,
     VersionUpdate,
 )
 from asyncrl.wire.router import Peer
+from asyncrl.wire.samples import BatchRequest, Trajectories, Trajectory
 
 PERMISSIONS: dict[str, frozenset[type]] = {
     "learner": frozenset(

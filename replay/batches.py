@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 
-from asyncrl.wire.protocol import Batch, BatchRequest
+from asyncrl.wire.samples import Batch, BatchRequest
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer, to_batch
 from replay.fleet_stats import FleetStats

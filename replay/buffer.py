@@ -27,7 +27,8 @@ from typing import Literal
 
 import numpy as np
 
-from asyncrl.wire.protocol import Batch, PromptItem, Trajectory
+from asyncrl.wire.protocol import PromptItem
+from asyncrl.wire.samples import Batch, Trajectory
 from replay.sample_checks import MalformedTrajectory, TokenLimits, check_trajectory
 
 AddStatus = Literal["accepted", "duplicate", "late"]

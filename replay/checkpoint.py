@@ -42,8 +42,10 @@ import msgpack
 
 from asyncrl.checkpoints import IncompleteCheckpoint
 from asyncrl.metrics import write_bytes_atomic
-from asyncrl.wire.codec import ProtocolError, check, decode, encode
-from asyncrl.wire.protocol import LeaseGrant, PromptItem, Trajectory
+from asyncrl.wire.codec import check, decode, encode
+from asyncrl.wire.protocol import LeaseGrant, PromptItem
+from asyncrl.wire.samples import Trajectory
+from asyncrl.wire.validation import ProtocolError
 from replay.buffer import SavedGroup
 
 FORMAT = 2  # the layout of the map below; a reader refuses any other but 1, which it upgrades

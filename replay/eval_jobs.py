@@ -35,7 +35,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from asyncrl.wire.codec import MAX_HEADER_DEPTH, count_nodes
-from asyncrl.wire.protocol import EvalResults, PromptItem, Trajectory
+from asyncrl.wire.protocol import EvalResults, PromptItem
+from asyncrl.wire.samples import Trajectory
 from replay.buffer import AddStatus
 from replay.sample_checks import MalformedTrajectory
 

@@ -26,8 +26,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from asyncrl.wire.protocol import BatchRequest, LeaseGrant, LeaseRequest
-from replay.access import Peer
+from asyncrl.wire.protocol import LeaseGrant, LeaseRequest
+from asyncrl.wire.router import Peer
+from asyncrl.wire.samples import BatchRequest
 from replay.batches import BatchDesk
 from replay.buffer import to_batch
 from replay.leases import LeaseDesk

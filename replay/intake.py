@@ -17,8 +17,8 @@ import time
 from collections import Counter
 from typing import Literal
 
-from asyncrl.wire.codec import ProtocolError, short_repr
-from asyncrl.wire.protocol import Trajectory
+from asyncrl.wire.samples import Trajectory
+from asyncrl.wire.validation import ProtocolError, short_repr
 from replay.buffer import AddStatus, GroupBuffer
 from replay.eval_jobs import EvalJobs
 from replay.group_filter import GroupFilter

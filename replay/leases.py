@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from asyncrl.config import Config
-from asyncrl.data.prompts import row_of_group, row_to_prompt_item
+from asyncrl.data.rows import row_of_group, row_to_prompt_item
 from asyncrl.wire.protocol import LeaseRequest, PromptItem
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer

@@ -18,7 +18,8 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Protocol
 
 from asyncrl.config import Config
-from asyncrl.data.prompts import PromptReader, Task, new_group_id, row_of_group, setup_task
+from asyncrl.data.prompts import PromptReader, Task, setup_task
+from asyncrl.data.rows import new_group_id, row_of_group
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase

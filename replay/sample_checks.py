@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from asyncrl.wire.protocol import MAX_ABS_REWARD, Trajectory, finite32, plausible_reward
+from asyncrl.wire.bounds import MAX_ABS_REWARD, finite32, plausible_reward
+from asyncrl.wire.samples import Trajectory
 
 
 class MalformedTrajectory(ValueError):

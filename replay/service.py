@@ -64,11 +64,8 @@ from asyncrl.checkpoints import REPLAY_FILE
 from asyncrl.config import Config
 from asyncrl.metrics import peak_rss_mb
 from asyncrl.wire.auth import secret_from_env
-from asyncrl.wire.codec import short_repr
 from asyncrl.wire.protocol import (
     Ack,
-    Acks,
-    BatchRequest,
     CheckpointRequest,
     DeclareDead,
     EvalPoll,
@@ -78,13 +75,13 @@ from asyncrl.wire.protocol import (
     LeaseRequest,
     Stats,
     StatsRequest,
-    Trajectories,
-    Trajectory,
     VersionUpdate,
 )
-from asyncrl.wire.router import POLL_INTERVAL_S, RouterService
+from asyncrl.wire.router import POLL_INTERVAL_S, Peer, RouterService
+from asyncrl.wire.samples import Acks, BatchRequest, Trajectories, Trajectory
 from asyncrl.wire.serve import serve_until_signal
-from replay.access import AccessRules, Peer
+from asyncrl.wire.validation import short_repr
+from replay.access import AccessRules
 from replay.checkpoint import ReplayState, read_state, write_state
 from replay.components import ReplayComponents, setup_replay_components
 from replay.counters import summarize

@@ -31,22 +31,19 @@ import zmq.asyncio
 
 from asyncrl.config import LaunchConfig
 from asyncrl.wire.auth import AuthError, RoleKey, role_epoch, server_index
-from asyncrl.wire.codec import ProtocolError
+from asyncrl.wire.bounds import MAX_TRAJECTORIES_PER_MESSAGE
 from asyncrl.wire.protocol import (
-    MAX_TRAJECTORIES_PER_MESSAGE,
     Ack,
-    Acks,
     Error,
     GroupFailed,
     Heartbeat,
     LeaseGrant,
     LeaseRequest,
     PromptItem,
-    Trajectories,
-    Trajectory,
-    packable,
 )
+from asyncrl.wire.samples import Acks, Trajectories, Trajectory, packable
 from asyncrl.wire.sockets import decode_signed, send_msg, setup_socket
+from asyncrl.wire.validation import ProtocolError
 
 log = logging.getLogger("asyncrl.rollout.replay_client")
 

@@ -37,13 +37,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from asyncrl.algorithms.advantages import ESTIMATORS
+from asyncrl.algorithms.estimators import ESTIMATORS
 from asyncrl.config import Config, RolloutConfig
 from asyncrl.metrics import JsonlWriter, peak_rss_mb
 from asyncrl.run_spec import RunSpec
 from asyncrl.trace import SpanWriter
 from asyncrl.wire.auth import sync_key_from_env
-from asyncrl.wire.protocol import PromptItem, Trajectory
+from asyncrl.wire.protocol import PromptItem
+from asyncrl.wire.samples import Trajectory
 from rollout_servers.agents.base import AgentLoop
 from rollout_servers.engine_probe import probe_engine
 from rollout_servers.engines.base import Engine, SamplingParams, SyncTarget

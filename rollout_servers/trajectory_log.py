@@ -6,7 +6,8 @@ import json
 import time
 from pathlib import Path
 
-from asyncrl.wire.protocol import PromptItem, Trajectory
+from asyncrl.wire.protocol import PromptItem
+from asyncrl.wire.samples import Trajectory
 
 
 class TrajectoryMetricsLog:

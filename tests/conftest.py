@@ -50,7 +50,8 @@ def replay_fuzz() -> Iterator[ModuleType]:
 def model_path(tmp_path_factory) -> Path:
     """The embedded tiny model (and its tokenizer) saved in a folder, once per test module; a
     module that needs another model (vLLM's head size) defines its own."""
-    from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+    from asyncrl.demo.model_cache import TinyModelSpec
+    from asyncrl.demo.tiny_model import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     path = tmp_path_factory.mktemp("tiny")

@@ -136,11 +136,11 @@ async def bench_bare_sglang(model: str, prompts, params, n: int, rounds: int, se
     from asyncrl.config import SGLangConfig
     from rollout_servers.engines.sglang import (
         engine_kwargs,
-        eos_ids,
         parse_output,
         request_params,
         setup_sglang,
     )
+    from rollout_servers.engines.vllm import eos_ids
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
     llm = setup_sglang(engine_kwargs(model, SGLangConfig(), device, seed))

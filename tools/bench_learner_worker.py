@@ -38,8 +38,9 @@ from asyncrl.config import AlgorithmConfig, LearnerConfig  # noqa: E402
 from asyncrl.dtypes import torch_dtype  # noqa: E402
 from asyncrl.metrics import peak_rss_mb  # noqa: E402
 from asyncrl.weights.group import SyncGroup  # noqa: E402
+from asyncrl.weights.layout import specs_of  # noqa: E402
 from asyncrl.weights.receiver import WeightReceiver  # noqa: E402
-from asyncrl.weights.sync import WeightBroadcaster, specs_of  # noqa: E402
+from asyncrl.weights.sync import WeightBroadcaster  # noqa: E402
 from learner.batch import TrainBatch  # noqa: E402
 from learner.forward import layout_of, policy_forward  # noqa: E402
 from learner.fsdp import (  # noqa: E402

@@ -62,7 +62,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def build_bench_model(out: Path, hidden: int, layers: int, context: int = 256) -> str:
     """A random Llama of the given size whose context holds `context` tokens."""
-    from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+    from asyncrl.demo.model_cache import TinyModelSpec
+    from asyncrl.demo.tiny_model import build_tiny_model, build_tokenizer
 
     tokenizer = build_tokenizer()
     spec = TinyModelSpec(

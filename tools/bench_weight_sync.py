@@ -39,8 +39,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from asyncrl.weights.group import SyncGroup  # noqa: E402
 from asyncrl.weights.layout import ParamSpec, plan_buckets, tensor_views  # noqa: E402
+from asyncrl.weights.packing import copy_into
 from asyncrl.weights.receiver import WeightReceiver  # noqa: E402
-from asyncrl.weights.sync import WeightBroadcaster, copy_into  # noqa: E402
+from asyncrl.weights.sync import WeightBroadcaster
 from asyncrl.weights.transports import bucket_view, slot_offsets  # noqa: E402
 from asyncrl.wire.sockets import free_port  # noqa: E402
 

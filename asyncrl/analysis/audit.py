@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.analysis.run_records import Records, read_records
-from asyncrl.data.prompts import row_of_group
+from asyncrl.data.rows import row_of_group
 
 
 def row_of(group_id: str) -> int:

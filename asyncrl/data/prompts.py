@@ -36,9 +36,6 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from asyncrl.data.rows import BadRowError, prompt_messages, validate_row
-from asyncrl.data.rows import new_group_id as new_group_id
-from asyncrl.data.rows import row_of_group as row_of_group
-from asyncrl.data.rows import row_to_prompt_item as row_to_prompt_item
 from asyncrl.registry import Registry
 
 if TYPE_CHECKING:

@@ -42,8 +42,9 @@ def cmd_launch(ns: argparse.Namespace) -> int:
     if ns.dry_run:
         sys.stdout.write(config_to_yaml(cfg, comments=True))
         return 0
+    from asyncrl.launch.fleet import LaunchError
     from asyncrl.launch.interrupt import RunInterrupted
-    from asyncrl.launch.run import LaunchError, launch
+    from asyncrl.launch.run import launch
 
     stop_on_signals()
     resumed = [] if resume is None else ["--resume", resume]
@@ -103,8 +104,9 @@ def config_from_args(args: list[str]) -> Config:
 
 
 def cmd_serve(ns: argparse.Namespace) -> int:
+    from asyncrl.launch.fleet import LaunchError
     from asyncrl.launch.restarts import watch_serving
-    from asyncrl.launch.run import LaunchError, serve
+    from asyncrl.launch.run import serve
 
     cfg = config_from_args(ns.args)
     stop_on_signals()

@@ -32,7 +32,8 @@ import pyarrow.parquet as pq
 
 from asyncrl.config import Config, ConfigError
 from asyncrl.config.reward import scored_by_the_model_alone
-from asyncrl.data.prompts import BadRowError, setup_task, validate_row
+from asyncrl.data.prompts import setup_task
+from asyncrl.data.rows import BadRowError, validate_row
 
 REQUIRED_COLUMNS = ("data_source", "prompt", "reward_model")
 """What every row needs (DESIGN.md's Data section; the other columns are optional)."""

@@ -31,7 +31,8 @@ def cmd_eval(ns: argparse.Namespace) -> int:
     checkpoint's: `asyncrl.launch.eval_weights`), else the config's model."""
     from asyncrl.evaluation import eval_prompts, load_eval_rows
     from asyncrl.launch.data_check import DataError
-    from asyncrl.launch.run import LaunchError, check_eval_data
+    from asyncrl.launch.fleet import LaunchError
+    from asyncrl.launch.run import check_eval_data
 
     _move_config_args_out_of_data(ns)
     # unguessable: a job belongs to its first sender, so another client must not take its id

@@ -30,7 +30,7 @@ from pathlib import Path
 
 from asyncrl.config import Config
 from asyncrl.launch.fleet import Fleet, print_line
-from asyncrl.launch.resume import restart_point
+from asyncrl.launch.rewind import restart_point
 from asyncrl.metrics import read_jsonl
 
 WAIT_POLL_S = 0.25

@@ -18,7 +18,7 @@ from collections.abc import Iterable
 import torch
 
 from asyncrl.config.learner import LoraConfig
-from asyncrl.weights.sync import ParamSpec
+from asyncrl.weights.layout import ParamSpec
 
 
 def adapter_targets(model: torch.nn.Module, lora: LoraConfig) -> list[str]:

@@ -29,7 +29,7 @@ from asyncrl.weights.transports import (
     read_staged_header,
     slot_offsets,
 )
-from asyncrl.wire.codec import ProtocolError
+from asyncrl.wire.validation import ProtocolError
 
 
 @dataclass

@@ -55,11 +55,8 @@ import torch.distributed as dist
 from asyncrl.weights.fanout import Fanout, K, all_ended, on_device, send
 from asyncrl.weights.group import SyncGroup
 from asyncrl.weights.layout import Bucket, ParamSpec
-from asyncrl.weights.layout import specs_of as specs_of
-from asyncrl.weights.layout import weights_checksum as weights_checksum
 from asyncrl.weights.packing import Plan, StagingBuffers, checked, copy_into, make_plan, pack
 from asyncrl.weights.probe import DeliveryProbe
-from asyncrl.weights.probe import probe_ids as probe_ids
 from asyncrl.weights.staged_slots import Slot, StagedSlots
 from asyncrl.weights.transports import CudaSlot, staged_header
 

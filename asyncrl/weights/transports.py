@@ -58,7 +58,8 @@ from asyncrl.weights.shm import (
     sweep_dead_segments,
     unlink_quietly,
 )
-from asyncrl.wire.codec import ProtocolError, check, decode, encode, message, struct
+from asyncrl.wire.codec import check, decode, encode, message, struct
+from asyncrl.wire.validation import ProtocolError
 
 ALIGN = 256
 """Byte alignment of each bucket in a slot (CUDA's, and a multiple of every element size)."""

@@ -33,23 +33,13 @@ import math
 from dataclasses import field
 from typing import Literal
 
-from asyncrl.wire.bounds import MAX_ABS_REWARD as MAX_ABS_REWARD
 from asyncrl.wire.bounds import (
     MAX_SAMPLES_PER_PROMPT,
     check_id,
     check_index,
     check_seconds,
 )
-from asyncrl.wire.bounds import MAX_TRAJECTORIES_PER_MESSAGE as MAX_TRAJECTORIES_PER_MESSAGE
-from asyncrl.wire.bounds import finite32 as finite32
-from asyncrl.wire.bounds import plausible_reward as plausible_reward
 from asyncrl.wire.codec import Float32Array, Int32Array, JsonObject, check, message, struct
-from asyncrl.wire.samples import Acks as Acks
-from asyncrl.wire.samples import Batch as Batch
-from asyncrl.wire.samples import BatchRequest as BatchRequest
-from asyncrl.wire.samples import Trajectories as Trajectories
-from asyncrl.wire.samples import Trajectory as Trajectory
-from asyncrl.wire.samples import packable as packable
 
 
 @struct

@@ -23,8 +23,6 @@ from asyncrl.wire.auth import RoleKey
 from asyncrl.wire.codec import BYTES_PER_NODE, count_nodes, encode
 from asyncrl.wire.protocol import (
     Ack,
-    Batch,
-    BatchRequest,
     CheckpointRequest,
     DeclareDead,
     Error,
@@ -37,6 +35,7 @@ from asyncrl.wire.protocol import (
     StatsRequest,
     VersionUpdate,
 )
+from asyncrl.wire.samples import Batch, BatchRequest
 from asyncrl.wire.sockets import decode_signed, send_msg, setup_socket
 
 EVAL_PART_BYTES = 120 * 1024

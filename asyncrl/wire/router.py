@@ -41,9 +41,10 @@ from typing import Any, Protocol
 import zmq
 
 from asyncrl.wire.auth import AuthError, RoleKey, role_kind
-from asyncrl.wire.codec import ProtocolError, encode
+from asyncrl.wire.codec import encode
 from asyncrl.wire.protocol import Error
 from asyncrl.wire.sockets import decode_frames, send_msg, setup_socket
+from asyncrl.wire.validation import ProtocolError
 
 OUTCOMES = (
     "handled",

@@ -18,8 +18,9 @@ from typing import Any, TypeVar
 import zmq
 
 from asyncrl.wire.auth import AuthError, RoleKey
-from asyncrl.wire.codec import BYTES_PER_NODE, ProtocolError, decode, encode
+from asyncrl.wire.codec import BYTES_PER_NODE, decode, encode
 from asyncrl.wire.protocol import Error
+from asyncrl.wire.validation import ProtocolError
 
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 

@@ -46,7 +46,8 @@ from asyncrl.config.rollout import OpenAIConfig
 from asyncrl.registry import import_object
 from asyncrl.wire.protocol import PromptItem
 from rollout_servers.agents.base import AgentResult
-from rollout_servers.agents.openai_endpoint import Completion, Episode, OpenAIEndpoint
+from rollout_servers.agents.openai_continuation import Completion
+from rollout_servers.agents.openai_endpoint import Episode, OpenAIEndpoint
 from rollout_servers.agents.openai_protocol import RequestError, message_key, parse_chat_request
 from rollout_servers.engines.base import Engine, SamplingParams
 
@@ -254,7 +255,7 @@ class OpenAIAgentLoop:
     def _empty(
         self, prompt: PromptItem, reward: float | None, metrics: dict[str, float]
     ) -> AgentResult:
-        from rollout_servers.agents.tool_agent import render_ids
+        from rollout_servers.agents.turn_renderer import render_ids
 
         messages = [{"role": m.role, "content": m.content} for m in prompt.messages]
         end = int(self.tokenizer.eos_token_id)

@@ -28,10 +28,10 @@ from transformers import PreTrainedModel
 
 from asyncrl.config.learner import LoraConfig
 from asyncrl.weights.group import join_sync_group
+from asyncrl.weights.layout import specs_of, weights_checksum
 from asyncrl.weights.lora import AdapterMerger, adapter_specs
 from asyncrl.weights.probe import DeliveryProbe
 from asyncrl.weights.receiver import WeightReceiver
-from asyncrl.weights.sync import specs_of, weights_checksum
 from rollout_servers.engines.base import (
     AppliedVersion,
     DeliveryError,

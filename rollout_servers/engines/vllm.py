@@ -53,9 +53,9 @@ from asyncrl.config import VLLMConfig
 from asyncrl.config.learner import LoraConfig
 from asyncrl.dtypes import torch_dtype
 from asyncrl.placement import OWN_GPU_FRACTION
+from asyncrl.weights.layout import ParamSpec, specs_of
 from asyncrl.weights.lora import adapter_specs, adapter_targets
 from asyncrl.weights.probe import DeliveryProbe
-from asyncrl.weights.sync import ParamSpec, specs_of
 from asyncrl.wire.sockets import decode_frames
 from rollout_servers.engines.base import (
     AppliedVersion,

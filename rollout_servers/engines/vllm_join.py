@@ -20,8 +20,9 @@ import dataclasses
 import torch
 
 from asyncrl.dtypes import torch_dtype
-from asyncrl.weights.sync import ParamSpec
-from asyncrl.wire.codec import ProtocolError, check, decode, encode, message, struct
+from asyncrl.weights.layout import ParamSpec
+from asyncrl.wire.codec import check, decode, encode, message, struct
+from asyncrl.wire.validation import ProtocolError
 from rollout_servers.engines.base import SyncTarget
 
 

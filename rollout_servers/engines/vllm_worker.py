@@ -35,15 +35,11 @@ from typing import Any
 import torch
 import zmq
 
+from asyncrl.dtypes import torch_dtype
 from asyncrl.weights.group import join_sync_group
 from asyncrl.weights.receiver import ReceivedVersion, WeightReceiver
 from asyncrl.wire.sockets import send_msg
-from rollout_servers.engines.vllm_join import (
-    JoinWeightSync,
-    param_specs,
-    torch_dtype,
-    unpack_join,
-)
+from rollout_servers.engines.vllm_join import JoinWeightSync, param_specs, unpack_join
 from rollout_servers.engines.vllm_lora import MergedVersions
 from rollout_servers.engines.vllm_notices import (
     WeightReceiverClosed,

@@ -32,10 +32,10 @@ import zmq
 import zmq.asyncio
 
 from asyncrl.wire.auth import AuthError, RoleKey
-from asyncrl.wire.codec import ProtocolError
 from asyncrl.wire.protocol import Error
 from asyncrl.wire.reward_protocol import MAX_SCORE_ITEMS, ScoreItem, ScoreRequest, Scores
 from asyncrl.wire.sockets import decode_signed, send_msg, setup_socket
+from asyncrl.wire.validation import ProtocolError
 
 log = logging.getLogger("asyncrl.rollout.reward_model")
 

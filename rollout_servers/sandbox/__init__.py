@@ -41,7 +41,8 @@ Invariants:
    and keyrings (per uid, not per namespace) denied by the seccomp filter.
 """
 
-from rollout_servers.sandbox.config import Backend, SandboxConfig, SandboxResult
+from asyncrl.config.sandbox import Backend, SandboxConfig
+from rollout_servers.sandbox.config import SandboxResult
 from rollout_servers.sandbox.runner import Sandbox
 from rollout_servers.sandbox.shared import SharedSandbox
 

@@ -20,8 +20,9 @@ import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from asyncrl.config.sandbox import SandboxConfig
 from rollout_servers.sandbox.cgroup import RunCgroup
-from rollout_servers.sandbox.config import _MIB, _PRIVATE_TMP, _TOKEN_VAR, SandboxConfig, _Plan
+from rollout_servers.sandbox.config import _MIB, _PRIVATE_TMP, _TOKEN_VAR, _Plan
 from rollout_servers.sandbox.host import (
     _bwrap_prefix,
     _hidden_dirs,

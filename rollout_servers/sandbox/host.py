@@ -17,13 +17,13 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 
+from asyncrl.config.sandbox import SandboxConfig
 from rollout_servers.sandbox.config import (
     _ETC_FILES,
     _MIB,
     _TOP_DIRS,
     _UID_LOCK_DIR,
     _UID_RANGE,
-    SandboxConfig,
     _Plan,
 )
 

@@ -16,9 +16,10 @@ import secrets
 import signal
 import time
 
+from asyncrl.config.sandbox import SandboxConfig
 from rollout_servers.sandbox.backends import _choose_plan, _kill_stragglers, _launch, _Run
 from rollout_servers.sandbox.cgroup import CgroupRoot
-from rollout_servers.sandbox.config import _MIB, _REAP_GRACE_S, SandboxConfig, SandboxResult
+from rollout_servers.sandbox.config import _MIB, _REAP_GRACE_S, SandboxResult
 from rollout_servers.sandbox.host import (
     _children,
     _claim_uids,

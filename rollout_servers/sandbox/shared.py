@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from rollout_servers.sandbox.config import SandboxConfig
+from asyncrl.config.sandbox import SandboxConfig
 from rollout_servers.sandbox.runner import Sandbox
 
 

@@ -29,11 +29,13 @@ from asyncrl.config import load_config
 from asyncrl.config.learner import LearnerConfig, LoraConfig
 from asyncrl.data.gsm8k import gsm8k_row
 from asyncrl.data.prompts import render_prompt_ids
-from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+from asyncrl.demo.model_cache import TinyModelSpec
+from asyncrl.demo.tiny_model import build_tiny_model, build_tokenizer
 from asyncrl.launch.run import launch
 from asyncrl.metrics import read_jsonl
 from asyncrl.weights.group import SyncGroup
-from asyncrl.weights.sync import WeightBroadcaster, specs_of
+from asyncrl.weights.layout import specs_of
+from asyncrl.weights.sync import WeightBroadcaster
 from asyncrl.wire.sockets import free_port
 from learner.delivery import delivery_probe
 from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters

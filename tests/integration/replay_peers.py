@@ -14,7 +14,8 @@ import zmq
 from asyncrl.config import Config
 from asyncrl.wire.auth import Keyring, role_key
 from asyncrl.wire.codec import decode, encode
-from asyncrl.wire.protocol import LeaseRequest, Trajectories, Trajectory
+from asyncrl.wire.protocol import LeaseRequest
+from asyncrl.wire.samples import Trajectories, Trajectory
 from asyncrl.wire.sockets import decode_signed, free_port, tcp_address
 from replay.service import setup_replay_service
 

@@ -21,8 +21,8 @@ import torch
 
 import asyncrl.weights.receiver as weight_receiver
 from asyncrl.weights.group import join_sync_group
+from asyncrl.weights.layout import ParamSpec, weights_checksum
 from asyncrl.weights.receiver import WeightReceiver
-from asyncrl.weights.sync import ParamSpec, weights_checksum
 from asyncrl.wire.auth import role_key, server_role, sync_key
 
 SPECS = [

@@ -19,7 +19,9 @@ import pytest
 from code_problems import PROBLEMS  # tests/integration/ is on sys.path (pytest rootdir mode)
 
 from rollout_servers.rewards.code.formats import ProgramTests
-from rollout_servers.rewards.code.reward import extract_code, judge, plan_checks
+from rollout_servers.rewards.code.judge import judge
+from rollout_servers.rewards.code.plan import plan_checks
+from rollout_servers.rewards.code.reward import extract_code
 from rollout_servers.rewards.computer import RewardComputer
 from rollout_servers.sandbox import SandboxConfig, SharedSandbox
 

@@ -11,15 +11,8 @@ from replay_peers import ask, dealer, recv, running_replay, send
 from replay_peers import trajectory as _traj
 
 from asyncrl.config import Config
-from asyncrl.wire.protocol import (
-    Ack,
-    Batch,
-    BatchRequest,
-    LeaseGrant,
-    LeaseRequest,
-    PromptItem,
-    VersionUpdate,
-)
+from asyncrl.wire.protocol import Ack, LeaseGrant, LeaseRequest, PromptItem, VersionUpdate
+from asyncrl.wire.samples import Batch, BatchRequest
 
 pytestmark = pytest.mark.integration
 

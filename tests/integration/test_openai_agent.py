@@ -16,7 +16,7 @@ from asyncrl.run_spec import RunSpec
 from asyncrl.wire.protocol import ChatMessage, PromptItem
 from rollout_servers.agents.base import AgentResult
 from rollout_servers.agents.openai_agent import OpenAIAgentLoop
-from rollout_servers.agents.tool_agent import render_ids
+from rollout_servers.agents.turn_renderer import render_ids
 from rollout_servers.engines.base import SamplingParams
 from rollout_servers.server import RolloutServer
 

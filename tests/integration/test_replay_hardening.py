@@ -17,8 +17,6 @@ from asyncrl.wire.auth import role_key
 from asyncrl.wire.codec import decode, encode
 from asyncrl.wire.protocol import (
     Ack,
-    Batch,
-    BatchRequest,
     ChatMessage,
     CheckpointRequest,
     DeclareDead,
@@ -35,6 +33,7 @@ from asyncrl.wire.protocol import (
     VersionUpdate,
 )
 from asyncrl.wire.router import accounted
+from asyncrl.wire.samples import Batch, BatchRequest
 from asyncrl.wire.sockets import free_port, tcp_address
 from replay.eval_jobs import MAX_OPEN_JOBS
 from replay.service import setup_replay_service

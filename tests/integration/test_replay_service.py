@@ -22,9 +22,6 @@ from asyncrl.config import Config
 from asyncrl.wire.codec import encode
 from asyncrl.wire.protocol import (
     Ack,
-    Acks,
-    Batch,
-    BatchRequest,
     CheckpointRequest,
     Error,
     LeaseGrant,
@@ -32,10 +29,9 @@ from asyncrl.wire.protocol import (
     PromptItem,
     Stats,
     StatsRequest,
-    Trajectories,
-    Trajectory,
     VersionUpdate,
 )
+from asyncrl.wire.samples import Acks, Batch, BatchRequest, Trajectories, Trajectory
 from asyncrl.wire.sockets import free_port, tcp_address
 from replay.checkpoint import read_state
 from replay.counters import COUNTERS

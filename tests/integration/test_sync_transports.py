@@ -23,8 +23,8 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.config.learner import LearnerConfig, LoraConfig
 from asyncrl.metrics import JsonlWriter, read_jsonl
+from asyncrl.weights.layout import specs_of
 from asyncrl.weights.shm import SHM_DIR
-from asyncrl.weights.sync import specs_of
 from asyncrl.wire.sockets import free_port
 from learner.delivery import delivery_probe
 from learner.lora import adapter_sync_specs, adapter_tensors, add_adapters

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from asyncrl.wire.protocol import Trajectory
+from asyncrl.wire.samples import Trajectory
 
 
 def one_token_trajectory(

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 
 from asyncrl.config import Config
-from asyncrl.wire.protocol import ChatMessage, LeaseRequest, PromptItem, Trajectory
+from asyncrl.wire.protocol import ChatMessage, LeaseRequest, PromptItem
+from asyncrl.wire.samples import Trajectory
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer
 from replay.eval_jobs import EvalJobs

@@ -4,7 +4,8 @@ import random
 import numpy as np
 import pytest
 
-from asyncrl.wire.protocol import ChatMessage, PromptItem, Trajectory
+from asyncrl.wire.protocol import ChatMessage, PromptItem
+from asyncrl.wire.samples import Trajectory
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer, sample_version, to_batch
 from replay.sample_checks import MalformedTrajectory

@@ -5,15 +5,8 @@ import numpy as np
 import pytest
 
 from asyncrl.wire.codec import WIRE_VERSION, decode, encode
-from asyncrl.wire.protocol import (
-    Batch,
-    ChatMessage,
-    LeaseGrant,
-    PromptItem,
-    Stats,
-    Trajectories,
-    Trajectory,
-)
+from asyncrl.wire.protocol import ChatMessage, LeaseGrant, PromptItem, Stats
+from asyncrl.wire.samples import Batch, Trajectories, Trajectory
 from asyncrl.wire.validation import MAX_JSON_DEPTH, ProtocolError
 from replay.buffer import to_batch
 

@@ -12,13 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from asyncrl.data.gsm8k import GSM8K_INSTRUCTION, GSM8K_SOURCE, gsm8k_final_answer, prepare_gsm8k
-from asyncrl.data.prompts import (
-    BadRowError,
-    PromptReader,
-    PromptTooLongError,
-    inspect_parquet,
-    write_rows,
-)
+from asyncrl.data.prompts import PromptReader, PromptTooLongError, inspect_parquet, write_rows
+from asyncrl.data.rows import BadRowError
 from rollout_servers.rewards.functions import gsm8k_reward_fn
 
 GSM8K_DIR = Path(os.environ.get("ASYNCRL_GSM8K_DIR", "/work/shared/data/gsm8k"))

@@ -11,7 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+from asyncrl.demo.model_cache import TinyModelSpec
+from asyncrl.demo.tiny_model import build_tiny_model, build_tokenizer
 from rollout_servers.engines.base import GenerationOutput, SamplingParams
 from rollout_servers.engines.hf import HFEngine
 

@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from asyncrl.algorithms.advantages import ESTIMATORS, AdvantageInputs, compute_advantages, estimator
+from asyncrl.algorithms.advantages import AdvantageInputs, compute_advantages
+from asyncrl.algorithms.estimators import ESTIMATORS, estimator
 from asyncrl.config import ConfigError, load_config
 from asyncrl.run_spec import RunSpec
 from asyncrl.wire.protocol import ChatMessage, PromptItem

@@ -12,8 +12,9 @@ import pytest
 from asyncrl.config import Config
 from asyncrl.wire.auth import MAX_AUTH_FRAME
 from asyncrl.wire.codec import decode, encode
-from asyncrl.wire.protocol import ChatMessage, PromptItem, Trajectory
+from asyncrl.wire.protocol import ChatMessage, PromptItem
 from asyncrl.wire.replay_client import EVAL_PART_BYTES, eval_parts
+from asyncrl.wire.samples import Trajectory
 from replay.eval_jobs import EvalForbidden, EvalJobs, EvalQuotaExceeded, job_charge, json_nodes
 
 

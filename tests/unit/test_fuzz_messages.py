@@ -82,7 +82,7 @@ def test_no_checkpoint_is_sent_that_would_write_outside_the_scratch_directory(
 
 
 def test_accounting_adds_up(replay_fuzz):
-    from replay.counters import OUTCOMES
+    from asyncrl.wire.router import OUTCOMES
 
     check = replay_fuzz.check_accounting
     counters = dict.fromkeys(OUTCOMES, 0.0) | {"handled": 6.0, "rejected_malformed": 3.0}

@@ -16,7 +16,8 @@ import pytest
 
 from asyncrl.config import Config, load_config
 from asyncrl.run_spec import RunSpec
-from asyncrl.wire.protocol import ChatMessage, LeaseRequest, PromptItem, Trajectory
+from asyncrl.wire.protocol import ChatMessage, LeaseRequest, PromptItem
+from asyncrl.wire.samples import Trajectory
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer
 from replay.eval_jobs import EvalJobs

@@ -12,9 +12,10 @@ import pytest
 from fake_trajectories import one_token_trajectory
 
 from asyncrl.config import Config
-from asyncrl.wire.protocol import Batch, BatchRequest, LeaseRequest, PromptItem
+from asyncrl.wire.protocol import LeaseRequest, PromptItem
+from asyncrl.wire.router import Peer
+from asyncrl.wire.samples import Batch, BatchRequest
 from learner.leader import zero_variance_groups
-from replay.access import Peer
 from replay.service import ReplayService, setup_replay_service
 
 SECRET = bytes(32)

@@ -15,7 +15,8 @@ from fake_fleets import Clock, FakeFleet, FakeMember, restart_records
 from asyncrl.config import Config
 from asyncrl.launch.fleet import LaunchError, raise_on_failure
 from asyncrl.launch.restarts import ServerRestarts
-from asyncrl.wire.protocol import LeaseRequest, ServerHealth, Trajectory
+from asyncrl.wire.protocol import LeaseRequest, ServerHealth
+from asyncrl.wire.samples import Trajectory
 from replay.admission import AdmissionController
 from replay.buffer import GroupBuffer
 from replay.eval_jobs import EvalJobs
@@ -99,8 +100,9 @@ def test_the_replay_refreshes_a_server_on_its_lease_requests_and_samples(monkeyp
     samples keep coming is not declared dead; once everything stops, it is."""
     import replay.service
     from asyncrl.wire.auth import new_secret
-    from asyncrl.wire.protocol import Heartbeat, Trajectories
-    from replay.access import Peer
+    from asyncrl.wire.protocol import Heartbeat
+    from asyncrl.wire.router import Peer
+    from asyncrl.wire.samples import Trajectories
 
     clock = FakeTime()
     monkeypatch.setattr(replay.service, "time", clock)

@@ -11,15 +11,9 @@ import pytest
 from fake_trajectories import one_token_trajectory
 
 from asyncrl.config import Config
-from asyncrl.wire.protocol import (
-    Batch,
-    BatchRequest,
-    Heartbeat,
-    LeaseGrant,
-    LeaseRequest,
-    PromptItem,
-)
-from replay.access import Peer
+from asyncrl.wire.protocol import Heartbeat, LeaseGrant, LeaseRequest, PromptItem
+from asyncrl.wire.router import Peer
+from asyncrl.wire.samples import Batch, BatchRequest
 from replay.components import ReplayComponents, setup_replay_components
 from replay.held import UNBLOCKING_EVENTS, Changes, HeldBatches, HeldLeases
 

@@ -18,7 +18,8 @@ from transformers import AutoModelForCausalLM
 from asyncrl.config import ConfigError, load_config
 from asyncrl.config.learner import LearnerConfig
 from asyncrl.weights.group import SyncGroup
-from asyncrl.weights.sync import WeightBroadcaster, specs_of
+from asyncrl.weights.layout import specs_of
+from asyncrl.weights.sync import WeightBroadcaster
 from asyncrl.wire.sockets import free_port
 from learner.delivery import delivery_probe
 from rollout_servers.engines.base import (

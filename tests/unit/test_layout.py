@@ -19,10 +19,12 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ("asyncrl", "rollout_servers", "replay", "learner", "reward_models")
 FLEETS = ("rollout_servers", "replay", "learner", "reward_models")
-MAX_FILE_LINES = 450
+MAX_FILE_LINES = 400
 """For the five packages; tools/ and tests/ may reach `MAX_SCRIPT_LINES`."""
 MAX_SCRIPT_LINES = 500
-MAX_FUNCTION_LINES = 80
+MAX_SCRIPT_FUNCTION_LINES = 80
+"""tools/ and tests/ functions (a benchmark's main may read as one list of steps)."""
+MAX_FUNCTION_LINES = 60
 
 
 def _module_name(path: Path) -> str:
@@ -217,12 +219,12 @@ def test_import_graph_sees_every_kind_of_import(tmp_path):
     }
 
 
-def _long_functions(path: Path) -> list[str]:
+def _long_functions(path: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
     out = []
     for node in ast.walk(ast.parse(path.read_text())):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
             length = node.end_lineno - node.lineno + 1  # type: ignore[operator]
-            if length > MAX_FUNCTION_LINES:
+            if length > limit:
                 out.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} ({length} lines)")
     return out
 
@@ -237,7 +239,8 @@ def test_files_and_functions_stay_readable(top):
         if (n := len(p.read_text().splitlines())) > limit
     ]
     assert long_files == []
-    assert [f for p in files for f in _long_functions(p)] == []
+    function_limit = MAX_FUNCTION_LINES if top in PACKAGES else MAX_SCRIPT_FUNCTION_LINES
+    assert [f for p in files for f in _long_functions(p, function_limit)] == []
 
 
 def test_importing_the_package_or_a_core_module_does_not_load_the_launch_layer():
@@ -248,3 +251,72 @@ def test_importing_the_package_or_a_core_module_does_not_load_the_launch_layer()
         "assert callable(asyncrl.run)"
     )
     subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)
+
+
+FACADES = {"asyncrl", "asyncrl.config", "rollout_servers.sandbox"}
+"""Packages whose `__init__` is their public face: `asyncrl.run`, `asyncrl.config.Config` with
+its sections, `rollout_servers.sandbox.Sandbox`. Every other name is imported from its home."""
+
+
+def _top_level(tree: ast.Module) -> tuple[set[str], dict[str, tuple[str, str]]]:
+    """(names a module defines, names it imports: alias -> (module, name))."""
+    defined: set[str] = set()
+    imported: dict[str, tuple[str, str]] = {}
+    for stmt in tree.body:
+        for node in ast.walk(stmt) if isinstance(stmt, (ast.If, ast.Try)) else [stmt]:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                defined.add(node.name)
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                defined |= {n.id for t in targets for n in ast.walk(t) if isinstance(n, ast.Name)}
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for alias in node.names:
+                    imported[alias.asname or alias.name] = (node.module, alias.name)
+    return defined, imported
+
+
+def reexports(sources: dict[str, str], importers: dict[str, str]) -> list[str]:
+    """`from m import x` in `importers` (name -> source text) where project module m (in
+    `sources`) does not define x but imports it from elsewhere: a re-export kept for an old
+    import path. Package facades (`FACADES`) are exempt."""
+    tops = {name: _top_level(ast.parse(text)) for name, text in sources.items()}
+    found = []
+    for where, text in sorted(importers.items()):
+        for node in ast.walk(ast.parse(text)):
+            if not (isinstance(node, ast.ImportFrom) and node.module in tops and node.level == 0):
+                continue
+            if node.module in FACADES:
+                continue
+            defined, imported = tops[node.module]
+            for alias in node.names:
+                home = imported.get(alias.name)
+                if home and alias.name not in defined and f"{node.module}.{alias.name}" not in tops:
+                    found.append(
+                        f"{where}:{node.lineno} imports {alias.name} from {node.module}, "
+                        f"which has it from {home[0]}"
+                    )
+    return found
+
+
+def test_every_name_is_imported_from_its_home_module():
+    """Issue 41: no compatibility re-exports. A split module's names are imported from where
+    they now live, so the old module cannot keep a second path to them."""
+    sources = {name: path.read_text() for name, path in _sources().items()}
+    files = [p for top in [*PACKAGES, "tools", "tests"] for p in sorted((ROOT / top).rglob("*.py"))]
+    importers = {str(p.relative_to(ROOT)): p.read_text() for p in files}
+    assert reexports(sources, importers) == []
+
+
+def test_the_reexport_rule_catches_an_old_path():
+    sources = {
+        "pkg.new": "def moved(): ...\n",
+        "pkg.old": "from pkg.new import moved\n\ndef kept(): ...\n",
+        "asyncrl.config": "from pkg.new import moved\n",
+    }
+    importers = {
+        "a.py": "from pkg.old import moved, kept\n",
+        "b.py": "from pkg.new import moved\nfrom asyncrl.config import moved\n",
+    }
+    assert reexports(sources, importers) == [
+        "a.py:1 imports moved from pkg.old, which has it from pkg.new"
+    ]

@@ -16,7 +16,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from asyncrl.config import load_config
 from asyncrl.run_spec import RunSpec
-from asyncrl.wire.protocol import Batch
+from asyncrl.wire.samples import Batch
 from learner.coordinator import Coordinator, Follower, StepOutcome, Weights
 from learner.leader import step_record
 from learner.trainer import Learner

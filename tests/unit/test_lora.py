@@ -14,8 +14,9 @@ from transformers import AutoModelForCausalLM
 
 from asyncrl.config.learner import LearnerConfig, LoraConfig
 from asyncrl.weights.group import SyncGroup
+from asyncrl.weights.layout import specs_of
 from asyncrl.weights.lora import adapter_specs
-from asyncrl.weights.sync import WeightBroadcaster, specs_of
+from asyncrl.weights.sync import WeightBroadcaster
 from asyncrl.wire.sockets import free_port
 from learner.delivery import delivery_probe, wants_probe
 from learner.lora import (

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+from asyncrl.demo.model_cache import TinyModelSpec
+from asyncrl.demo.tiny_model import build_tiny_model, build_tokenizer
 from learner.corrections import decoupled_ppo_token_loss, importance_weights, rejection_mask
 
 PROMPT = [5, 6, 7, 8]

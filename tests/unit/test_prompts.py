@@ -10,7 +10,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from asyncrl.config import load_config
-from asyncrl.data.prompts import row_to_prompt_item
+from asyncrl.data.rows import row_to_prompt_item
 from replay.prompts import (
     ParquetPromptSource,
     TaskPromptSource,

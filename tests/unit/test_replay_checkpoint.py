@@ -25,7 +25,8 @@ from asyncrl.checkpoints import (
     partial_dir,
 )
 from asyncrl.config import Config, load_config
-from asyncrl.wire.protocol import LeaseRequest, PromptItem, Trajectory
+from asyncrl.wire.protocol import LeaseRequest, PromptItem
+from asyncrl.wire.samples import Trajectory
 from learner.checkpoint import load_checkpoint, save_checkpoint
 from replay.access import AccessRules
 from replay.admission import AdmissionController

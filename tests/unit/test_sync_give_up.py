@@ -35,7 +35,7 @@ def test_the_learner_declares_only_the_epoch_alive_dead():
 
 def test_the_replay_takes_back_the_leases_of_a_server_the_learner_declares_dead():
     from asyncrl.wire.auth import new_secret
-    from replay.access import Peer
+    from asyncrl.wire.router import Peer
     from replay.service import setup_replay_service
 
     cfg = Config.model_validate(

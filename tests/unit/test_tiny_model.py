@@ -11,14 +11,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from asyncrl.data.prompts import render_prompt_ids
+from asyncrl.demo.model_cache import TinyModelSpec
 from asyncrl.demo.tasks import ArithmeticTask
 from asyncrl.demo.tiny_model import (
     ROLE_TOKENS,
-    TinyModelSpec,
     build_tiny_model,
     build_tokenizer,
     prepare_embedded_model,
-    render_prompt_ids,
     warm_start,
 )
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from asyncrl.wire.protocol import Batch
+from asyncrl.wire.samples import Batch
 from learner.batch import from_message
 
 PAD = 7

@@ -14,10 +14,12 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from asyncrl.config.learner import LoraConfig
-from asyncrl.demo.tiny_model import TinyModelSpec, build_tiny_model, build_tokenizer
+from asyncrl.demo.model_cache import TinyModelSpec
+from asyncrl.demo.tiny_model import build_tiny_model, build_tokenizer
+from asyncrl.weights.layout import ParamSpec, specs_of
 from asyncrl.weights.lora import adapter_specs, adapter_targets
-from asyncrl.weights.sync import ParamSpec, specs_of
-from asyncrl.wire.codec import ProtocolError, encode
+from asyncrl.wire.codec import encode
+from asyncrl.wire.validation import ProtocolError
 from rollout_servers.engines.base import SyncTarget
 from rollout_servers.engines.vllm_join import (
     JoinWeightSync,

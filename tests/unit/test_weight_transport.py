@@ -27,7 +27,7 @@ from asyncrl.weights.transports import (
     slot_offsets,
     unpack_message,
 )
-from asyncrl.wire.codec import ProtocolError
+from asyncrl.wire.validation import ProtocolError
 
 GB = 2**30
 

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from asyncrl.wire import protocol as P
+from asyncrl.wire import samples as S
 from asyncrl.wire.codec import decode, encode, registered_types
 
 from .examples import Context, valid_message
@@ -35,9 +36,9 @@ FAMILIES = {"valid": 8, "bytes": 14, "frames": 8, "header": 36, "arrays": 14, "s
 """Mutation family -> weight."""
 ACCEPTED = [
     P.LeaseRequest,
-    P.Trajectory,
-    P.Trajectories,
-    P.BatchRequest,
+    S.Trajectory,
+    S.Trajectories,
+    S.BatchRequest,
     P.VersionUpdate,
     P.StatsRequest,
     P.Heartbeat,

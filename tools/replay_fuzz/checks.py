@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 
 from asyncrl.wire import protocol as P
-from asyncrl.wire.router import accounted
-from replay.counters import OUTCOMES
+from asyncrl.wire import samples as S
+from asyncrl.wire.router import OUTCOMES, accounted
 
 
 def check_accounting(counters: dict[str, float], sent: int) -> list[str]:
@@ -53,8 +53,8 @@ def round_trip(ask, batch_groups: int, capacity_groups: int, server_id: int) -> 
         if served and not pending:
             return "ok"
         if len(pending) >= batch_groups:
-            batch = ask(P.BatchRequest(1000 + k, learner_version=version, num_groups=batch_groups))
-            if not isinstance(batch, P.Batch):
+            batch = ask(S.BatchRequest(1000 + k, learner_version=version, num_groups=batch_groups))
+            if not isinstance(batch, S.Batch):
                 return f"batch request {k}: answered {batch!r:.200}"
             served += len(pending & set(batch.group_ids))
             pending -= set(batch.group_ids)
@@ -75,9 +75,9 @@ def round_trip(ask, batch_groups: int, capacity_groups: int, server_id: int) -> 
     return f"{served} groups back in batches, {len(pending)} not, after 500 requests"
 
 
-def _sample(group_id: str, index: int, version: int, server: int) -> P.Trajectory:
+def _sample(group_id: str, index: int, version: int, server: int) -> S.Trajectory:
     r = 4
-    return P.Trajectory(
+    return S.Trajectory(
         traj_id=f"round-trip/{group_id}/{index}",
         attempt=0,
         group_id=group_id,

@@ -28,6 +28,7 @@ from typing import Annotated, Any, Literal, get_args, get_origin, get_type_hints
 import numpy as np
 
 from asyncrl.wire import protocol as P
+from asyncrl.wire import samples as S
 from asyncrl.wire.validation import ProtocolError
 from replay.buffer import to_batch
 
@@ -221,7 +222,7 @@ def prompt_item(rng: random.Random, group_id: str, n: int, eval_job: str = "") -
 
 def trajectory(
     rng: random.Random, ctx: Context, group: tuple[str, int] | None = None, **override: Any
-) -> P.Trajectory:
+) -> S.Trajectory:
     """A trainable sample of `group` (id, sample index), else of a group leased to the fuzzer,
     else of an unknown group (answered `late`); `override` replaces fields."""
     picked = ctx.pick_group(rng) if group is None else (group[0], 0, group[1])
@@ -245,13 +246,13 @@ def trajectory(
         metrics={f"m{i}": rng.random() for i in range(rng.randint(0, 3))},
     )
     fields.update(override)
-    return P.Trajectory(**fields)
+    return S.Trajectory(**fields)
 
 
-def trajectories(rng: random.Random, ctx: Context) -> P.Trajectories:
+def trajectories(rng: random.Random, ctx: Context) -> S.Trajectories:
     """One to four samples of one server in one message (as a server sends a turn's samples)."""
     server = rng.randrange(ctx.servers - 1)
-    return P.Trajectories.pack(
+    return S.Trajectories.pack(
         [trajectory(rng, ctx, server_id=server) for _ in range(rng.randint(1, 4))]
     )
 
@@ -300,9 +301,9 @@ def _group_failed(rng: random.Random, ctx: Context, case: str) -> Any:
 
 BUILDERS: dict[type, Callable[[random.Random, Context, str], Any]] = {
     P.LeaseRequest: _lease_request,
-    P.Trajectory: lambda rng, ctx, case: trajectory(rng, ctx),
-    P.Trajectories: lambda rng, ctx, case: trajectories(rng, ctx),
-    P.BatchRequest: lambda rng, ctx, case: P.BatchRequest(
+    S.Trajectory: lambda rng, ctx, case: trajectory(rng, ctx),
+    S.Trajectories: lambda rng, ctx, case: trajectories(rng, ctx),
+    S.BatchRequest: lambda rng, ctx, case: S.BatchRequest(
         _request_id(rng), ctx.version, rng.randint(1, ctx.batch_groups)
     ),
     P.VersionUpdate: _version_update,
@@ -314,8 +315,8 @@ BUILDERS: dict[type, Callable[[random.Random, Context, str], Any]] = {
         _request_id(rng), str(ctx.run_dir / f"replay-{rng.randrange(4)}.json"), ctx.version
     ),
     # answers, which the replay must refuse: consistent lengths, as their senders make them
-    P.Batch: lambda rng, ctx, case: to_batch(_request_id(rng), [], 0),
-    P.Acks: lambda rng, ctx, case: P.Acks(["a", "b"], ["accepted", "late"]),
+    S.Batch: lambda rng, ctx, case: to_batch(_request_id(rng), [], 0),
+    S.Acks: lambda rng, ctx, case: S.Acks(["a", "b"], ["accepted", "late"]),
     P.EvalResults: _eval_results,
 }
 """The replay's requests and the answers whose fields must agree; `case` names the case

@@ -24,6 +24,7 @@ import msgpack
 import numpy as np
 
 from asyncrl.wire import protocol as P
+from asyncrl.wire import samples as S
 from asyncrl.wire.codec import encode
 
 from .examples import Context, eval_submit, prompt_item, trajectory
@@ -188,9 +189,9 @@ def hostile_request(rng: random.Random, ctx: Context, case: str) -> Case:
             uptime_s=floats[2],
         )
     elif kind == "num_groups":
-        msg = P.BatchRequest(rid, ctx.version, rng.choice([*HUGE, 0, ctx.capacity_groups + 1]))
+        msg = S.BatchRequest(rid, ctx.version, rng.choice([*HUGE, 0, ctx.capacity_groups + 1]))
     elif kind == "learner":
-        msg = P.BatchRequest(rid, value, ctx.batch_groups)
+        msg = S.BatchRequest(rid, value, ctx.batch_groups)
     else:  # a version far ahead (or behind), then the fuzzer's own version again
         back = P.VersionUpdate(rid + 1, ctx.version)
         return [P.VersionUpdate(rid, value), back], f"version {value}, then back"
@@ -206,7 +207,7 @@ def valid_work(rng: random.Random, ctx: Context, case: str) -> Case:
         msgs += [trajectory(rng, ctx, (group_id, i)) for i in range(index, n)]
         ctx.groups.pop(group_id, None)
     msgs.append(P.LeaseRequest(rng.randrange(1 << 20), 0, ctx.version, ctx.batch_groups))
-    msgs.append(P.BatchRequest(rng.randrange(1 << 20), ctx.version, ctx.batch_groups))
+    msgs.append(S.BatchRequest(rng.randrange(1 << 20), ctx.version, ctx.batch_groups))
     return msgs, f"valid work ({len(msgs)} messages)"
 
 

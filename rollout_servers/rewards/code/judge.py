@@ -31,7 +31,8 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from rollout_servers.rewards.code.plan import JUDGE_BUILTINS, JUDGE_MODULES, CodeChecks
+from rollout_servers.rewards.code.plan import CodeChecks
+from rollout_servers.rewards.code.scope import JUDGE_BUILTINS, JUDGE_MODULES
 from rollout_servers.rewards.code.values import unplain
 
 _PASS, _FAIL, _TRUNCATED, _LIMIT = b"1", b"0", b"T", b"M"
