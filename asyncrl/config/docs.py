@@ -29,6 +29,7 @@ class KeyDoc:
     default: Any  # as YAML would write it
     bound: str  # ">= 0, <= 1" or ""
     doc: str  # the field's docstring, or ""
+    variants: tuple[Any, ...] = ()  # a variant key's built-in classes (pydantic models)
 
 
 def walk(model: type[pydantic.BaseModel], prefix: str = "") -> Iterator[KeyDoc]:
@@ -48,6 +49,7 @@ def walk(model: type[pydantic.BaseModel], prefix: str = "") -> Iterator[KeyDoc]:
             pydantic.TypeAdapter(Any).dump_python(default, mode="json"),
             bound_of(field.metadata),
             " ".join((field.description or "").split()),
+            _variants(field.annotation),
         )
 
 
@@ -88,7 +90,22 @@ def describe(model: type[pydantic.BaseModel], section: str | None = None, width:
         bound = f"  ({key.bound})" if key.bound else ""
         lines.append(f"{key.path}: {key.type} = {_flow(key.default)}{bound}")
         lines += textwrap.wrap(key.doc, width, initial_indent="    ", subsequent_indent="    ")
+        for variant in key.variants:
+            lines += _variant_lines(key.path, variant, width)
     return "\n".join(lines) + "\n"
+
+
+def _variant_lines(path: str, variant: type[pydantic.BaseModel], width: int) -> list[str]:
+    """One variant of a variant key: its `type` and each field of its own, documented."""
+    name = variant.model_fields["type"].get_default()
+    lines = [f"  {path}.type={name}:" + ("" if len(variant.model_fields) > 1 else " no fields")]
+    for key in walk(variant, f"{path}."):
+        if key.path.endswith(".type"):
+            continue
+        bound = f"  ({key.bound})" if key.bound else ""
+        lines.append(f"    {key.path}: {key.type} = {_flow(key.default)}{bound}")
+        lines += textwrap.wrap(key.doc, width, initial_indent=" " * 8, subsequent_indent=" " * 8)
+    return lines
 
 
 def annotated_yaml(model: type[pydantic.BaseModel], values: dict[str, Any], width: int = 88) -> str:
@@ -182,6 +199,19 @@ def bound_of(metadata: list[Any]) -> str:
             if hasattr(m, attr):  # annotated-types' Ge, Le, MinLen, ...
                 parts.append(f"{sign} {getattr(m, attr)}")
     return ", ".join(parts)
+
+
+def _variants(annotation: Any) -> tuple[type[pydantic.BaseModel], ...]:
+    """The classes of a union of models (a variant key, `asyncrl.algorithms.variants`); ()
+    for any other annotation."""
+    if typing.get_origin(annotation) is typing.Annotated:
+        annotation = typing.get_args(annotation)[0]
+    if typing.get_origin(annotation) not in (typing.Union, types.UnionType):
+        return ()
+    args = typing.get_args(annotation)
+    if all(isinstance(a, type) and issubclass(a, pydantic.BaseModel) for a in args):
+        return args
+    return ()
 
 
 def _section_type(annotation: Any) -> type[pydantic.BaseModel] | None:

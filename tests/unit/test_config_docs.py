@@ -77,3 +77,17 @@ def test_version():
         check=True,
     ).stdout
     assert out.startswith("asyncrl ")
+
+
+def test_a_variant_key_lists_each_variant_with_its_own_documented_fields():
+    """`asyncrl config algorithm` shows what each variant takes: a field of one variant only
+    (ppo's dual clip, truncated_is's cap) appears under that variant and no other."""
+    text = describe(Config, "algorithm")
+    ppo = text.index("algorithm.policy_loss.type=ppo:")
+    gspo = text.index("algorithm.policy_loss.type=gspo:")
+    dual_clip = text.index("algorithm.policy_loss.clip_ratio_c: float | None = 3.0")
+    assert ppo < dual_clip < gspo
+    assert text.count("algorithm.policy_loss.clip_ratio_c:") == 1
+    truncated = text.index("algorithm.correction.type=truncated_is:")
+    assert "algorithm.correction.cap: float | None = 2.0" in text[truncated:]
+    assert "algorithm.correction.type=none: no fields" in text
