@@ -2,31 +2,34 @@
 sub-packages around it.
 
 The core is what every fleet shares; it imports no fleet, no launch code and no demo. Its
-sub-packages, each importing only those listed before it (tests/unit/test_layout.py):
-- `config/`: the typed configuration tree (`config.load_config`, `config.Config`; a module per
-  section, `config.learner`, `config.rollout`, `config.replay` and so on, over `config.base`).
+sub-packages, in their import order: each imports only those listed before it and the base
+modules (`registry`, `dtypes`, `cpu`, `trace`, `metrics`, `loggers`, `checkpoints`), with
+`placement` and `run_spec` between `config/` and `weights/`, and `evaluation` above all
+(`CORE_ORDER` in tests/unit/test_layout.py):
 - `wire/`: what crosses a process boundary: `wire.protocol` (every message between processes,
   with `wire.samples`, `wire.reward_protocol` and `wire.bounds`) over `wire.codec` (typed
   MessagePack frames, validated on decode) and `wire.sockets` (ZeroMQ); `wire.router`: the
   authenticated endpoint every service runs; `wire.auth`: the run secret and one key per role, an
   HMAC on every message; `wire.binds`: torch's stores listening on the run's host only;
   `wire.replay_client`: the blocking client of the replay.
-- `weights/`: `weights.sync`, the bucketed broadcast of weights from learner rank 0 to the rollout
-  servers (its jobs: `weights.fanout` to the members, `weights.staged_slots`, `weights.packing`
-  into buckets), over the `weights.transports` it chooses between; `weights.receiver`, the
-  servers' side; `weights.group` and `weights.sealed_store`, the joins; `weights.lora`: the
-  layout of LoRA adapters on that wire.
-- `data/`: verl-schema rows (`asyncrl.data.rows`; `asyncrl.data.prompts`: `PromptReader`,
-  `render_prompt_ids`, the `TASKS` registry) and GSM8K's preparation (`asyncrl.data.gsm8k`).
 - `algorithms/`: `algorithms.estimators`, the advantage estimators, each declared once in
   `ESTIMATORS` (torch-free); `algorithms.advantages`: their tensor math; the algorithm's config
   variants (`algorithms.variants`), each family a registry of classes declared once:
   `algorithms.policy_losses` (`POLICY_LOSSES`), `algorithms.corrections`
   (`OFF_POLICY_CORRECTIONS`, `REJECTIONS`) and `algorithms.kl` (`KL_IN_REWARD`, `KL_LOSSES`).
-And a few modules of their own: `checkpoints` (the layout of a checkpoint directory),
-`evaluation` (pass@k and the evaluation job), `registry` (the one `Registry` class behind every
-family users extend), `placement`, `cpu`, `dtypes`, and `metrics`, `trace`, `loggers`,
-`run_spec` (what a run writes and where things are).
+- `data/`: verl-schema rows (`asyncrl.data.rows`; `asyncrl.data.prompts`: `PromptReader`,
+  `render_prompt_ids`, the `TASKS` registry) and GSM8K's preparation (`asyncrl.data.gsm8k`).
+- `config/`: the typed configuration tree (`config.load_config`, `config.Config`; a module per
+  section, `config.learner`, `config.rollout`, `config.replay` and so on, over `config.base`).
+- `weights/`: `weights.sync`, the bucketed broadcast of weights from learner rank 0 to the rollout
+  servers (its jobs: `weights.fanout` to the members, `weights.staged_slots`, `weights.packing`
+  into buckets), over the `weights.transports` it chooses between; `weights.receiver`, the
+  servers' side; `weights.group` and `weights.sealed_store`, the joins; `weights.lora`: the
+  layout of LoRA adapters on that wire.
+The modules of their own: `checkpoints` (the layout of a checkpoint directory), `evaluation`
+(pass@k and the evaluation job), `registry` (the one `Registry` class behind every family users
+extend), `placement` (which GPU each process gets), `cpu`, `dtypes`, and `metrics`, `trace`,
+`loggers`, `run_spec` (what a run writes and where things are).
 
 Sub-packages:
 - `launch`: the layer above the fleets (CLI, role dispatch, local and Ray launchers, progress).
