@@ -10,8 +10,10 @@ entry point of the family's group) is accepted as the built-ins are, and the lea
 variant's methods instead of branching on mode strings.
 
 In a config a variant is a mapping (`{type: gspo, clip_ratio_low: 0.0003}`; a missing `type` is
-the default's) or just its name (`algorithm.policy_loss=gspo`: its fields' defaults). A field that
-is not the variant's own is refused naming the key, the variant and its fields.
+the default's) or just its name (`algorithm.policy_loss=gspo`: its fields' defaults; `off` is
+`none`). A field that is not the variant's own is refused naming the key, the variant and the
+`type` that has it. Overrides refine and switch a variant keeping the fields set
+(`asyncrl.config.overrides`).
 
 Variants sit below `asyncrl.config` (`tests/unit/test_layout.py`): they are plain pydantic models
 with the config sections' rules (unknown keys are errors, assignments are validated), and they
@@ -75,13 +77,11 @@ class VariantOf:
 
     def validate(self, value: Any) -> Variant:
         if isinstance(value, Variant):
-            return value
-        if isinstance(value, str):
-            value = {"type": value}
+            if self.registry.get(value.type) is type(value):
+                return value
+            value = value.model_dump()  # another family's variant: refused by its `type`
         if not isinstance(value, dict):
-            raise ValueError(
-                f"{self.key}: expected a {self.registry.kind} name or a mapping with `type`"
-            )
+            value = {"type": variant_name(self, value)}
         name = value.get("type", self.default)
         if not isinstance(name, str) or name not in self.registry:
             raise ValueError(
@@ -104,9 +104,31 @@ class VariantOf:
         )
 
 
+def variant_name(family: VariantOf, value: Any) -> str:
+    """The variant `value` names at `family`'s key: a name as it is; `off` (YAML's bare off,
+    read as false) is the family's `none`; ValueError naming the key otherwise."""
+    if value is False or value == "off":
+        if "none" in family.registry:
+            return "none"
+        raise ValueError(
+            f"{family.key} cannot be off: name {_article(family.registry.kind)} "
+            f"{family.registry.kind}: {family.registry.names()}"
+        )
+    if not isinstance(value, str):
+        raise ValueError(
+            f"{family.key}: expected {_article(family.registry.kind)} {family.registry.kind} "
+            "name or a mapping with `type`"
+        )
+    return value
+
+
+def _article(word: str) -> str:
+    return "an" if word[:1].lower() in "aeiou" else "a"
+
+
 def _explain(err: pydantic.ValidationError, registry: Registry[Any], key: str, name: str) -> str:
     """One clause per error, each naming the full key; a field of another variant names the
-    variants that have it."""
+    `type` to set for it."""
     cls = registry[name]
     own = ", ".join(f for f in cls.model_fields if f != "type")
     parts = []
@@ -117,7 +139,7 @@ def _explain(err: pydantic.ValidationError, registry: Registry[Any], key: str, n
             parts.append(f"{key}.{field}: {msg}" if field else f"{key}.type={name}: {msg}")
             continue
         having = [n for n in registry.names() if field in registry[n].model_fields]
-        hint = f"; {', '.join(having)} {'has' if len(having) == 1 else 'have'} it" if having else ""
+        hint = f"; set {key}.type={' or '.join(having)}" if having else ""
         fields = f"its fields: {own}" if own else "it has no fields"
         parts.append(f"{key}.{field} is not a field of {key}.type={name} ({fields}{hint})")
     return "; ".join(parts)

@@ -8,6 +8,7 @@ invalid values fail at start-up, before any process starts, naming the key and w
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
@@ -21,6 +22,8 @@ from asyncrl.config.base import Section as _Section
 from asyncrl.config.docs import annotated_yaml, format_errors
 from asyncrl.config.engine import HFConfig, SGLangConfig, VLLMConfig, check_engine
 from asyncrl.config.learner import AlgorithmConfig, LearnerConfig, check_algorithm
+from asyncrl.config.migrate import migrate_algorithm
+from asyncrl.config.overrides import apply_override
 from asyncrl.config.renamed import RENAMED_KEYS as RENAMED_KEYS
 from asyncrl.config.renamed import refuse_renamed_keys
 from asyncrl.config.replay import FilterGroupsConfig, ReplayConfig
@@ -335,20 +338,16 @@ def parse_override(text: str) -> tuple[list[str], Any]:
     return path, value
 
 
-def _apply(tree: dict[str, Any], path: list[str], value: Any) -> None:
-    node = tree
-    for i, part in enumerate(path[:-1]):
-        child = node.setdefault(part, {})
-        if not isinstance(child, dict):
-            raise ConfigError(f"{'.'.join(path[: i + 1])} is not a section")
-        node = child
-    node[path[-1]] = value
-
-
 def load_config(
-    path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()
+    path: str | Path | None = None,
+    overrides: list[str] | tuple[str, ...] = (),
+    *,
+    run_dir_config: bool = False,
 ) -> Config:
-    """Load a YAML config (default: configs/default.yaml), apply overrides, validate."""
+    """Load a YAML config (default: configs/default.yaml), apply overrides, validate.
+    `run_dir_config`: `path` is a run directory's own config.yaml (resume, eval), whose flat
+    algorithm keys from before the typed variants are migrated, saying so on stderr
+    (`asyncrl.config.migrate`); anywhere else they are refused naming the new keys."""
     path = Path(path) if path is not None else CONFIG_DIR / "default.yaml"
     if not path.is_file():
         raise ConfigError(f"config file {str(path)!r} does not exist")
@@ -358,6 +357,10 @@ def load_config(
         raise ConfigError(f"{path}: not valid YAML ({e})") from e
     if not isinstance(tree, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    if run_dir_config and migrate_algorithm(tree):
+        print(
+            f"asyncrl: {path}: its flat algorithm keys were migrated to variants", file=sys.stderr
+        )
     return _validated(tree, overrides)
 
 
@@ -371,7 +374,10 @@ def _validated(tree: dict[str, Any], overrides: Sequence[str]) -> Config:
     """The Config of `tree` with `overrides` applied; ConfigError naming what is wrong."""
     for text in overrides:
         key_path, value = parse_override(text)
-        _apply(tree, key_path, value)
+        try:
+            apply_override(tree, key_path, value, Config)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
     try:
         return Config.model_validate(tree)
     except ValidationError as e:

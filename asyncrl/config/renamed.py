@@ -74,17 +74,31 @@ def refuse_renamed_keys(tree: dict[str, Any]) -> None:
         for part in old.split("."):
             node = node.get(part, _MISSING) if isinstance(node, dict) else _MISSING
         if node is not _MISSING:
-            found.append(f"{old} was renamed: use {new}{_variant_hint(new, old)}")
+            found.append(f"{old} was renamed: use {new}{_variant_hint(new, old, node)}")
     if found:
         raise ValueError("; ".join(found))
 
 
-def _variant_hint(new: str, old: str) -> str:
-    """ " with algorithm.correction.type=truncated_is" where the new key is a variant's field."""
+OFF_MEANS_NONE = frozenset(
+    {"algorithm.decoupled", "algorithm.reject_level", "algorithm.use_kl_in_reward"}
+    | {"algorithm.use_kl_loss", "algorithm.is_level"}
+)
+"""Old keys whose false (or `off`) value is now the variant `none` of their new key's family."""
+
+
+def _variant_hint(new: str, old: str, value: Any) -> str:
+    """ " with algorithm.correction.type=truncated_is" where the new key is a variant's field; the
+    variant the value itself names where it names one (`decoupled: false` is `type=none`)."""
     if old not in INTO_VARIANT:
         return ""
     parent, leaf = new.rsplit(".", 1)
     types = INTO_VARIANT[old]
+    if old in OFF_MEANS_NONE and value in (False, "off", None):
+        if old == "algorithm.is_level":  # no truncation: decoupled, or no correction at all
+            return f" (is_level off: {parent}.type=decoupled or none, which have no level)"
+        return f"=none (what {old.removeprefix('algorithm.')}: {str(value).lower()} was)"
+    if old in ("algorithm.reject_level", "algorithm.kl_ctrl") and value in types.split(" or "):
+        return f"={value}"
     return f" ({types})" if leaf == "type" else f" with {parent}.type={types}"
 
 

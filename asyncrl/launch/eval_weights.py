@@ -123,7 +123,9 @@ def run_eval_config(
                 "and the results written under it; drop --run-dir to evaluate another model "
                 "(trainer.model_path=DIR)"
             )
-    cfg = load_config(Path(run_dir) / "config.yaml", ["trainer.resume_from=null", *overrides])
+    cfg = load_config(
+        Path(run_dir) / "config.yaml", ["trainer.resume_from=null", *overrides], run_dir_config=True
+    )
     return _with_trainer(cfg, run_dir=str(Path(run_dir) / "eval" / job)), weights
 
 

@@ -47,6 +47,7 @@ import yaml
 
 from asyncrl.checkpoints import TRAINER_FILE
 from asyncrl.config import Config, ConfigError, load_config, parse_override
+from asyncrl.config.migrate import migrate_algorithm
 from asyncrl.launch.fleet import MAX_BACKOFF_S, LaunchError, prepare_run_dir
 from asyncrl.launch.rewind import (
     RESUMES_FILE,
@@ -181,7 +182,11 @@ def resume_config(run_dir: str | Path, overrides: Sequence[str] = ()) -> Config:
             raise ConfigError(
                 f"{text} with a resume of {run_dir}: a resume continues in its own directory"
             )
-    cfg = load_config(saved, ["trainer.resume_from=null", *overrides, f"trainer.run_dir={run_dir}"])
+    cfg = load_config(
+        saved,
+        ["trainer.resume_from=null", *overrides, f"trainer.run_dir={run_dir}"],
+        run_dir_config=True,
+    )
     started_from = _saved_trainer(saved).get("resume_from")  # another run's checkpoint
     if cfg.trainer.resume_from is not None:  # an explicit checkpoint: go back to it
         chosen = Path(cfg.trainer.resume_from).resolve()
@@ -302,13 +307,17 @@ def resume_in_place(cfg: Config, command: str, log: Callable[[str], None] = prin
 
 def changed_keys(saved: Path, cfg: Config) -> dict[str, dict[str, Any]]:
     """The keys whose value in `cfg` differs from the run's config.yaml (`saved`), as
-    {"section.key": {"was": old, "now": new}}, less those a resume sets itself."""
-    was = _flat(yaml.safe_load(saved.read_text()) or {}) if saved.is_file() else {}
+    {"section.key": {"was": old, "now": new}}, less those a resume sets itself. A key that only
+    one side has counts (a variant switch removes its old variant's fields: `now` is None); an
+    old run's flat algorithm keys are compared as migrated (`asyncrl.config.migrate`)."""
+    tree = (yaml.safe_load(saved.read_text()) or {}) if saved.is_file() else {}
+    migrate_algorithm(tree)
+    was = _flat(tree)
     now = _flat(cfg.model_dump(mode="json"))
     return {
-        key: {"was": was.get(key), "now": value}
-        for key, value in now.items()
-        if key not in RESUME_KEYS and was.get(key) != value
+        key: {"was": was.get(key), "now": now.get(key)}
+        for key in [*now, *(k for k in was if k not in now)]
+        if key not in RESUME_KEYS and was.get(key) != now.get(key)
     }
 
 

@@ -39,7 +39,7 @@ from asyncrl.config import ConfigError, load_config
             "algorithm.reject_agg=max",
             "algorithm.reject_agg was renamed: use algorithm.rejection.agg with "
             "algorithm.rejection.type=sequence",
-            ["algorithm.rejection={type: sequence, metric: k3, agg: max}"],
+            ["algorithm.rejection={type: sequence, metric: k3, agg: max, high: 0.2}"],
         ),
     ],
 )
@@ -48,3 +48,25 @@ def test_an_old_algorithm_key_names_its_variant(old, message, new):
         load_config(None, [old])
     assert message in str(e.value)
     load_config(None, new)
+
+
+@pytest.mark.parametrize(
+    ("old", "message"),
+    [
+        (
+            "algorithm.decoupled=false",
+            "use algorithm.correction.type=none (what decoupled: false was)",
+        ),
+        (
+            "algorithm.use_kl_in_reward=false",
+            "use algorithm.kl_in_reward.type=none (what use_kl_in_reward: false was)",
+        ),
+        ("algorithm.reject_level=off", "use algorithm.rejection.type=none"),
+        ("algorithm.reject_level=token", "use algorithm.rejection.type=token"),
+        ("algorithm.kl_ctrl=adaptive", "use algorithm.kl_in_reward.type=adaptive"),
+    ],
+)
+def test_the_refusal_names_the_variant_the_old_value_meant(old, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, [old])
+    assert message in str(e.value)
