@@ -176,3 +176,19 @@ def test_a_users_config_with_old_keys_is_still_refused(tmp_path):
         load_config(run_dir / "config.yaml")
     with pytest.raises(ConfigError, match="algorithm.use_kl_loss was renamed"):
         resume_config(run_dir, ["algorithm.use_kl_loss=true"])
+
+
+@pytest.mark.parametrize(
+    "override", ["algorithm.policy_loss.type=gspo", "algorithm.policy_loss=gspo"]
+)
+def test_a_resume_switches_the_loss_of_a_full_dump(tmp_path, override):
+    """`--resume RUN algorithm.policy_loss.type=gspo`: the dump's ppo default clip_ratio_c is
+    dropped, its clip_ratio_high kept."""
+    run_dir = _old_run(tmp_path, clip_ratio_high="0.28")
+    assert resume_config(run_dir, [override]).algorithm.policy_loss.model_dump() == {
+        "type": "gspo",
+        "clip_ratio_low": 0.2,
+        "clip_ratio_high": 0.28,
+    }
+    with pytest.raises(ConfigError, match="clip_ratio_c=5.0 is not a field of"):
+        resume_config(run_dir, ["algorithm.policy_loss.clip_ratio_c=5.0", override])
