@@ -8,12 +8,13 @@ whose stages every rank runs in step:
   the loggers; the other ranks' `Follower` talks to nobody.
 - `batch`: the replay's `Batch` message as padded tensors, shared from rank 0 to every rank.
 - `fsdp`: process group, model sharding, and full tensors for the weight broadcast.
-- `losses`: policy losses (PPO, GSPO), the value loss and loss aggregation; `corrections`:
-  importance weights, rejection masks and decoupled PPO; `kl`: KL terms and controllers (pure
-  tensor functions, called by the algorithm's variants, `asyncrl.algorithms.variants`).
+- `losses`: the value loss and loss aggregation; `corrections`: the configured off-policy
+  correction and rejection applied to the whole batch.
 - `update`: forward passes and the optimizer step over mini- and micro-batches; its metrics are
   declared in `update_metrics`.
 - `checkpoint`: sharded checkpoints with the replay's state, and the final weights.
 The advantage estimators, policy losses, off-policy corrections and KL terms are declared in the
-core (`asyncrl.algorithms`), because config validation reads their declarations too.
+core (`asyncrl.algorithms`), because config validation reads their declarations too, and so is
+their tensor math (`asyncrl.algorithms.loss_math`, `asyncrl.algorithms.correction_math`,
+`asyncrl.algorithms.kl_math`), which the variants import: the core imports no fleet.
 """

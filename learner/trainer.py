@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 from asyncrl.algorithms.advantages import compute_advantages, outcome_token_rewards
 from asyncrl.algorithms.estimators import ESTIMATORS
+from asyncrl.algorithms.kl import KLInReward
+from asyncrl.algorithms.kl_math import kl_penalty
 from asyncrl.config import Config
 from asyncrl.dtypes import torch_dtype
 from asyncrl.metrics import StageTimer
@@ -43,7 +45,6 @@ from learner.corrections import off_policy_corrections
 from learner.delivery import delivery_probe, wants_probe
 from learner.forward import policy_forward, value_forward
 from learner.fsdp import hf_config, setup_distributed, setup_model, sync_specs, sync_tensors
-from learner.kl import kl_penalty
 from learner.leader import setup_leader
 from learner.optim import lr_factor, set_lr, setup_optimizer
 from learner.precision import with_concrete_dtype
@@ -83,7 +84,7 @@ class Learner:
             self.critic = setup_model(spec.model_path, device, lc, head="value")
             self.critic_optimizer = setup_optimizer(self.critic, lc.critic_lr, lc)
         self.kl_ctrl = algo.kl_in_reward.controller()
-        """The in-reward KL's coefficient (`learner.kl`); None: no KL in the reward."""
+        """The in-reward KL's coefficient (`asyncrl.algorithms.kl_math`); None: no KL in the reward."""
         self.updater = Updater(
             self.model,
             self.optimizer,
@@ -251,7 +252,10 @@ class Learner:
             self.world,
             (self.model, self.optimizer, self.critic, self.critic_optimizer),
             self.coordinator,
-            {"kl_coef": None if self.kl_ctrl is None else self.kl_ctrl.value},
+            {
+                "kl_coef": None if self.kl_ctrl is None else self.kl_ctrl.value,
+                "kl_in_reward": self.cfg.algorithm.kl_in_reward.type,
+            },
             self.cfg.trainer.keep_checkpoints,
             self.cfg.trainer.resume_from,
         )
@@ -260,8 +264,9 @@ class Learner:
         """Restore a `save_checkpoint` directory; returns its version."""
         modules = (self.model, self.optimizer, self.critic, self.critic_optimizer)
         trainer = load_checkpoint(path, modules)
-        if self.kl_ctrl is not None and trainer.get("kl_coef") is not None:
-            self.kl_ctrl.value = trainer["kl_coef"]
+        coef = restored_kl_coef(self.cfg.algorithm.kl_in_reward, trainer)
+        if self.kl_ctrl is not None and coef is not None:
+            self.kl_ctrl.value = coef
         return int(trainer["version"])
 
     def run(self) -> None:
@@ -357,3 +362,31 @@ def run_learner(spec: RunSpec, cfg: Config) -> None:
     finally:
         learner.coordinator.close()
         dist.destroy_process_group()
+
+
+def restored_kl_coef(variant: KLInReward, trainer: dict) -> float | None:
+    """The in-reward KL coefficient a resumed run takes from its checkpoint's trainer state, or
+    None: the configured `coef`. Only a variant whose coefficient is state
+    (`KLInReward.stateful`: `adaptive`) restores it, and only from a checkpoint that the same
+    type wrote (`kl_in_reward` beside `kl_coef`): a `fixed` coefficient is the config's, so
+    `--resume RUN algorithm.kl_in_reward.coef=X` takes X. A checkpoint older than that marker
+    restores its coefficient into an `adaptive` run, logged."""
+    saved = trainer.get("kl_coef")
+    if not variant.stateful or saved is None:
+        return None
+    written_by = trainer.get("kl_in_reward")
+    if written_by is None:
+        log.warning(
+            "the checkpoint does not say which algorithm.kl_in_reward wrote its kl_coef (an "
+            "older one): the %s coefficient resumes at its %s",
+            variant.type,
+            saved,
+        )
+        return float(saved)
+    if written_by != variant.type:
+        log.info(
+            "the checkpoint's kl_coef is a %s run's: algorithm.kl_in_reward.coef applies",
+            written_by,
+        )
+        return None
+    return float(saved)

@@ -21,15 +21,22 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from asyncrl.algorithms.correction_math import behaviour_weighted
 from asyncrl.algorithms.policy_losses import PolicyLossInputs
 from asyncrl.config import AlgorithmConfig, LearnerConfig
 from learner.batch import TrainBatch
-from learner.corrections import behaviour_weighted
 from learner.forward import layout_of, policy_forward, value_forward
 from learner.fsdp import set_gradient_sync
 from learner.losses import aggregate_denominator, aggregate_loss, value_token_loss
 from learner.micro_batches import MicroBatch, plan_micro_batches
-from learner.update_metrics import UPDATE_METRICS, MetricSums, MicroStep, combine_mini_batches
+from learner.update_metrics import (
+    CRITIC_METRICS,
+    UPDATE_METRICS,
+    CriticStep,
+    MetricSums,
+    MicroStep,
+    combine_mini_batches,
+)
 
 
 @torch.no_grad()
@@ -106,6 +113,8 @@ class Updater:
         self.world, self.rank, self.device = world, rank, device
         self.metrics = UPDATE_METRICS
         """The policy update's metrics (`learner.update_metrics`)."""
+        self.critic_metrics = CRITIC_METRICS
+        """The critic's metrics (`learner.update_metrics`)."""
 
     def plan(self, batch: TrainBatch, rows: torch.Tensor) -> list[MicroBatch]:
         """This rank's forward/backward micro-batches over `rows` of `batch`
@@ -151,7 +160,7 @@ class Updater:
             for start in range(0, len(group_rows), per_mini):
                 rows = torch.cat(group_rows[start : start + per_mini])
                 steps.append(self._mini_batch_step(batch, inputs, mask, rows))
-        return combine_mini_batches(steps, self.metrics)
+        return combine_mini_batches(steps, (*self.metrics, *self.critic_metrics))
 
     def _mini_batch_step(
         self, batch: TrainBatch, inputs: UpdateInputs, mask: torch.Tensor, rows: torch.Tensor
@@ -231,7 +240,7 @@ class Updater:
           log-probs and the token losses are weighted by behaviour -> proximal importance
           weights: `inputs.is_weights` (the variant's batch weights, as `truncated_is`
           computes them), else untruncated token weights (AReaL's decoupled PPO;
-          `learner.corrections.behaviour_weighted`).
+          `asyncrl.algorithms.correction_math.behaviour_weighted`).
         """
         a = self.algo
         behaviour = inputs.old_logprobs[idx]
@@ -256,7 +265,7 @@ class Updater:
         assert old_values is not None and returns is not None, "a critic's inputs have them (gae)"
         tokens = float(batch.loss_mask[:, 1:][rows].sum().clamp(min=1))
         scale = self.world / tokens
-        sums = torch.zeros(3, device=self.device)
+        sums = MetricSums(self.critic_metrics, self.device)
         for i, micro in enumerate(plan):
             idx, mb, w = micro.rows, batch.select(micro.rows), micro.weights
             set_gradient_sync(self.critic, i == len(plan) - 1)
@@ -264,17 +273,10 @@ class Updater:
             v = value_forward(self.critic, mb, self.layout)
             per_token, st = value_token_loss(v, old_values[idx], returns[idx], m, c)
             (per_token.sum() * scale).backward()
-            with torch.no_grad():
-                sums += torch.stack([per_token.sum(), st["clipped_tokens"], (v * m).sum()])
+            sums.add(CriticStep(m, v, per_token, st))
         grad_norm = _clip_and_step(self.critic, self.critic_optimizer, self.lc.grad_clip)
-        if self.world > 1:
-            dist.all_reduce(sums)
-        return {
-            "value_loss": float(sums[0]) / tokens,
-            "value_clip_frac": float(sums[1]) / tokens,
-            "value_mean": float(sums[2]) / tokens,
-            "critic_grad_norm": grad_norm,
-        }
+        sums.all_reduce(self.world)
+        return {**sums.values(tokens, tokens), "critic_grad_norm": grad_norm}
 
 
 def _rows_by_group(group_index: torch.Tensor) -> list[torch.Tensor]:

@@ -1,7 +1,8 @@
 """The update's metrics, each declared once: its name, what it reads from a micro-batch and how it
 is reduced across micro-batches, ranks and mini-batches.
 
-`UPDATE_METRICS` is the list of declarations. From it follow the packing of every metric into one
+`UPDATE_METRICS` declares the policy update's metrics (read from a `MicroStep`), `CRITIC_METRICS`
+the critic's (read from a `CriticStep`). From them follow the packing of every metric into one
 SUM tensor and one MAX tensor (one all-reduce each per mini-batch, whatever the number of
 metrics) and the final values, so a new metric is one `UpdateMetric(...)` line here plus its
 test; nothing indexes a slot by hand.
@@ -20,9 +21,10 @@ mini-batch's (a value that the first optimizer step changes, as the learner-vs-e
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Generic, Literal, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -50,7 +52,7 @@ class MicroStep:
     loss_sum: torch.Tensor
     """The aggregated loss's numerator (`learner.losses.aggregate_loss`)."""
     loss_stats: dict[str, torch.Tensor]
-    """The policy loss's stats (`asyncrl.algorithms.policy_losses.PolicyLossFn`)."""
+    """The policy loss's stats (`asyncrl.algorithms.policy_losses.PolicyLoss.loss`)."""
 
     @property
     def ratio(self) -> torch.Tensor:
@@ -58,12 +60,30 @@ class MicroStep:
 
 
 @dataclass(frozen=True)
-class UpdateMetric:
+class CriticStep:
+    """What a critic metric may read from one micro-batch of the critic's update; tensors [b, T]
+    over its target tokens."""
+
+    mask: torch.Tensor
+    """The loss mask times the row weights (0 on filler rows)."""
+    values: torch.Tensor
+    """The critic's values (with a gradient: detach what you keep)."""
+    loss: torch.Tensor
+    """The value loss per token (`learner.losses.value_token_loss`), 0 off the mask."""
+    loss_stats: dict[str, torch.Tensor]
+    """The value loss's stats (`tokens`, `clipped_tokens`)."""
+
+
+Step = TypeVar("Step", MicroStep, CriticStep)
+
+
+@dataclass(frozen=True)
+class UpdateMetric(Generic[Step]):
     """One metric of the update (module docstring)."""
 
     name: str
     reduce: Reduction
-    value: Callable[[MicroStep], torch.Tensor | None]
+    value: Callable[[Step], torch.Tensor | None]
     """A micro-batch's contribution: a sum over its tokens (a max for `max`), a scalar tensor;
     None when the metric does not apply to this run (it is then not reported)."""
     across: Literal["mean", "max", "first"] = "mean"
@@ -74,7 +94,7 @@ def _masked_sum(x: torch.Tensor, s: MicroStep) -> torch.Tensor:
     return (x * s.mask).sum()
 
 
-UPDATE_METRICS: tuple[UpdateMetric, ...] = (
+UPDATE_METRICS: tuple[UpdateMetric[MicroStep], ...] = (
     UpdateMetric("loss", "loss_mean", lambda s: s.loss_sum),
     UpdateMetric("clip_frac", "token_mean", lambda s: s.loss_stats["clipped_tokens"]),
     UpdateMetric("ratio_mean", "token_mean", lambda s: _masked_sum(s.ratio, s)),
@@ -100,24 +120,35 @@ UPDATE_METRICS: tuple[UpdateMetric, ...] = (
 """The policy update's metrics, in the order they are logged."""
 
 
+CRITIC_METRICS: tuple[UpdateMetric[CriticStep], ...] = (
+    UpdateMetric("value_loss", "token_mean", lambda s: s.loss.sum()),
+    UpdateMetric("value_clip_frac", "token_mean", lambda s: s.loss_stats["clipped_tokens"]),
+    UpdateMetric("value_mean", "token_mean", lambda s: (s.values * s.mask).sum()),
+)
+"""The critic's metrics (gae), in the order they are logged; its token counts are the loss
+mask's before any rejection."""
+
+
 def _mismatch_kl_sum(s: MicroStep) -> torch.Tensor:
-    from learner.losses import mismatch_kl
+    from asyncrl.algorithms.loss_math import mismatch_kl
 
     return mismatch_kl(s.logp, s.behaviour, s.mask) * s.mask.sum()
 
 
-class MetricSums:
+class MetricSums(Generic[Step]):
     """The metrics of one mini-batch, accumulated over its micro-batches: the sums in one tensor
-    and the maxima in another, one slot per declaration."""
+    and the maxima in another, one slot per declaration. A maximum starts at -inf, so a `max`
+    metric whose values are all negative reports the largest of them; one that no value
+    raised above -inf (no data) reports 0."""
 
-    def __init__(self, metrics: Sequence[UpdateMetric], device: torch.device) -> None:
-        self.metrics = tuple(metrics)
+    def __init__(self, metrics: Sequence[UpdateMetric[Step]], device: torch.device) -> None:
+        self.metrics: tuple[UpdateMetric[Step], ...] = tuple(metrics)
         self._sums = torch.zeros(len(self.metrics), device=device)
-        self._maxima = torch.zeros(len(self.metrics), device=device)
+        self._maxima = torch.full((len(self.metrics),), -math.inf, device=device)
         self._seen = torch.zeros(len(self.metrics), dtype=torch.bool)
 
     @torch.no_grad()
-    def add(self, step: MicroStep) -> None:
+    def add(self, step: Step) -> None:
         """Add one micro-batch's contribution of every metric."""
         for i, metric in enumerate(self.metrics):
             value = metric.value(step)
@@ -143,17 +174,18 @@ class MetricSums:
             if not self._seen[i]:
                 continue
             if metric.reduce == "max":
-                out[metric.name] = float(self._maxima[i])
+                top = float(self._maxima[i])
+                out[metric.name] = top if top > -math.inf else 0.0
             else:
                 out[metric.name] = float(self._sums[i]) / per[metric.reduce]
         return out
 
 
 def combine_mini_batches(
-    steps: Sequence[dict[str, float]], metrics: Sequence[UpdateMetric]
+    steps: Sequence[dict[str, float]], metrics: Sequence[UpdateMetric[Any]]
 ) -> dict[str, float]:
     """One value per metric from the values of a step's mini-batches, as each metric's `across`
-    says; a metric not declared here (grad_norm, the critic's) is averaged."""
+    says; a metric not declared here (grad_norm, critic_grad_norm) is averaged."""
     across = {m.name: m.across for m in metrics}
     out: dict[str, float] = {}
     for name in steps[0] if steps else ():

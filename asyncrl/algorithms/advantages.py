@@ -3,7 +3,7 @@
 What each estimator needs is declared once in `asyncrl.algorithms.estimators` (torch-free, so config
 validation reads it without importing torch); the built-ins' compute functions are the
 `_name(x: AdvantageInputs)` functions at the end of this module, and `compute_advantages` is
-the one dispatch the learner calls. `ESTIMATORS` and `estimator` are re-exported here.
+the one dispatch the learner calls.
 
 Conventions: response tensors are [B, T] aligned to token positions; `mask` [B, T] is 1 on tokens
 the policy sampled and 0 on prompt, padding and tool output (a multi-turn sequence has mask holes
@@ -23,12 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from asyncrl.algorithms.estimators import (  # noqa: F401 (re-exported: the registry users know)
-    ESTIMATORS,
-    Estimator,
-    EstimatorFn,
-    estimator,
-)
+from asyncrl.algorithms.estimators import ESTIMATORS
 
 
 @dataclass(frozen=True)

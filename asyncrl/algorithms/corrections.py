@@ -17,8 +17,9 @@ bounds (verl's rollout_rs): `none`, `token` or `sequence`.
 
 Adding either is one declaration (`@off_policy_correction` / `@rejection` over a class) plus its
 test; the learner recomputes the proximal log-probs when a variant says it needs them and calls
-its methods on the whole batch (`learner.corrections`). The tensor math is in
-`learner.corrections`, named by import path (no torch import to validate a config).
+its methods on the whole batch (`learner.corrections.off_policy_corrections`). The tensor math is
+`asyncrl.algorithms.correction_math`'s, imported when it runs (no torch import to validate a
+config).
 """
 
 from __future__ import annotations
@@ -28,13 +29,12 @@ from typing import TYPE_CHECKING, ClassVar, Literal
 import pydantic
 from pydantic import Field
 
-from asyncrl.algorithms.variants import Variant, declare, learner_function
+from asyncrl.algorithms.rejection_rules import rejection_problem
+from asyncrl.algorithms.variants import Variant, declare
 from asyncrl.registry import Registry
 
 if TYPE_CHECKING:
     import torch
-
-REJECT_AGGREGATIONS = ("mean", "sum", "max")
 
 
 class OffPolicyCorrection(Variant):
@@ -43,7 +43,7 @@ class OffPolicyCorrection(Variant):
     decoupled: ClassVar[bool] = False
     """The ratio is taken against the proximal policy (recomputed before the update) and each
     token's loss is weighted behaviour -> proximal: by `batch_weights`, or, when that gives
-    None, by the untruncated token weight (`learner.corrections.behaviour_weighted`)."""
+    None, by the untruncated token weight (`asyncrl.algorithms.correction_math.behaviour_weighted`)."""
 
     @property
     def needs_proximal(self) -> bool:
@@ -104,27 +104,11 @@ class TruncatedIS(OffPolicyCorrection):
     sequence as `level` says, so they average 1 (verl's rollout_is_batch_normalize)."""
 
     def batch_weights(self, proximal, behaviour, mask, metrics):
-        fn = learner_function("learner.corrections:truncated_weights")
-        return fn(proximal, behaviour, mask, self.level, self.cap, self.batch_normalize, metrics)
+        from asyncrl.algorithms.correction_math import truncated_weights
 
-
-def rejection_problem(level: str, metric: str, agg: str) -> str | None:
-    """Why a rejection at `level` on `metric` aggregated by `agg` means nothing (None: it is
-    fine). The aggregation acts on k1/k2/k3 over a sequence's sampled tokens (verl's rollout_rs
-    `seq_mean_k*`, `seq_sum_k*`, `seq_max_k2|3`); the sequence ratio is the product of its token
-    ratios already; the max of k1 (= -log r, of either sign) bounds no divergence and verl has
-    no `seq_max_k1`."""
-    if agg not in REJECT_AGGREGATIONS:
-        return f"unknown aggregation {agg!r}; valid: {', '.join(REJECT_AGGREGATIONS)}"
-    if agg == "mean":
-        return None
-    if level != "sequence":
-        return f"{agg} aggregates a sequence's tokens: it needs the sequence level"
-    if metric == "ratio":
-        return "the sequence ratio is already the product of its token ratios (use k1 with sum)"
-    if metric == "k1" and agg == "max":
-        return "the max of k1 bounds no divergence (verl has no seq_max_k1): use k2 or k3"
-    return None
+        return truncated_weights(
+            proximal, behaviour, mask, self.level, self.cap, self.batch_normalize, metrics
+        )
 
 
 class Rejection(Variant):
@@ -175,9 +159,45 @@ class _Bounds(Rejection):
     high: float | None = None
     """Reject when the metric is above this."""
 
-    def _keep(self, level: str, agg: str, proximal, behaviour, mask, metrics):
-        fn = learner_function("learner.corrections:rejection_keep")
-        return fn(proximal, behaviour, mask, level, self.metric, self.low, self.high, agg, metrics)
+    @pydantic.model_validator(mode="after")
+    def _meaningful(self) -> _Bounds:
+        """Refuse at config load what would only fail at the first step or reject nothing: an
+        aggregation that means nothing (`rejection_problem`), no bound at all (a proximal
+        forward for nothing), a ratio bound <= 0 (ratios are positive, compared in log space),
+        low > high (every token rejected)."""
+        if (why := self._combination_problem()) is not None:
+            raise ValueError(why)
+        if self.low is None and self.high is None:
+            raise ValueError(
+                "needs low or high (or both): with neither it rejects nothing and still pays "
+                "for a proximal forward (use type=none)"
+            )
+        for name in ("low", "high"):
+            bound = getattr(self, name)
+            if self.metric == "ratio" and bound is not None and bound <= 0:
+                raise ValueError(f"{name}={bound}: a ratio bound must be > 0 (metric=ratio)")
+        if self.low is not None and self.high is not None and self.low > self.high:
+            raise ValueError(f"low={self.low} > high={self.high}: it would reject every token")
+        return self
+
+    def _combination_problem(self) -> str | None:
+        """Why this level, metric and aggregation mean nothing together (None: they do)."""
+        return None
+
+    def _keep(
+        self,
+        level: Literal["token", "sequence"],
+        agg: Literal["mean", "sum", "max"],
+        proximal,
+        behaviour,
+        mask,
+        metrics,
+    ):
+        from asyncrl.algorithms.correction_math import rejection_keep
+
+        return rejection_keep(
+            proximal, behaviour, mask, level, self.metric, self.low, self.high, agg, metrics
+        )
 
 
 @rejection
@@ -200,11 +220,10 @@ class SequenceRejection(_Bounds):
     """k1/k2/k3: the mean, sum or max over the sequence's sampled tokens (verl's rollout_rs
     seq_mean_k*, seq_sum_k*, seq_max_k2|3)."""
 
-    @pydantic.model_validator(mode="after")
-    def _meaningful(self) -> SequenceRejection:
+    def _combination_problem(self) -> str | None:
         if (why := rejection_problem("sequence", self.metric, self.agg)) is not None:
-            raise ValueError(f"agg={self.agg} with metric={self.metric}: {why}")
-        return self
+            return f"agg={self.agg} with metric={self.metric}: {why}"
+        return None
 
     def keep_mask(self, proximal, behaviour, mask, metrics):
         return self._keep("sequence", self.agg, proximal, behaviour, mask, metrics)

@@ -4,18 +4,18 @@ subtracted from the per-token reward, with a fixed or adaptive coefficient), `al
 a `KLLoss` (a term added to the loss, GRPO style).
 
 The learner builds the frozen reference policy when either needs it (`needs_reference`) and calls
-the variant; the estimators and controllers are `learner.kl`'s, named by import path (no torch
-import to validate a config). Adding a variant is one declaration (`@kl_in_reward` /
+the variant; the estimators and controllers are `asyncrl.algorithms.kl_math`'s, imported when they
+are used (no torch import to validate a config). Adding a variant is one declaration (`@kl_in_reward` /
 `@kl_loss` over a class) plus its test.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol
 
 from pydantic import Field
 
-from asyncrl.algorithms.variants import Variant, declare, learner_function
+from asyncrl.algorithms.variants import Variant, declare
 from asyncrl.registry import Registry
 
 if TYPE_CHECKING:
@@ -24,17 +24,34 @@ if TYPE_CHECKING:
 KLKind = Literal[
     "kl", "abs", "mse", "low_var_kl", "k1", "k2", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"
 ]
-"""The per-token estimators of `learner.kl.kl_penalty`."""
+"""The per-token estimators of `asyncrl.algorithms.kl_math.kl_penalty`."""
+
+
+class KLController(Protocol):
+    """What the learner reads and steers of the in-reward coefficient (`KLInReward.controller`;
+    the built-ins are `asyncrl.algorithms.kl_math`'s)."""
+
+    value: float
+    """The coefficient now (a checkpoint stores it: `learner.trainer.restored_kl_coef`)."""
+    estimator: str
+    """The `asyncrl.algorithms.kl_math.kl_penalty` kind the penalty uses."""
+
+    def update(self, current_kl: float, n_steps: int) -> None:
+        """Steer `value` after a step whose mean sequence KL was `current_kl` over `n_steps`
+        sequences."""
+        ...
 
 
 class KLInReward(Variant):
     """A KL penalty in the per-token reward (module docstring)."""
 
     needs_reference: ClassVar[bool] = False
+    stateful: ClassVar[bool] = False
+    """The coefficient changes during training, so it is state that a resumed run restores
+    from the checkpoint (`adaptive`); otherwise the configured `coef` is the coefficient."""
 
-    def controller(self) -> Any:
-        """The coefficient's controller (`learner.kl`: `value`, `estimator`, `update`), or None:
-        no penalty."""
+    def controller(self) -> KLController | None:
+        """The coefficient's controller, or None: no penalty."""
         return None
 
 
@@ -65,10 +82,12 @@ class FixedKLInReward(KLInReward):
     coef: float = Field(0.001, ge=0)
     """The coefficient of the in-reward KL."""
     estimator: KLKind = "kl"
-    """Estimator of the in-reward KL (`learner.kl.kl_penalty`)."""
+    """Estimator of the in-reward KL (`asyncrl.algorithms.kl_math.kl_penalty`)."""
 
-    def controller(self) -> Any:
-        return learner_function("learner.kl:FixedKLController")(self.coef, self.estimator)
+    def controller(self) -> KLController | None:
+        from asyncrl.algorithms.kl_math import FixedKLController
+
+        return FixedKLController(self.coef, self.estimator)
 
 
 @kl_in_reward
@@ -78,18 +97,20 @@ class AdaptiveKLInReward(KLInReward):
 
     type: Literal["adaptive"] = "adaptive"
     needs_reference: ClassVar[bool] = True
+    stateful: ClassVar[bool] = True
     coef: float = Field(0.001, ge=0)
     """The initial coefficient of the in-reward KL."""
     estimator: KLKind = "kl"
-    """Estimator of the in-reward KL (`learner.kl.kl_penalty`)."""
+    """Estimator of the in-reward KL (`asyncrl.algorithms.kl_math.kl_penalty`)."""
     target: float = Field(0.1, gt=0)
     """Target KL."""
     horizon: int = Field(10000, ge=1)
     """Horizon of the controller."""
 
-    def controller(self) -> Any:
-        fn = learner_function("learner.kl:AdaptiveKLController")
-        return fn(self.coef, self.target, self.horizon, self.estimator)
+    def controller(self) -> KLController | None:
+        from asyncrl.algorithms.kl_math import AdaptiveKLController
+
+        return AdaptiveKLController(self.coef, self.target, self.horizon, self.estimator)
 
 
 class KLLoss(Variant):
@@ -130,7 +151,9 @@ class ReferenceKLLoss(KLLoss):
     coef: float = Field(0.001, ge=0)
     """Coefficient of the KL loss."""
     estimator: KLKind = "low_var_kl"
-    """Estimator of the KL loss (`learner.kl.kl_penalty`)."""
+    """Estimator of the KL loss (`asyncrl.algorithms.kl_math.kl_penalty`)."""
 
     def per_token(self, logp, ref_logp):
-        return learner_function("learner.kl:kl_penalty")(logp, ref_logp, self.estimator), self.coef
+        from asyncrl.algorithms.kl_math import kl_penalty
+
+        return kl_penalty(logp, ref_logp, self.estimator), self.coef

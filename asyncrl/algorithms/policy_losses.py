@@ -10,8 +10,8 @@ weights multiplied in (`learner.update`). Adding a loss is one declaration, `@po
 loss needs more than its class: the off-policy correction, the rejection mask and the loss
 aggregation act on any token loss alike.
 
-The built-ins' tensor math is in `learner.losses`, named by import path, so validating a config
-imports no torch.
+The built-ins' tensor math is `asyncrl.algorithms.loss_math`'s, imported when a loss is computed
+(not at module level), so validating a config imports no torch.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Literal
 
 from pydantic import Field
 
-from asyncrl.algorithms.variants import Variant, declare, learner_function
+from asyncrl.algorithms.variants import Variant, declare
 from asyncrl.registry import Registry
 
 if TYPE_CHECKING:
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 @dataclass(frozen=True)
 class PolicyLossInputs:
     """What a policy loss reads; every tensor [b, T] over one micro-batch's target tokens (the
-    layout of `learner.losses`)."""
+    layout of `asyncrl.algorithms.loss_math`)."""
 
     logp: torch.Tensor
     """The learner's log-probs of the sampled tokens; the only tensor with a gradient."""
@@ -67,7 +67,7 @@ def policy_loss(cls: type[PolicyLoss]) -> type[PolicyLoss]:
 
 @policy_loss
 class PPOLoss(PolicyLoss):
-    """PPO's clipped surrogate per token, with dual clip (`learner.losses.ppo_clip_token_loss`)."""
+    """PPO's clipped surrogate per token, with dual clip (`asyncrl.algorithms.loss_math.ppo_clip_token_loss`)."""
 
     type: Literal["ppo"] = "ppo"
     clip_ratio_low: float = Field(0.2, ge=0, le=1)
@@ -78,8 +78,9 @@ class PPOLoss(PolicyLoss):
     """Dual-clip bound for negative advantages (None disables it)."""
 
     def loss(self, x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        fn = learner_function("learner.losses:ppo_clip_token_loss")
-        return fn(
+        from asyncrl.algorithms.loss_math import ppo_clip_token_loss
+
+        return ppo_clip_token_loss(
             x.logp,
             x.old_logp,
             x.advantages,
@@ -93,7 +94,7 @@ class PPOLoss(PolicyLoss):
 @policy_loss
 class GSPOLoss(PolicyLoss):
     """GSPO-token: PPO clipping on the length-normalised sequence ratio, no dual clip
-    (`learner.losses.gspo_token_loss`). Clipping acts on whole sequences, so its ranges are
+    (`asyncrl.algorithms.loss_math.gspo_token_loss`). Clipping acts on whole sequences, so its ranges are
     tiny: the paper uses 3e-4 and 4e-4."""
 
     type: Literal["gspo"] = "gspo"
@@ -103,7 +104,8 @@ class GSPOLoss(PolicyLoss):
     """The sequence ratio's upper bound is 1 + this."""
 
     def loss(self, x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        fn = learner_function("learner.losses:gspo_token_loss")
-        return fn(
+        from asyncrl.algorithms.loss_math import gspo_token_loss
+
+        return gspo_token_loss(
             x.logp, x.old_logp, x.advantages, x.mask, self.clip_ratio_low, self.clip_ratio_high
         )

@@ -10,6 +10,7 @@ and analysis (`asyncrl.analysis`). Every import counts: module level, inside fun
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -319,4 +320,68 @@ def test_the_reexport_rule_catches_an_old_path():
     }
     assert reexports(sources, importers) == [
         "a.py:1 imports moved from pkg.old, which has it from pkg.new"
+    ]
+
+
+MAY_NAME_FLEETS = ("asyncrl/launch/", "asyncrl/demo/", "asyncrl/analysis/")
+"""Core folders allowed to name a fleet module in a string (they start the fleets)."""
+_DOTTED = re.compile(rf"(?:{'|'.join(FLEETS)})(?:\.\w+)+(?::[\w.]+)?")
+
+
+def fleet_strings(source: str, modules: set[str]) -> list[tuple[int, str]]:
+    """(line, string) of each string constant of `source` that is an import path into a fleet
+    (`learner.kl` or `learner.kl:kl_penalty`, naming a module of `modules`): a way round the
+    import rule. Docstrings (a string standing alone as a statement) may name fleet modules;
+    config keys (`learner.lr`, `replay.max_staleness=`) name no module and pass."""
+    tree = ast.parse(source)
+    docs = {
+        id(n.value)
+        for n in ast.walk(tree)
+        if isinstance(n, ast.Expr) and isinstance(n.value, ast.Constant)
+    }
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Constant) or not isinstance(node.value, str):
+            continue
+        if id(node) in docs or not _DOTTED.fullmatch(node.value):
+            continue
+        name = node.value.partition(":")[0]
+        while name and name not in modules:
+            name = name.rpartition(".")[0]
+        if "." in name:  # a module below a fleet's package
+            found.append((node.lineno, node.value))
+    return found
+
+
+def test_the_core_names_no_fleet_module_in_a_string():
+    """DESIGN.md: the core imports no fleet, not even by an import string
+    (`import_object("learner.kl:kl_penalty")`): its math lives in the core."""
+    sources = _sources()
+    fleet = {name for name in sources if name.split(".")[0] in FLEETS}
+    bad = [
+        f"{rel}:{line} {text!r}"
+        for name, path in sources.items()
+        if name.split(".")[0] == "asyncrl"
+        and not (rel := path.relative_to(ROOT).as_posix()).startswith(MAY_NAME_FLEETS)
+        for line, text in fleet_strings(path.read_text(), fleet)
+    ]
+    assert bad == []
+
+
+def test_the_fleet_string_rule_catches_an_import_path():
+    source = (
+        '"""Docstring: the math was `learner.kl.kl_penalty`."""\n'
+        "class A:\n"
+        '    x = 1\n    """An attribute docstring naming learner.losses."""\n'
+        "def f():\n"
+        '    fn = import_object("learner.kl:kl_penalty")\n'
+        '    g = load("replay.buffer")\n'
+        '    key = "learner.lr"\n'
+        '    flag = f"learner.lora.rank={1}"\n'
+        '    name = "replay.msgpack"\n'
+    )
+    modules = {"learner", "learner.kl", "learner.losses", "learner.lora", "replay", "replay.buffer"}
+    assert fleet_strings(source, modules) == [
+        (6, "learner.kl:kl_penalty"),
+        (7, "replay.buffer"),
     ]

@@ -3,16 +3,18 @@ import math
 import pytest
 import torch
 
-from learner.corrections import decoupled_ppo_token_loss, importance_weights, rejection_mask
-from learner.kl import AdaptiveKLController, FixedKLController, kl_penalty
+from asyncrl.algorithms.correction_math import (
+    decoupled_ppo_token_loss,
+    importance_weights,
+    rejection_mask,
+)
+from asyncrl.algorithms.kl_math import AdaptiveKLController, FixedKLController, kl_penalty
+from asyncrl.algorithms.loss_math import gspo_token_loss, mismatch_kl, ppo_clip_token_loss
 from learner.losses import (
     AGGREGATION_MODES,
     aggregate_denominator,
     aggregate_loss,
     entropy_from_logits,
-    gspo_token_loss,
-    mismatch_kl,
-    ppo_clip_token_loss,
 )
 
 

@@ -7,9 +7,13 @@ from __future__ import annotations
 
 import torch
 
+from asyncrl.algorithms.correction_math import (
+    decoupled_ppo_token_loss,
+    importance_weights,
+    rejection_mask,
+)
 from asyncrl.demo.model_cache import TinyModelSpec
 from asyncrl.demo.tiny_model import build_tiny_model, build_tokenizer
-from learner.corrections import decoupled_ppo_token_loss, importance_weights, rejection_mask
 
 PROMPT = [5, 6, 7, 8]
 SWITCH, LENGTH = 10, 16  # tokens 0..9 by version 0, 10..15 by version 1

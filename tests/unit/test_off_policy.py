@@ -1,6 +1,6 @@
 """The off-policy correction as the update applies it, for every policy_loss x decoupled x
 is_level the config accepts, against formulas written here from verl 0.9.1's `core_algos` (not
-from `learner.losses`), plus the value loss and the clamps, each by hand."""
+from `asyncrl.algorithms.loss_math`), plus the value loss and the clamps, each by hand."""
 
 from __future__ import annotations
 
@@ -10,14 +10,10 @@ import math
 import pytest
 import torch
 
+from asyncrl.algorithms.correction_math import importance_weights
+from asyncrl.algorithms.loss_math import MAX_GSPO_LOG_RATIO, gspo_token_loss, ppo_clip_token_loss
 from asyncrl.config import AlgorithmConfig, ConfigError, LearnerConfig, load_config
-from learner.corrections import importance_weights
-from learner.losses import (
-    MAX_GSPO_LOG_RATIO,
-    gspo_token_loss,
-    ppo_clip_token_loss,
-    value_token_loss,
-)
+from learner.losses import value_token_loss
 from learner.update import UpdateInputs, Updater
 
 CLIP_LOW, CLIP_HIGH, CLIP_C, CAP = 0.2, 0.28, 3.0, 2.0

@@ -9,6 +9,7 @@ from typing import Literal
 import pytest
 import torch
 
+from asyncrl.algorithms.correction_math import importance_weights
 from asyncrl.algorithms.policy_losses import (
     POLICY_LOSSES,
     GSPOLoss,
@@ -18,7 +19,6 @@ from asyncrl.algorithms.policy_losses import (
     policy_loss,
 )
 from asyncrl.config import AlgorithmConfig, ConfigError, LearnerConfig, load_config
-from learner.corrections import importance_weights
 from learner.update import UpdateInputs, Updater
 
 TOY = "toy_reinforce"

@@ -1,6 +1,6 @@
 """verl's rollout-correction variants (issue 31, point 5), each against a formula written here
 from verl's code (`kl_penalty` in core_algos; `compute_rollout_correction_weights` and
-`compute_rollout_rejection_mask` in rollout_corr_helper), not from `learner.corrections`:
+`compute_rollout_rejection_mask` in rollout_corr_helper), not from `asyncrl.algorithms.correction_math`:
 the "+" KL kinds (k3+: k3's value, k2's gradient), the batch normalisation of the importance
 weights (and its independence of micro-batching), sequence rejection on the sum or the max of
 k1/k2/k3, and the config errors of the combinations that mean nothing."""
@@ -14,18 +14,18 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from asyncrl.algorithms.kl import FixedKLInReward, ReferenceKLLoss
-from asyncrl.config import AlgorithmConfig, ConfigError, LearnerConfig, load_config
-from learner.batch import TrainBatch
-from learner.corrections import (
+from asyncrl.algorithms.correction_math import (
     importance_weights,
     normalize_importance_weights,
-    off_policy_corrections,
     rejection_mask,
 )
+from asyncrl.algorithms.kl import FixedKLInReward, ReferenceKLLoss
+from asyncrl.algorithms.kl_math import kl_penalty
+from asyncrl.config import AlgorithmConfig, ConfigError, LearnerConfig, load_config
+from learner.batch import TrainBatch
+from learner.corrections import off_policy_corrections
 from learner.forward import policy_forward
 from learner.fsdp import attention_implementation
-from learner.kl import kl_penalty
 from learner.update import UpdateInputs, Updater
 
 CPU = torch.device("cpu")

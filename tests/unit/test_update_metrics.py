@@ -4,6 +4,8 @@ from the declaration. Values here are computed by hand."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -64,3 +66,30 @@ def test_mini_batches_combine_as_declared():
 def test_every_declared_name_is_unique():
     names = [m.name for m in UPDATE_METRICS]
     assert len(names) == len(set(names))
+
+
+def test_a_max_metric_of_negative_values_reports_the_largest():
+    """A maximum starts at -inf: with every value negative it is the largest of them (it
+    started at 0 and reported 0)."""
+    sums = MetricSums((TOP_LOGP,), torch.device("cpu"))
+    sums.add(_step([[1.0, 1.0]], [[-1.0, -2.0]]))
+    sums.add(_step([[1.0, 0.0]], [[-3.0, -0.25]]))  # the masked -0.25 does not count
+    sums.all_reduce(world=1)
+    assert sums.values(tokens=3.0, loss_denominator=3.0) == {"logp_max": -1.0}
+
+
+def test_a_max_metric_without_data_reports_zero():
+    """No value raised the maximum above -inf (every value -inf): it reports 0, as before."""
+    sums = MetricSums((TOP_LOGP,), torch.device("cpu"))
+    sums.add(_step([[0.0, 0.0]], [[-1.0, -2.0]]))
+    sums.all_reduce(world=1)
+    assert sums.values(tokens=0.0, loss_denominator=0.0) == {"logp_max": 0.0}
+
+
+# the largest log-prob of a counted token (-inf elsewhere): a max of negative values
+TOP_LOGP = UpdateMetric(
+    "logp_max",
+    "max",
+    lambda s: torch.where(s.mask > 0, s.logp, torch.full_like(s.logp, -math.inf)).max(),
+    across="max",
+)
