@@ -31,7 +31,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict
 from pydantic_core import core_schema
 
-from asyncrl.registry import Registry, import_object
+from asyncrl.registry import Registry
 
 
 class Variant(BaseModel):
@@ -143,9 +143,3 @@ def _explain(err: pydantic.ValidationError, registry: Registry[Any], key: str, n
         fields = f"its fields: {own}" if own else "it has no fields"
         parts.append(f"{key}.{field} is not a field of {key}.type={name} ({fields}{hint})")
     return "; ".join(parts)
-
-
-def learner_function(path: str) -> Callable[..., Any]:
-    """The function at the import path `path` (a module of `learner/`), imported now: how a
-    variant reaches its tensor math without importing torch when the config is validated."""
-    return import_object(path)
