@@ -44,7 +44,9 @@ def smollm2_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
-def default_model_cache(tmp_path_factory) -> Path:
-    """A `trainer.cache_dir` shared by the tests that run the embedded default as shipped (its
-    300-step warm-start is built once per session, not once per test)."""
-    return tmp_path_factory.mktemp("default_model_cache")
+def model_cache(tmp_path_factory) -> Path:
+    """The `trainer.cache_dir` of every test that launches the embedded model: a warm-start is
+    stored under a hash of everything that determines it (`asyncrl.demo.model_cache`), so one
+    directory serves every test and each warm-start (the default's 300 steps, a test's 10, 50
+    or 100) is built once per pytest run, not once per test or module."""
+    return tmp_path_factory.mktemp("model_cache")

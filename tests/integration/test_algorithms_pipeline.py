@@ -84,11 +84,6 @@ COMMON = [
 ]
 
 
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("model_cache")
-
-
 @pytest.mark.parametrize(
     "case", [pytest.param(c, marks=pytest.mark.long) if c in LONG else c for c in sorted(CASES)]
 )

@@ -70,9 +70,7 @@ def test_chaos_run_passes_its_audit(tmp_path, kills):
 
 
 @pytest.mark.long
-def test_chaos_on_the_default_config_heals_every_kill_of_its_one_server(
-    tmp_path, default_model_cache
-):
+def test_chaos_on_the_default_config_heals_every_kill_of_its_one_server(tmp_path, model_cache):
     """The user-path rule (tests/README.md): the default config as shipped, one rollout server,
     chaos run from a working directory of the test's own (`runs/chaos-{time}` under it), the
     server SIGKILLed and SIGSTOPped in turn. Every kill must heal: the restart rejoins the
@@ -82,7 +80,7 @@ def test_chaos_on_the_default_config_heals_every_kill_of_its_one_server(
         *(sys.executable, str(ROOT / "tools" / "chaos.py"), "--minutes", "1"),
         *("--every", "12", "--stop-s", "3", "--settle-s", "60", "--kinds", "kill,stop"),
         *("--no-learner-kill", "--no-replay-kill"),
-        *(f"trainer.cache_dir={default_model_cache}", "launch.progress=none"),
+        *(f"trainer.cache_dir={model_cache}", "launch.progress=none"),
     ]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=540)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

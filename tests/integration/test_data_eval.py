@@ -19,11 +19,6 @@ from asyncrl.metrics import read_jsonl
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("model_cache")
-
-
 def _verl_style_parquet(path: Path, data_source: str, too_long_every: int = 0) -> Path:
     """Written the way verl's example preprocessing scripts do: a list of dicts with the
     data_source / prompt / ability / reward_model / extra_info columns, saved with pyarrow.

@@ -43,7 +43,7 @@ def _eval_result(run: Path) -> dict:
     return json.loads(path.with_suffix(".seen").read_text())
 
 
-def test_eval_of_a_run_dir_scores_its_weights_final_or_checkpoint(tmp_path, default_model_cache):
+def test_eval_of_a_run_dir_scores_its_weights_final_or_checkpoint(tmp_path, model_cache):
     cwd = tmp_path / "work"
     cwd.mkdir()
     _asyncrl(
@@ -53,7 +53,7 @@ def test_eval_of_a_run_dir_scores_its_weights_final_or_checkpoint(tmp_path, defa
         f"trainer.save_every={STEPS}",
         "trainer.val_before_train=true",
         f"trainer.val_every={STEPS}",
-        f"trainer.cache_dir={default_model_cache}",  # the default's warm-start, built once
+        f"trainer.cache_dir={model_cache}",  # the default's warm-start, built once
         "launch.progress=none",
     )
     (metrics,) = (cwd / "runs").glob("*/metrics.jsonl")

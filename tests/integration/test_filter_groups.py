@@ -18,7 +18,7 @@ STEPS = 6
 
 
 @pytest.mark.long
-def test_no_trained_batch_holds_a_zero_variance_group(tmp_path, default_model_cache):
+def test_no_trained_batch_holds_a_zero_variance_group(tmp_path, model_cache):
     """The embedded default after its warm-start (reward ~0.3, groups of 8): many groups are
     all wrong, some all right. With the filter on, the learner's own count of zero-variance
     groups in each batch it trained on is 0, the replay filtered some, and every step tells
@@ -26,7 +26,7 @@ def test_no_trained_batch_holds_a_zero_variance_group(tmp_path, default_model_ca
     cfg = load_config(
         overrides=[
             f"trainer.run_dir={tmp_path / 'run'}",
-            f"trainer.cache_dir={default_model_cache}",
+            f"trainer.cache_dir={model_cache}",
             f"trainer.total_steps={STEPS}",
             "trainer.save_final=false",
             "replay.filter_groups.enable=true",

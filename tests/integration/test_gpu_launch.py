@@ -40,9 +40,9 @@ def _launch(tmp_path: Path, cache: Path, *overrides: str) -> Path:
     return launch(cfg)
 
 
-def test_the_default_launch_learns_colocated_on_one_gpu(tmp_path, default_model_cache):
+def test_the_default_launch_learns_colocated_on_one_gpu(tmp_path, model_cache):
     steps = 200
-    run_dir = _launch(tmp_path, default_model_cache, f"trainer.total_steps={steps}")
+    run_dir = _launch(tmp_path, model_cache, f"trainer.total_steps={steps}")
     rows = training_rows(read_jsonl(run_dir / "metrics.jsonl"))
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
     first = sum(r["reward_mean"] for r in rows[:5]) / 5
@@ -51,11 +51,11 @@ def test_the_default_launch_learns_colocated_on_one_gpu(tmp_path, default_model_
     _assert_the_server_applied_every_version(run_dir, steps)
 
 
-def test_a_cpu_server_follows_a_gpu_learner(tmp_path, default_model_cache):
+def test_a_cpu_server_follows_a_gpu_learner(tmp_path, model_cache):
     steps = 8
     run_dir = _launch(
         tmp_path,
-        default_model_cache,
+        model_cache,
         f"trainer.total_steps={steps}",
         "rollout.device=cpu",
         "learner.device=cuda",

@@ -84,7 +84,7 @@ def _resume_as_told(cwd: Path, err: str) -> str:
 
 
 def test_ctrl_c_on_the_default_run_checkpoints_and_the_printed_resume_finishes_it(
-    tmp_path, default_model_cache
+    tmp_path, model_cache
 ):
     """The acceptance of issue 40: `asyncrl launch trainer.save_every=10
     trainer.total_steps=40` in a working directory of its own, Ctrl-C at step 25, then the
@@ -98,7 +98,7 @@ def test_ctrl_c_on_the_default_run_checkpoints_and_the_printed_resume_finishes_i
         "launch",
         "trainer.save_every=10",
         "trainer.total_steps=40",
-        f"trainer.cache_dir={default_model_cache}",  # the warm-start, once per session
+        f"trainer.cache_dir={model_cache}",  # the warm-start, once per session
     ) as launcher:
         run_dir = _the_run_dir(launcher, cwd)
         err = _interrupt_at(launcher, cwd / run_dir / "metrics.jsonl", 25, signal.SIGINT)
@@ -118,7 +118,7 @@ def test_ctrl_c_on_the_default_run_checkpoints_and_the_printed_resume_finishes_i
 
 
 def test_sigterm_checkpoints_two_learner_ranks_and_no_trajectory_is_trained_twice(
-    tmp_path, default_model_cache
+    tmp_path, model_cache
 ):
     """SIGTERM (a process manager's stop) on two rollout servers and two learner ranks, with
     the default trainer.save_every=0: both ranks write the checkpoint of the step they
@@ -129,7 +129,7 @@ def test_sigterm_checkpoints_two_learner_ranks_and_no_trajectory_is_trained_twic
         tmp_path,
         "launch",
         f"trainer.run_dir={run_dir}",
-        f"trainer.cache_dir={default_model_cache}",
+        f"trainer.cache_dir={model_cache}",
         "trainer.total_steps=10",
         "rollout.num_servers=2",
         "learner.world_size=2",
@@ -154,14 +154,14 @@ def test_sigterm_checkpoints_two_learner_ranks_and_no_trajectory_is_trained_twic
     assert len(trained) == len(set(trained)) == 10 * 4 * 4
 
 
-def test_ctrl_c_before_any_step_says_there_is_nothing_to_resume(tmp_path, default_model_cache):
+def test_ctrl_c_before_any_step_says_there_is_nothing_to_resume(tmp_path, model_cache):
     """An interrupt before the learner's first step leaves nothing to go on from: the
     launcher says so, and prints no resume command. Sent once every process is started (the
     learner's log exists, and a second more): a signal that lands while the launcher forks a
     child is lost, its KeyboardInterrupt swallowed by Python's at-fork hook (`logging`'s lock
     release; a run here went on to its end), a race of the CLI's signal handling as old as it."""
     with _asyncrl(
-        tmp_path, "launch", f"trainer.cache_dir={default_model_cache}", "trainer.total_steps=40"
+        tmp_path, "launch", f"trainer.cache_dir={model_cache}", "trainer.total_steps=40"
     ) as launcher:
         deadline = time.monotonic() + STARTUP_S
         while not list((tmp_path / "runs").glob("*/logs/learner_0.log")):

@@ -31,14 +31,14 @@ async def answer(client, row):
 '''
 
 
-def test_a_launched_run_trains_through_the_endpoint(tmp_path, monkeypatch, default_model_cache):
+def test_a_launched_run_trains_through_the_endpoint(tmp_path, monkeypatch, model_cache):
     (tmp_path / "user_agent.py").write_text(AGENT)
     path = os.environ.get("PYTHONPATH", "")
     monkeypatch.setenv("PYTHONPATH", f"{tmp_path}{os.pathsep}{path}" if path else str(tmp_path))
     cfg = load_config(
         overrides=[
             f"trainer.run_dir={tmp_path / 'run'}",
-            f"trainer.cache_dir={default_model_cache}",
+            f"trainer.cache_dir={model_cache}",
             f"trainer.total_steps={STEPS}",
             "rollout.agent_loop=openai",
             "rollout.openai.enabled=true",
@@ -124,7 +124,7 @@ async def run(client, row):
 '''
 
 
-def test_hostile_agent_requests_on_the_default_path(tmp_path, default_model_cache):
+def test_hostile_agent_requests_on_the_default_path(tmp_path, model_cache):
     """The 16 MB message used to hold the server's loop past the liveness bound (the server
     was declared dead and restarted), the other temperatures were sampled and trained, and
     stream=True got an empty stream. Now the message and every other temperature are
@@ -134,7 +134,7 @@ def test_hostile_agent_requests_on_the_default_path(tmp_path, default_model_cach
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path])}
     argv = [sys.executable, "-m", "asyncrl.launch.cli", "launch"]
     overrides = [
-        f"trainer.cache_dir={default_model_cache}",
+        f"trainer.cache_dir={model_cache}",
         f"trainer.total_steps={STEPS}",
         "rollout.agent_loop=openai",
         "rollout.openai.enabled=true",

@@ -42,11 +42,6 @@ def _run(tmp_path: Path, cache: Path, max_staleness: int, extra: list[str]) -> P
     return launch(cfg)
 
 
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("model_cache")
-
-
 BF16 = [
     "learner.dtype=bfloat16",
     "rollout.dtype=bfloat16",  # weights go out in bf16, half the bytes
@@ -165,7 +160,7 @@ def test_two_servers_two_rank_learner(tmp_path, model_cache, max_staleness, extr
 
 
 @pytest.mark.long
-def test_the_embedded_default_learns_with_a_bf16_learner(tmp_path, default_model_cache):
+def test_the_embedded_default_learns_with_a_bf16_learner(tmp_path, model_cache):
     """The default as shipped, with learner.dtype=bfloat16 (fp32 engine), run through the
     Python entry point (`asyncrl.run`: a loaded `Config` changed in Python, plus overrides): the reward
     rises as in fp32 (~0.30 -> ~0.77 over the first 200 steps)."""
@@ -174,7 +169,7 @@ def test_the_embedded_default_learns_with_a_bf16_learner(tmp_path, default_model
     steps = 200
     cfg = load_config()  # configs/default.yaml; a bare Config() has the library's defaults
     cfg.trainer.total_steps = steps  # assignments are validated as the YAML is
-    cfg.trainer.cache_dir = str(default_model_cache)
+    cfg.trainer.cache_dir = str(model_cache)
     result = asyncrl.run(
         cfg,
         [f"trainer.run_dir={tmp_path / 'run'}", "learner.dtype=bfloat16", "launch.progress=none"],

@@ -43,8 +43,8 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def test_the_embedded_default_learns_under_ray(tmp_path, default_model_cache):
-    proc, run_dir = _launch(tmp_path, f"trainer.total_steps={STEPS}", cache=default_model_cache)
+def test_the_embedded_default_learns_under_ray(tmp_path, model_cache):
+    proc, run_dir = _launch(tmp_path, f"trainer.total_steps={STEPS}", cache=model_cache)
     out, err = proc.communicate(timeout=480)
     assert proc.returncode == 0, err
 

@@ -5,6 +5,7 @@ skipped."""
 
 import json
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
@@ -25,10 +26,10 @@ def _rows(samples):
     return [_row(g) for s in samples for g in s["group_ids"]]
 
 
-def _common(tmp_path) -> list[str]:
+def _common(cache: Path) -> list[str]:
     """A short run on a small warm-start, without final weights."""
     return [
-        f"trainer.cache_dir={tmp_path / 'cache'}",
+        f"trainer.cache_dir={cache}",
         "trainer.warmstart_steps=50",
         "data.train_batch_size=4",
         "rollout.n=4",
@@ -37,9 +38,9 @@ def _common(tmp_path) -> list[str]:
     ]
 
 
-def test_checkpoint_and_resume(tmp_path):
+def test_checkpoint_and_resume(tmp_path, model_cache):
     common = [
-        *_common(tmp_path),
+        *_common(model_cache),
         "trainer.log_samples=true",
         "trainer.total_steps=6",
         "trainer.save_every=3",
@@ -95,10 +96,10 @@ def test_checkpoint_and_resume(tmp_path):
 
 
 @pytest.mark.long  # half a minute or more: its own CI step
-def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
+def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path, model_cache):
     """One fp32 rank trains a plain (unsharded) module; its checkpoint loads into a 2-rank FSDP
     learner with exactly the weights it saved (the checksum of version 3 matches)."""
-    common = [*_common(tmp_path), "learner.weight_checksum=true"]
+    common = [*_common(model_cache), "learner.weight_checksum=true"]
     first = launch(
         load_config(
             overrides=[
@@ -128,10 +129,10 @@ def test_a_single_rank_checkpoint_resumes_on_two_ranks(tmp_path):
 
 
 @pytest.mark.long  # half a minute or more: its own CI step
-def test_a_lora_checkpoint_resumes_with_its_adapters(tmp_path):
+def test_a_lora_checkpoint_resumes_with_its_adapters(tmp_path, model_cache):
     """The resumed learner sends the adapters it had at the checkpoint (the same checksum as
     the first run's at that version), and the server's delivery check accepts them."""
-    common = [*_common(tmp_path), "learner.lora.rank=4", "learner.lr=5e-3"]
+    common = [*_common(model_cache), "learner.lora.rank=4", "learner.lr=5e-3"]
     common.append("learner.weight_checksum=true")
     first = launch(
         load_config(

@@ -39,18 +39,18 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs)
 
 
-def test_the_embedded_task_is_learned_from_the_reward_model_alone(tmp_path, default_model_cache):
+def test_the_embedded_task_is_learned_from_the_reward_model_alone(tmp_path, model_cache):
     """The tiny classifier of `asyncrl.demo.reward_model` (trained on right vs wrong sums, no
     rule in sight) is the only reward for 200 steps of the embedded default; the rule reward,
     logged beside it, rises (from 0.28 to a best 20-step mean of 0.75, 0.75 and 0.64 in the
     three runs kept). Not judged on the last 20 steps: in the third the policy found wrong
     answers the model scores above 0 (55% of its wrong answers after step 170) and the rule
     reward fell back to 0.49 while the model's rose: reward hacking (docs/rewards.md)."""
-    rm = prepare_reward_model(default_model_cache, ArithmeticTask(), steps=600, seed=0)
+    rm = prepare_reward_model(model_cache, ArithmeticTask(), steps=600, seed=0)
     run_dir = tmp_path / "run"
     cmd = [
         *(sys.executable, "-m", "asyncrl.launch.cli", "launch", "trainer.total_steps=200"),
-        *(f"trainer.cache_dir={default_model_cache}", f"trainer.run_dir={run_dir}"),
+        *(f"trainer.cache_dir={model_cache}", f"trainer.run_dir={run_dir}"),
         *(f"reward.model.path={rm}", "reward.rule_weight=0", "launch.progress=none"),
     ]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)

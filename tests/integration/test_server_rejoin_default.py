@@ -74,10 +74,10 @@ def _kill_server_after(launcher: subprocess.Popen, cwd: Path, step: int) -> tupl
     ids=["default_one_server", "one_server_validating", "two_servers"],
 )
 def test_a_killed_server_rejoins_and_the_run_ends_at_its_last_step(
-    tmp_path, monkeypatch, default_model_cache, servers, extra
+    tmp_path, monkeypatch, model_cache, servers, extra
 ):
     monkeypatch.chdir(tmp_path)  # a user's own directory: runs/{time} goes there
-    cache = f"trainer.cache_dir={default_model_cache}"  # the default's model, built once
+    cache = f"trainer.cache_dir={model_cache}"  # the default's model, built once
     total = TOTAL_STEPS[servers]
     launcher = start_launch(f"trainer.total_steps={total}", cache, *extra)
     try:
@@ -105,7 +105,7 @@ def test_a_killed_server_rejoins_and_the_run_ends_at_its_last_step(
 
 
 def test_a_restart_the_learner_never_joins_fails_the_run_soon_naming_the_server_and_why(
-    tmp_path, monkeypatch, default_model_cache
+    tmp_path, monkeypatch, model_cache
 ):
     """If the restart cannot get weights (here the learner is frozen right after the kill, so
     nobody answers its join), the run must not wait on it: the kill takes the one restart
@@ -115,7 +115,7 @@ def test_a_restart_the_learner_never_joins_fails_the_run_soon_naming_the_server_
     monkeypatch.chdir(tmp_path)
     launcher = start_launch(
         "trainer.total_steps=100000",
-        f"trainer.cache_dir={default_model_cache}",
+        f"trainer.cache_dir={model_cache}",
         *("launch.startup_timeout_s=30", "launch.max_restarts=1", "launch.restart_backoff_s=1"),
     )
     learner = None

@@ -14,12 +14,14 @@ pytestmark = [pytest.mark.integration, pytest.mark.long]
 STEPS = 3
 
 
-def test_tool_demo_runs_and_logs_tool_metrics_per_trajectory(tmp_path: Path) -> None:
+def test_tool_demo_runs_and_logs_tool_metrics_per_trajectory(
+    tmp_path: Path, model_cache: Path
+) -> None:
     cfg = load_config(
         "configs/tool_demo.yaml",
         overrides=[
             f"trainer.run_dir={tmp_path / 'run'}",
-            f"trainer.cache_dir={tmp_path / 'cache'}",
+            f"trainer.cache_dir={model_cache}",
             "trainer.warmstart_steps=100",
             f"trainer.total_steps={STEPS}",
             "trainer.save_final=false",
