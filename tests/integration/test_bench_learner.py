@@ -92,8 +92,14 @@ def test_a_run_cut_short_keeps_the_configurations_it_measured(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, str(ROOT / "tools" / "bench_learner.py"), "--tiny", "--threads", "1"]
     cmd += ["--configs", "bare,fp32-padded,fp32-packed", "--sync-dtypes", "", "--json", str(out)]
+    # SIGINT's default action, whatever pytest inherited: a test run started in the background
+    # by a script ignores SIGINT (POSIX), and the bench would then run to its end
     proc = subprocess.Popen(
-        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True
+        cmd,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     try:
         deadline = time.monotonic() + 150
