@@ -96,9 +96,11 @@ with SIGILL; without avx512_bf16, the first forward kills SGLang's scheduler wit
 SGLang then sends SIGQUIT to its own parent: the rollout server, unexplained."""
 
 
-def check_cpu_can_run_sglang(cpuinfo: str | None = None) -> None:
-    """Refuse, naming the missing flags, a CPU that SGLang's CPU kernels would crash on
-    (`cpuinfo`: /proc/cpuinfo's text, in tests; an unreadable one is not refused)."""
+def check_cpu_can_run_sglang(dtype: str = "float32", cpuinfo: str | None = None) -> None:
+    """Refuse, naming the missing flags, a CPU that SGLang's CPU kernels would crash on, and a
+    float32 model on a CPU with AMX, where SGLang takes its AMX kernels, whose rmsnorm has no
+    float32 ("rmsnorm_kernel not implemented for 'Float'" kills the scheduler; seen). `cpuinfo`:
+    /proc/cpuinfo's text, in tests; an unreadable one is not refused."""
     flags = cpu_flags(cpuinfo)
     missing = [f for f in SGLANG_CPU_FLAGS if flags is not None and f not in flags]
     if missing:
@@ -107,13 +109,19 @@ def check_cpu_can_run_sglang(cpuinfo: str | None = None) -> None:
             "SGLang's CPU kernels execute (they would die with SIGILL); use rollout.engine=hf "
             "or vllm here"
         )
+    if flags is not None and "amx_tile" in flags and dtype == "float32":
+        raise RuntimeError(
+            "rollout.engine=sglang with rollout.dtype=float32 on this CPU: it has AMX, so SGLang "
+            "runs its AMX kernels, whose rmsnorm has no float32; use rollout.dtype=bfloat16, or "
+            "rollout.engine=hf or vllm"
+        )
 
 
 def setup_sglang(kwargs: dict[str, Any]) -> Any:
     """An `sglang.Engine` (on CPU with SGLang's CPU engine, set before sglang is imported).
     Call it on the event loop that will drive it: SGLang binds its tokenizer manager there."""
     if kwargs["device"] == "cpu":
-        check_cpu_can_run_sglang()
+        check_cpu_can_run_sglang(str(kwargs["dtype"]))
         os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     import sglang
 

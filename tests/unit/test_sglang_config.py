@@ -80,9 +80,20 @@ def test_a_cpu_without_avx512_bf16_is_refused_before_sglang_starts():
     engine now refuses such a CPU by name instead."""
     from rollout_servers.engines.sglang import check_cpu_can_run_sglang
 
-    sapphire = "flags\t\t: avx2 avx512f avx512_bf16 amx_bf16\n"
-    check_cpu_can_run_sglang(sapphire)
+    zen4 = "flags\t\t: avx2 avx512f avx512_bf16\n"
+    check_cpu_can_run_sglang("float32", zen4)
     with pytest.raises(RuntimeError, match="lack avx512_bf16"):
-        check_cpu_can_run_sglang("flags\t\t: avx2 avx512f avx512bw\n")
+        check_cpu_can_run_sglang("float32", "flags\t\t: avx2 avx512f avx512bw\n")
     with pytest.raises(RuntimeError, match="lack avx512f, avx512_bf16"):
-        check_cpu_can_run_sglang("flags\t\t: avx avx2 fma\n")
+        check_cpu_can_run_sglang("bfloat16", "flags\t\t: avx avx2 fma\n")
+
+
+def test_a_float32_model_on_an_amx_cpu_is_refused_naming_rollout_dtype():
+    """On an AMX CPU SGLang takes its AMX kernels, whose rmsnorm has no float32: the scheduler
+    died and SGLang SIGQUIT pytest (seen on this project's AVX-512 + AMX machine)."""
+    from rollout_servers.engines.sglang import check_cpu_can_run_sglang
+
+    sapphire = "flags\t\t: avx2 avx512f avx512_bf16 amx_bf16 amx_tile\n"
+    check_cpu_can_run_sglang("bfloat16", sapphire)
+    with pytest.raises(RuntimeError, match="rollout.dtype=float32"):
+        check_cpu_can_run_sglang("float32", sapphire)
