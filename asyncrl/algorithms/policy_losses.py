@@ -16,6 +16,7 @@ The built-ins' tensor math is `asyncrl.algorithms.loss_math`'s, imported when a 
 
 from __future__ import annotations
 
+from abc import abstractmethod
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
@@ -46,11 +47,11 @@ class PolicyLossInputs:
 class PolicyLoss(Variant):
     """A policy loss: its fields are its own hyperparameters."""
 
+    @abstractmethod
     def loss(self, x: PolicyLossInputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """(per-token loss [b, T], 0 off the mask and not reduced; stats). Stats are detached
         scalar sums; the learner reads `clipped_tokens` and, when present,
         `dual_clipped_tokens`."""
-        raise NotImplementedError
 
 
 POLICY_LOSSES: Registry[type[PolicyLoss]] = Registry(

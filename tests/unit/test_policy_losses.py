@@ -106,3 +106,16 @@ def test_decoupled_weights_a_declared_loss_as_any_other(toy_loss):
     assert inputs.proximal is not None
     w = importance_weights(inputs.proximal, inputs.old_logprobs, mask, "token", None)
     torch.testing.assert_close(got, -inputs.advantages * logp * mask * w)
+
+
+def test_a_policy_loss_without_its_loss_is_refused_when_built():
+    """`PolicyLoss.loss` is abstract: a declared variant that forgot it fails at once, not at the
+    first learner step."""
+
+    from asyncrl.algorithms.policy_losses import PolicyLoss
+
+    class Forgot(PolicyLoss):
+        type: Literal["forgot"] = "forgot"
+
+    with pytest.raises(TypeError, match="abstract method loss"):
+        Forgot()
