@@ -68,9 +68,20 @@ def test_the_command_line_refuses_with_status_2(machine_without, tool, capsys):
     assert "`ip` (iproute2) is not installed" in err
 
 
-def test_the_fixture_skips_with_the_reason(machine_without, tool, fixture_module):
+def test_the_fixture_skips_with_the_reason(machine_without, tool, fixture_module, monkeypatch):
+    monkeypatch.delenv("CI", raising=False)
     machine_without("ip", "mount")
     with pytest.raises(pytest.skip.Exception, match=r"`mount` \(util-linux\) is not installed"):
+        fixture_module.skip_unless_hosts_available(tool)
+
+
+def test_under_ci_the_fixture_fails_instead_of_skipping(
+    machine_without, tool, fixture_module, monkeypatch
+):
+    """CI runs as root: a missing requirement there is a broken CI image, not a reason to skip."""
+    monkeypatch.setenv("CI", "true")
+    machine_without("ip", "mount")
+    with pytest.raises(pytest.fail.Exception, match=r"`mount` \(util-linux\) is not installed"):
         fixture_module.skip_unless_hosts_available(tool)
 
 
